@@ -1,0 +1,211 @@
+"""Typed configuration: the only place defaults live, and the only module that imports yaml.
+
+`load(path, overrides)` resolves defaults < YAML file < `section.key=value` overrides, coercing every
+value to its field's type. Unknown sections or keys, bad values and bad choices raise UsageError with
+the valid alternatives. What a value *means* for devices, data or models is checked by the module
+that owns it (distributed, data, models), not here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ddp.errors import UsageError
+
+
+def opt(default: Any, help: str, choices: tuple[str, ...] = ()) -> Any:
+    """A config field with its one-line help (shown by --help) and, for strings, its valid values."""
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
+@dataclass
+class DataConfig:
+    dataset: str = opt("cifar10", "which data", ("cifar10", "cifar100", "npz", "synthetic"))
+    root: str = opt("data", "torchvision download/cache directory for cifar10/cifar100")
+    path: str = opt("", "the .npz file for dataset=npz (x_train, y_train, x_test, y_test)")
+    download: bool = opt(True, "download cifar10/cifar100 into data.root when missing")
+    augment: bool = opt(True, "random crop (4-px padding) and horizontal flip while training")
+    workers: int = opt(2, "DataLoader worker processes per rank (0 = load in the main process)")
+    synthetic_train: int = opt(2048, "train images for dataset=synthetic")
+    synthetic_test: int = opt(512, "test images for dataset=synthetic")
+
+
+@dataclass
+class ModelConfig:
+    name: str = opt("resnet18", "architecture", ("tutorial", "small", "resnet18"))
+
+
+@dataclass
+class TrainConfig:
+    epochs: int = opt(30, "epochs to train (a resumed run continues up to this count)")
+    batch_size: int = opt(256, "GLOBAL batch in images per step, split evenly across ranks")
+    eval_batch_size: int = opt(1024, "GLOBAL evaluation batch, split across ranks")
+    label_smoothing: float = opt(0.0, "label smoothing of the cross-entropy loss (0 = off)")
+
+
+@dataclass
+class OptimConfig:
+    name: str = opt("sgd", "optimizer", ("sgd", "adamw"))
+    lr: float = opt(0.1, "peak learning rate (for the global batch)")
+    momentum: float = opt(0.9, "SGD momentum")
+    nesterov: bool = opt(True, "Nesterov momentum for SGD")
+    weight_decay: float = opt(5e-4, "L2 weight decay")
+    schedule: str = opt("cosine", "LR after warm-up, stepped per step", ("cosine", "constant"))
+    warmup_epochs: float = opt(1.0, "linear LR warm-up from 0, in epochs (may be fractional)")
+
+
+@dataclass
+class RunConfig:
+    out_dir: str = opt("runs/default", "where checkpoints, metrics.jsonl and config.yaml go")
+    device: str = opt("auto", "auto | cpu | cuda | cuda:N (under torchrun: auto/cuda = cuda:<local_rank>)")
+    parallel: str = opt("auto", "auto = ddp under torchrun else none", ("auto", "none", "dp", "ddp"))
+    seed: int = opt(0, "seed for weights, data order and augmentation")
+    amp: str = opt("off", "autocast precision (fp16 adds a GradScaler; CUDA only)", ("off", "bf16", "fp16"))
+    compile: bool = opt(False, "torch.compile the model (before the DDP wrap)")
+    channels_last: bool = opt(False, "NHWC memory format for model and inputs (faster convs on GPU)")
+    resume: str = opt("auto", "auto = from out_dir/checkpoints/last.pt if present | never | PATH")
+    timeout_s: int = opt(300, "seconds a collective may wait before the run fails instead of hanging")
+    progress: bool = opt(True, "tqdm bar on rank 0 when stdout is a terminal")
+
+
+@dataclass
+class Config:
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+
+class _Yaml12Loader(yaml.SafeLoader):
+    """SafeLoader where only true/false are booleans, so `amp: off` stays the string "off"."""
+
+
+_Yaml12Loader.yaml_implicit_resolvers = {
+    ch: [(tag, rx) for tag, rx in resolvers if tag != "tag:yaml.org,2002:bool"]
+    for ch, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_Yaml12Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")
+)
+
+_TRUE = {"true", "1", "yes", "on"}
+_FALSE = {"false", "0", "no", "off"}
+
+
+def _coerce(key: str, value: Any, f: dataclasses.Field) -> Any:
+    """`value` (a YAML scalar or a CLI string) as the type of field `f`, or UsageError."""
+    kind = type(f.default)
+    try:
+        if kind is bool:
+            if isinstance(value, bool):
+                return value
+            text = str(value).strip().lower()
+            if text in _TRUE | _FALSE:
+                return text in _TRUE
+            raise ValueError
+        if kind is int:
+            if isinstance(value, bool) or isinstance(value, float):
+                raise ValueError
+            return int(str(value).strip())
+        if kind is float:
+            if isinstance(value, bool):
+                raise ValueError
+            return float(str(value).strip())
+        if isinstance(value, (dict, list)) or value is None:
+            raise ValueError
+        value = str(value)
+    except ValueError:
+        raise UsageError(f"{key}: expected {kind.__name__}, got {value!r}") from None
+    choices = f.metadata.get("choices")
+    if choices and value not in choices:
+        raise UsageError(f"{key}: {value!r} is not one of {', '.join(choices)}")
+    return value
+
+
+def _section_fields(cfg: Config, section: str, key_for_msg: str) -> dict[str, dataclasses.Field]:
+    names = [f.name for f in dataclasses.fields(cfg)]
+    if section not in names:
+        close = difflib.get_close_matches(section, names, n=1)
+        hint = f" (did you mean '{close[0]}'?)" if close else ""
+        raise UsageError(f"unknown section '{section}' in '{key_for_msg}'{hint}; sections: {', '.join(names)}")
+    return {f.name: f for f in dataclasses.fields(getattr(cfg, section))}
+
+
+def _set(cfg: Config, dotted: str, value: Any) -> None:
+    section, _, key = dotted.partition(".")
+    if not key or "." in key:
+        raise UsageError(f"'{dotted}': keys are section.key, e.g. optim.lr=0.1")
+    fields = _section_fields(cfg, section, dotted)
+    if key not in fields:
+        close = difflib.get_close_matches(key, list(fields), n=1)
+        hint = f" (did you mean '{section}.{close[0]}'?)" if close else ""
+        raise UsageError(f"unknown key '{dotted}'{hint}; valid keys in {section}: {', '.join(fields)}")
+    setattr(getattr(cfg, section), key, _coerce(dotted, value, fields[key]))
+
+
+def _read_yaml(path: str) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise UsageError(f"config file not found: {path}")
+    try:
+        doc = yaml.load(p.read_text(), Loader=_Yaml12Loader)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark else ""
+        raise UsageError(f"{path}:{where}: invalid YAML: {getattr(e, 'problem', e)}") from None
+    if doc is None:
+        return {}
+    if not isinstance(doc, dict) or not all(isinstance(v, dict) for v in doc.values()):
+        raise UsageError(f"{path}: expected sections of keys, e.g. 'optim:\\n  lr: 0.1'")
+    return doc
+
+
+def load(path: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Defaults < YAML file at `path` < `section.key=value` overrides."""
+    cfg = Config()
+    if path:
+        for section, values in _read_yaml(path).items():
+            for key, value in values.items():
+                _set(cfg, f"{section}.{key}", value)
+    for item in overrides:
+        dotted, eq, value = item.partition("=")
+        if not eq:
+            raise UsageError(f"'{item}': overrides are section.key=value, e.g. optim.lr=0.1")
+        _set(cfg, dotted.strip(), value)
+    return cfg
+
+
+def to_dict(cfg: Config) -> dict[str, dict[str, Any]]:
+    return dataclasses.asdict(cfg)
+
+
+def from_dict(d: dict[str, dict[str, Any]]) -> Config:
+    """A Config from to_dict's output (e.g. a checkpoint's); keys unknown to this version are errors."""
+    cfg = Config()
+    for section, values in d.items():
+        for key, value in values.items():
+            _set(cfg, f"{section}.{key}", value)
+    return cfg
+
+
+def dump(cfg: Config) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+
+
+def reference() -> str:
+    """Every key with its type, default and help: the text of --help and the README's reference."""
+    lines = []
+    for section in dataclasses.fields(Config):
+        for f in dataclasses.fields(section.default_factory()):
+            choices = f.metadata["choices"]
+            kind = " | ".join(choices) if choices else type(f.default).__name__
+            lines.append(f"  {section.name}.{f.name} ({kind}, default {f.default!r}): {f.metadata['help']}")
+    return "\n".join(lines)

@@ -1,0 +1,198 @@
+"""Datasets and loaders.
+
+Every dataset kind (cifar10/cifar100 through torchvision, an .npz file, synthetic) is read once into
+the same form: uint8 images (N, 3, 32, 32) and int64 labels, plus class names. Loaders yield uint8
+batches (augmented on the CPU side when training); `to_input` converts and normalises them on the
+training device, so a batch crosses to the GPU at a quarter of its float size.
+
+Sharding: training uses a DistributedSampler (same permutation on every rank from (seed, epoch),
+each rank its slice); evaluation gives rank r the images r, r + world_size, ... with no padding, so
+every test image is counted exactly once. Which rank downloads, and waiting for it, is decided with
+distributed.all_agree; nothing here reads launcher variables.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
+from torchvision.transforms import v2
+
+from ddp import distributed
+from ddp.config import DataConfig
+from ddp.distributed import World
+from ddp.errors import UsageError
+
+
+@dataclass
+class Split:
+    images: torch.Tensor  # (N, 3, 32, 32) uint8, CHW
+    labels: torch.Tensor  # (N,) int64
+
+
+@dataclass
+class Data:
+    train: Split
+    test: Split
+    classes: list[str]
+    mean: tuple[float, float, float]  # per channel, of the train split, on the 0..1 scale
+    std: tuple[float, float, float]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.classes)
+
+
+def _split(images_hwc: np.ndarray, labels: np.ndarray) -> Split:
+    images = torch.from_numpy(np.ascontiguousarray(images_hwc)).permute(0, 3, 1, 2).contiguous()
+    return Split(images, torch.as_tensor(np.asarray(labels), dtype=torch.int64))
+
+
+def _npz(cfg: DataConfig) -> tuple[Split, Split, list[str]]:
+    if not cfg.path:
+        raise UsageError("data.dataset=npz needs data.path=FILE.npz (x_train, y_train, x_test, y_test)")
+    path = Path(cfg.path)
+    if not path.is_file():
+        raise UsageError(f"data.path={cfg.path}: no such file")
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            arrays = {k: z[k] for k in z.files}
+    except (OSError, ValueError) as e:
+        raise UsageError(f"data.path={cfg.path}: not a readable .npz file ({e})") from None
+    missing = [k for k in ("x_train", "y_train", "x_test", "y_test") if k not in arrays]
+    if missing:
+        raise UsageError(f"data.path={cfg.path}: missing arrays {', '.join(missing)}")
+    for part in ("train", "test"):
+        x, y = arrays[f"x_{part}"], arrays[f"y_{part}"]
+        if x.dtype != np.uint8 or x.ndim != 4 or x.shape[1:] != (32, 32, 3) or y.shape != (len(x),):
+            raise UsageError(
+                f"data.path={cfg.path}: x_{part} must be uint8 (N, 32, 32, 3) and y_{part} (N,); "
+                f"got {x.dtype} {x.shape} and {y.shape}"
+            )
+    num_classes = int(max(arrays["y_train"].max(), arrays["y_test"].max())) + 1
+    classes = [str(c) for c in arrays["classes"]] if "classes" in arrays else [str(i) for i in range(num_classes)]
+    train = _split(arrays["x_train"], arrays["y_train"])
+    test = _split(arrays["x_test"], arrays["y_test"])
+    return train, test, classes
+
+
+def _synthetic(cfg: DataConfig) -> tuple[Split, Split, list[str]]:
+    """Learnable noise: each class has its own colour, each image is that colour plus as much
+    uniform per-pixel noise. Fixed seed: every rank and run sees the same images, whatever run.seed."""
+    g = torch.Generator().manual_seed(1234)
+    num_classes = 10
+    colours = torch.randint(0, 256, (num_classes, 3, 1, 1), generator=g)
+
+    def make(n: int) -> Split:
+        labels = torch.randint(0, num_classes, (n,), generator=g)
+        noise = torch.randint(0, 256, (n, 3, 32, 32), generator=g)
+        return Split(((colours[labels] + noise) // 2).to(torch.uint8), labels)
+
+    train, test = make(cfg.synthetic_train), make(cfg.synthetic_test)
+    return train, test, [f"class{i}" for i in range(num_classes)]
+
+
+def _torchvision(cfg: DataConfig, world: World) -> tuple[Split, Split, list[str]]:
+    """CIFAR-10/100 from data.root; local rank 0 downloads if allowed, the others wait for it."""
+    from torchvision import datasets
+
+    cls = datasets.CIFAR10 if cfg.dataset == "cifar10" else datasets.CIFAR100
+    name = "CIFAR-10" if cfg.dataset == "cifar10" else "CIFAR-100"
+    folder = cls.base_folder
+    offline_fix = f"put the torchvision copy ({folder}/) in data.root, or use data.dataset=npz data.path=FILE.npz"
+
+    def opened() -> tuple[Split, Split, list[str]] | None:
+        try:
+            parts = [cls(cfg.root, train=train, download=False) for train in (True, False)]
+        except RuntimeError:  # torchvision: "Dataset not found or corrupted"
+            return None
+        return _split(parts[0].data, parts[0].targets), _split(parts[1].data, parts[1].targets), list(parts[0].classes)
+
+    found = opened()
+    if found is None and not cfg.download:
+        raise UsageError(f"{name} not found in data.root={cfg.root} and data.download=false; {offline_fix}")
+    error = ""
+    if found is None and world.is_local_main:
+        try:
+            for train in (True, False):
+                cls(cfg.root, train=train, download=True)
+        except Exception as e:  # offline, proxy, disk full: all mean "no data here"
+            error = f"{type(e).__name__}: {e}"
+    if not distributed.all_agree(not error, world):  # also the barrier the other ranks wait at
+        why = error or "the download failed on another rank"
+        raise UsageError(f"could not download {name} into data.root={cfg.root} ({why}); offline? {offline_fix}")
+    found = found or opened()
+    if found is None:
+        raise UsageError(f"{name} not found in data.root={cfg.root} after download; is it on a shared filesystem?")
+    return found
+
+
+def load(cfg: DataConfig, world: World) -> Data:
+    if cfg.dataset == "npz":
+        train, test, classes = _npz(cfg)
+    elif cfg.dataset == "synthetic":
+        train, test, classes = _synthetic(cfg)
+    else:
+        train, test, classes = _torchvision(cfg, world)
+    pixels = train.images.double().div_(255)
+    mean = tuple(pixels.mean(dim=(0, 2, 3)).tolist())
+    std = tuple(pixels.std(dim=(0, 2, 3)).tolist())
+    return Data(train, test, classes, mean, std)
+
+
+class _Images(Dataset):
+    def __init__(self, split: Split, transform: v2.Transform | None) -> None:
+        self.split, self.transform = split, transform
+
+    def __len__(self) -> int:
+        return len(self.split.labels)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        image = self.split.images[i]
+        return (self.transform(image) if self.transform else image), self.split.labels[i]
+
+
+def augmentation() -> v2.Transform:
+    """The standard CIFAR augmentation on uint8 CHW tensors: random crop with 4-px zero padding,
+    horizontal flip with probability 1/2."""
+    return v2.Compose([v2.RandomCrop(32, padding=4), v2.RandomHorizontalFlip()])
+
+
+def train_loader(split: Split, per_rank_batch: int, world: World, augment: bool, workers: int, seed: int) -> DataLoader:
+    """Per-rank batches of uint8 images; call .sampler.set_epoch(epoch) before each epoch.
+
+    drop_last everywhere: every rank takes the same number of equal steps, and N ranks x B/N see
+    exactly the images one process x B sees.
+    """
+    dataset = _Images(split, augmentation() if augment else None)
+    sampler = DistributedSampler(
+        dataset, num_replicas=world.world_size, rank=world.rank, shuffle=True, seed=seed, drop_last=True
+    )
+    return DataLoader(
+        dataset,
+        batch_size=per_rank_batch,
+        sampler=sampler,
+        drop_last=True,
+        num_workers=workers,
+        persistent_workers=workers > 0,
+        pin_memory=world.device.type == "cuda",
+        generator=torch.Generator().manual_seed(seed * 1000 + world.rank),  # augmentation differs by rank
+    )
+
+
+def eval_loader(split: Split, per_rank_batch: int, world: World, workers: int) -> DataLoader:
+    """This rank's images r, r + world_size, ...: a partition of the test set, no duplicates."""
+    shard = Subset(_Images(split, None), range(world.rank, len(split.labels), world.world_size))
+    return DataLoader(shard, batch_size=per_rank_batch, num_workers=workers, pin_memory=world.device.type == "cuda")
+
+
+def to_input(images: torch.Tensor, data: Data, device: torch.device, channels_last: bool) -> torch.Tensor:
+    """uint8 batch -> normalised float32 on `device` (conversion done there, not on the host)."""
+    x = images.to(device, non_blocking=True).float().div_(255)
+    mean = torch.tensor(data.mean, device=device).view(1, 3, 1, 1)
+    std = torch.tensor(data.std, device=device).view(1, 3, 1, 1)
+    x = x.sub_(mean).div_(std)
+    return x.contiguous(memory_format=torch.channels_last) if channels_last else x

@@ -1,0 +1,49 @@
+"""What a run shows and leaves behind, on rank 0 only: the epoch line, metrics.jsonl, config.yaml,
+the progress bar. Callers guard with `if world.is_main`; nothing here talks to other ranks."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+
+def start(out_dir: str, config_yaml: str, resumed_epoch: int) -> None:
+    """Write config.yaml; keep only metrics.jsonl's epochs up to the checkpoint being resumed (a
+    crashed run may have logged an epoch it never saved)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.yaml").write_text(config_yaml)
+    metrics = out / "metrics.jsonl"
+    if metrics.exists():
+        kept = [
+            line for line in metrics.read_text().splitlines() if line and json.loads(line)["epoch"] <= resumed_epoch
+        ]
+        metrics.write_text("".join(line + "\n" for line in kept))
+
+
+def append(out_dir: str, metrics: dict[str, Any]) -> None:
+    with open(Path(out_dir) / "metrics.jsonl", "a") as f:
+        f.write(json.dumps(metrics) + "\n")
+
+
+def epoch_line(m: dict[str, Any], epochs: int) -> str:
+    return (
+        f"epoch {m['epoch']}/{epochs}  loss {m['train_loss']:.4f}  test_acc {100 * m['test_acc']:.2f}%  "
+        f"{m['images_per_s']:.0f} img/s  {m['seconds']:.1f} s"
+    )
+
+
+def say(text: str) -> None:
+    print(text, flush=True)
+
+
+def bar(batches: Iterable, enabled: bool, desc: str) -> Iterable:
+    """A tqdm bar over `batches` when enabled and stdout is a terminal; else the batches as they are."""
+    if enabled and sys.stdout.isatty():
+        return tqdm(batches, desc=desc, leave=False, dynamic_ncols=True)
+    return batches

@@ -1,0 +1,47 @@
+# make train: a short 2-process DDP run (one process per GPU where there are GPUs) on CIFAR-10.
+#   make train DATA=path/to/cifar-dir-or-file.npz   uses a local copy instead of downloading.
+# make test: the whole test suite (CPU, gloo). Both create .venv and install on first use.
+SHELL := bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
+
+ifneq ($(DATA),)
+  ifeq ($(suffix $(DATA)),.npz)
+    DATA_ARGS := data.dataset=npz data.path=$(DATA)
+  else
+    DATA_ARGS := data.root=$(DATA) data.download=false
+  endif
+endif
+
+.PHONY: install train test lint format clean
+install: $(STAMP)
+
+# --system-site-packages: a machine that already has torch + torchvision (a GPU VM with a torch that
+# matches its driver) keeps them; elsewhere the pinned versions in constraints.txt are installed.
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(PY) || python3 -m venv --system-site-packages $(VENV)
+	if $(PY) -c 'import torch, torchvision' 2>/dev/null; then \
+	  $(PY) -m pip install -q -e '.[dev]'; \
+	else \
+	  $(PY) -m pip install -q -c constraints.txt -e '.[dev]'; \
+	fi
+	touch $(STAMP)
+
+train: $(STAMP)
+	bash launch/torchrun.sh --config configs/quick.yaml $(DATA_ARGS) $(ARGS)
+
+test: $(STAMP) lint
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(PY) -m ruff check ddp tests
+	$(PY) -m ruff format --check ddp tests
+
+format: $(STAMP)
+	$(PY) -m ruff format ddp tests
+	$(PY) -m ruff check --fix ddp tests
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# DDP on one node: one process per visible GPU (nccl), or 2 CPU processes (gloo) with no GPU.
+#   bash launch/torchrun.sh --config configs/quick.yaml optim.lr=0.1     NPROC=4 to choose the count
+# Every argument is passed through to ddp/train.py.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+nproc=${NPROC:-$(python -c 'import torch; print(torch.cuda.device_count() or 2)')}
+cmd=(torchrun --standalone --nproc_per_node="$nproc" "$root/ddp/train.py" "$@")
+echo "+ ${cmd[*]}" >&2
+exec "${cmd[@]}"

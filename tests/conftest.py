@@ -1,0 +1,73 @@
+"""Shared helpers: the repo's paths, real subprocess launches (python / torchrun) with a clean env."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+TRAIN = REPO / "ddp" / "train.py"
+SUBSET = REPO.parent / "shared" / "data" / "cifar10-subset.npz"
+LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE")
+
+# A tiny learnable job: 256 synthetic train images (8 steps of 32), 101 test images (not divisible
+# by 2 or 3, so uneven evaluation shards are exercised), no loader workers.
+TINY = [
+    "data.dataset=synthetic",
+    "data.synthetic_train=256",
+    "data.synthetic_test=101",
+    "data.workers=0",
+    "model.name=small",
+    "train.batch_size=32",
+    "train.epochs=2",
+    "optim.lr=0.05",
+]
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """The environment of a fresh shell: no launcher variables, CPU only, unbuffered output."""
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
+    env.update(PYTHONUNBUFFERED="1", CUDA_VISIBLE_DEVICES="", **extra)
+    return env
+
+
+def python(*args: str, env: dict[str, str] | None = None, timeout: float = 180) -> subprocess.CompletedProcess:
+    """`python ddp/train.py ARGS` (or any python command line) as a real subprocess."""
+    return subprocess.run(
+        [sys.executable, *args], cwd=REPO, env=env or clean_env(), capture_output=True, text=True, timeout=timeout
+    )
+
+
+def torchrun(nproc: int, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """The real torchrun executable of this environment, standalone rendezvous on loopback."""
+    exe = Path(sys.executable).parent / "torchrun"
+    cmd = [str(exe), "--standalone", f"--nproc_per_node={nproc}", *args]
+    return subprocess.run(cmd, cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def metrics(out_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert proc.returncode == 0, f"exit {proc.returncode}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}"
+    return proc
+
+
+@pytest.fixture(autouse=True)
+def _no_launcher_vars(monkeypatch: pytest.MonkeyPatch) -> None:
+    """In-process tests are a plain single process, whatever shell pytest was started from."""
+    for var in LAUNCH_VARS:
+        monkeypatch.delenv(var, raising=False)
+
+
+@pytest.fixture
+def subset() -> Path:
+    if not SUBSET.is_file():
+        pytest.skip(f"real CIFAR-10 subset not found at {SUBSET} (it lives in ../shared/data beside the repo)")
+    return SUBSET

@@ -1,0 +1,34 @@
+"""Evaluates a checkpoint on the synthetic test set with however many ranks torchrun starts.
+
+    torchrun --standalone --nproc_per_node=W tests/eval_worker.py CHECKPOINT OUT.json [overrides]
+
+Rank 0 writes the summed per-class (correct, total). Used by test_ddp to check that evaluation is
+exact for world sizes that do not divide the test set."""
+
+import json
+import sys
+
+from ddp import checkpoint, config, distributed, models, train
+from ddp import data as datasets
+
+
+def evaluate(path: str, out: str, overrides: list[str]) -> None:
+    """All DDP objects live in here, so they are freed before the process group is destroyed
+    (gloo objects that outlive it abort the process at interpreter exit)."""
+    cfg = config.load(None, overrides)
+    world = distributed.resolve(cfg.run)
+    with distributed.setup(world, timeout_s=60):
+        data = datasets.load(cfg.data, world)
+        model = models.build(cfg.model.name, data.num_classes)
+        model.load_state_dict(checkpoint.load(path)["model"])
+        wrapped = distributed.wrap(model, world)
+        loader = datasets.eval_loader(data.test, 16, world, workers=0)
+        correct, total = train.evaluate(distributed.for_eval(wrapped), loader, data, world, cfg, amp=None)
+        if world.is_main:
+            with open(out, "w") as f:
+                json.dump({"correct": correct.tolist(), "total": total.tolist(), "world_size": world.world_size}, f)
+        del wrapped
+
+
+if __name__ == "__main__":
+    evaluate(sys.argv[1], sys.argv[2], sys.argv[3:])

@@ -1,0 +1,83 @@
+"""Every bad input a user can type: exit code 2 and one line on stderr, never a traceback.
+
+Run as real processes (`python ddp/train.py ...`), the way users meet them."""
+
+import pytest
+from conftest import TINY, TRAIN, clean_env, python
+
+from ddp import train
+
+
+def assert_usage_error(proc, *fragments: str) -> None:
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+    for fragment in fragments:
+        assert fragment in lines[0]
+
+
+# With CUDA hidden, as on every CI machine: "cuda:7" and "cuda" fail for want of any GPU (the
+# one-GPU case of cuda:7 is covered in test_distributed with a given GPU count).
+@pytest.mark.parametrize(
+    "args, fragments",
+    [
+        (["run.device=cuda0"], ["run.device='cuda0' is not a device"]),
+        (["run.device=gpu"], ["run.device='gpu' is not a device"]),
+        (["run.device=cuda:7"], ["run.device=cuda:7 but no CUDA GPU is visible"]),
+        (["run.device=cuda"], ["run.device=cuda but no CUDA GPU is visible"]),
+        (["run.parallel=dp"], ["run.parallel=dp needs at least 2 visible GPUs, found 0"]),
+        (["run.parallel=ddp"], ["torchrun --standalone --nproc_per_node=N"]),
+        (["run.amp=fp16"], ["run.amp=fp16 needs a CUDA device"]),
+        (["optim.lrr=1"], ["unknown key 'optim.lrr'", "valid keys in optim"]),
+        (["--config", "nope.yaml"], ["config file not found: nope.yaml"]),
+        (["data.dataset=npz"], ["data.dataset=npz needs data.path"]),
+        (["data.dataset=npz", "data.path=/no/such.npz"], ["data.path=/no/such.npz: no such file"]),
+        (["--bogus"], ["unknown option --bogus"]),
+    ],
+)
+def test_bad_input_exits_2_with_one_line(args, fragments, tmp_path):
+    assert_usage_error(python(str(TRAIN), f"run.out_dir={tmp_path}", *args), *fragments)
+
+
+def test_batch_not_divisible_by_world_size_fails_before_the_rendezvous(tmp_path):
+    # Launcher variables for rank 0 of 3 with nobody else coming: the check must come first, or
+    # this process would wait in init_process_group instead of exiting.
+    env = clean_env(RANK="0", LOCAL_RANK="0", WORLD_SIZE="3", MASTER_ADDR="127.0.0.1", MASTER_PORT="29555")
+    proc = python(str(TRAIN), f"run.out_dir={tmp_path}", "train.batch_size=100", env=env, timeout=60)
+    assert_usage_error(proc, "train.batch_size=100 must be a positive multiple of world_size=3", "99 or 102")
+
+
+def test_offline_cifar_without_a_copy_names_data_root(tmp_path):
+    proc = python(str(TRAIN), f"run.out_dir={tmp_path}", f"data.root={tmp_path}", "data.download=false")
+    assert_usage_error(proc, f"CIFAR-10 not found in data.root={tmp_path}", "cifar-10-batches-py")
+
+
+def test_existing_checkpoint_is_never_overwritten_by_resume_never(tmp_path, capsys):
+    assert train.cli([f"run.out_dir={tmp_path}", *TINY, "train.epochs=1"]) == 0
+    before = (tmp_path / "checkpoints" / "last.pt").read_bytes()
+    assert train.cli([f"run.out_dir={tmp_path}", *TINY, "run.resume=never"]) == 2
+    assert "run.resume=never but" in capsys.readouterr().err
+    assert (tmp_path / "checkpoints" / "last.pt").read_bytes() == before
+
+
+def test_resuming_another_model_is_refused(tmp_path, capsys):
+    assert train.cli([f"run.out_dir={tmp_path}", *TINY, "train.epochs=1"]) == 0
+    assert train.cli([f"run.out_dir={tmp_path}", *TINY, "model.name=tutorial"]) == 2
+    assert "was trained with model.name=small but this run has model.name=tutorial" in capsys.readouterr().err
+
+
+def test_unwritable_out_dir(tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert train.cli([f"run.out_dir={blocker / 'run'}", *TINY]) == 2
+    assert "cannot write to run.out_dir" in capsys.readouterr().err
+
+
+def test_bad_npz_format(tmp_path, capsys):
+    import numpy as np
+
+    bad = tmp_path / "bad.npz"
+    np.savez(bad, x_train=np.zeros((4, 28, 28), np.uint8), y_train=np.zeros(4), x_test=np.zeros(1), y_test=np.zeros(1))
+    assert train.cli([f"run.out_dir={tmp_path}", "data.dataset=npz", f"data.path={bad}"]) == 2
+    assert "x_train must be uint8 (N, 32, 32, 3)" in capsys.readouterr().err

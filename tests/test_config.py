@@ -1,0 +1,103 @@
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import REPO, TRAIN, ok, python
+
+from ddp import config
+from ddp.errors import UsageError
+
+
+def write(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_precedence_defaults_then_yaml_then_cli(tmp_path):
+    path = write(tmp_path, "optim:\n  lr: 0.5\ntrain:\n  epochs: 7\n")
+    cfg = config.load(path, ["optim.lr=1e-3"])
+    assert cfg.optim.lr == 0.001  # CLI beats YAML
+    assert cfg.train.epochs == 7  # YAML beats the default
+    assert cfg.train.batch_size == config.TrainConfig().batch_size  # untouched default
+
+
+def test_values_take_the_type_of_their_field(tmp_path):
+    cfg = config.load(None, ["optim.lr=1e-3", "train.epochs=3", "run.compile=true", "run.channels_last=0"])
+    assert (type(cfg.optim.lr), type(cfg.train.epochs)) == (float, int)
+    assert cfg.run.compile is True and cfg.run.channels_last is False
+    # PyYAML reads 1e-3 as a string and YAML 1.1 reads `off` as false: both land as the field's type.
+    cfg = config.load(write(tmp_path, "optim:\n  lr: 1e-3\n  weight_decay: 0\nrun:\n  amp: off\n"))
+    assert cfg.optim.lr == 0.001 and cfg.optim.weight_decay == 0.0 and cfg.run.amp == "off"
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("train.epochs=abc", "train.epochs: expected int, got 'abc'"),
+        ("train.epochs=2.5", "train.epochs: expected int"),
+        ("run.compile=maybe", "run.compile: expected bool"),
+        ("run.amp=fp8", "run.amp: 'fp8' is not one of off, bf16, fp16"),
+        ("data.dataset=imagenet", "not one of cifar10, cifar100, npz, synthetic"),
+        ("optim.lr", "overrides are section.key=value"),
+        ("lr=0.1", "keys are section.key"),
+    ],
+)
+def test_bad_values_are_usage_errors(override, message):
+    with pytest.raises(UsageError, match=message.replace("(", r"\(")):
+        config.load(None, [override])
+
+
+def test_unknown_key_lists_the_valid_keys_of_its_section():
+    with pytest.raises(UsageError) as e:
+        config.load(None, ["optim.lrr=0.1"])
+    text = str(e.value)
+    assert "unknown key 'optim.lrr'" in text and "did you mean 'optim.lr'" in text
+    assert "valid keys in optim: name, lr, momentum, nesterov, weight_decay, schedule, warmup_epochs" in text
+
+
+def test_unknown_section_and_yaml_key(tmp_path):
+    with pytest.raises(UsageError, match="unknown section 'optm'.*did you mean 'optim'"):
+        config.load(None, ["optm.lr=0.1"])
+    with pytest.raises(UsageError, match="unknown key 'train.epoch'"):
+        config.load(write(tmp_path, "train:\n  epoch: 3\n"))
+
+
+def test_bad_yaml_names_the_line(tmp_path):
+    with pytest.raises(UsageError, match=r"c.yaml: line 3: invalid YAML"):
+        config.load(write(tmp_path, "optim:\n  lr: 0.1\n   momentum: 0.9\nrun:\n  seed: 1\n"))
+    with pytest.raises(UsageError, match="config file not found"):
+        config.load(str(tmp_path / "missing.yaml"))
+
+
+def test_round_trip_through_a_dict():
+    cfg = config.load(None, ["optim.lr=0.3", "model.name=tutorial"])
+    assert config.from_dict(config.to_dict(cfg)) == cfg
+
+
+CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_every_recipe_loads_and_says_how_to_run_it(path):
+    config.load(str(path))
+    header = path.read_text().split("\n\n")[0]
+    assert header.startswith("# "), "a recipe opens with a comment"
+    assert any(cmd in header for cmd in ("make train", "ddp/train.py", "launch/")), "...giving its command"
+    assert "reach" in header.lower(), "...and what it should reach"
+
+
+def test_there_are_recipes():
+    assert {"quick.yaml", "tutorial.yaml", "resnet18.yaml", "smoke.yaml"} <= {p.name for p in CONFIGS}
+
+
+def test_print_config_shows_the_resolved_values_as_a_script():
+    out = ok(python(str(TRAIN), "--config", "configs/quick.yaml", "optim.lr=0.25", "--print-config")).stdout
+    cfg = config.from_dict(yaml.safe_load(out))
+    assert cfg.optim.lr == 0.25 and cfg.model.name == "small"
+
+
+def test_help_lists_every_key_as_a_module():
+    out = ok(python("-m", "ddp.train", "--help")).stdout
+    for key in ("data.dataset", "train.batch_size", "optim.lr", "run.parallel", "run.amp", "run.channels_last"):
+        assert key in out

@@ -1,0 +1,58 @@
+"""Checks that need GPUs. CI has none, so they skip there with the reason; on a GPU machine they
+run the real thing (cuda:0, DataParallel over 2+, torchrun with nccl)."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import TINY, TRAIN, metrics, ok
+
+from ddp import models, train
+
+GPUS = torch.cuda.device_count()
+needs_gpu = pytest.mark.skipif(GPUS < 1, reason="needs a CUDA GPU (none visible on this machine)")
+needs_2_gpus = pytest.mark.skipif(GPUS < 2, reason=f"needs 2+ CUDA GPUs, this machine has {GPUS}")
+
+
+def gpu_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
+
+
+@needs_gpu
+def test_single_gpu_bf16_channels_last_then_loads_on_cpu(tmp_path):
+    last = train.main([f"run.out_dir={tmp_path}", *TINY, "run.amp=bf16", "run.channels_last=true"])
+    assert last["device"] == "cuda:0" and last["test_acc"] > 0.5
+    state = torch.load(tmp_path / "checkpoints" / "last.pt", map_location="cpu", weights_only=True)
+    assert all(t.device.type == "cpu" for t in state["model"].values())
+    models.build("small", 10).load_state_dict(state["model"])
+
+
+@needs_gpu
+def test_fp16_uses_a_grad_scaler(tmp_path):
+    train.main([f"run.out_dir={tmp_path}", *TINY, "train.epochs=1", "run.amp=fp16"])
+    state = torch.load(tmp_path / "checkpoints" / "last.pt", map_location="cpu", weights_only=True)
+    assert state["scaler"] is not None and state["scaler"]["scale"] > 0
+
+
+@needs_gpu
+def test_cpu_checkpoint_resumes_on_gpu(tmp_path):
+    train.main([f"run.out_dir={tmp_path}", *TINY, "train.epochs=1", "run.device=cpu"])
+    last = train.main([f"run.out_dir={tmp_path}", *TINY, "run.device=cuda"])
+    assert last["epoch"] == 2 and last["device"] == "cuda:0"
+
+
+@needs_2_gpus
+def test_data_parallel_over_all_gpus(tmp_path):
+    last = train.main([f"run.out_dir={tmp_path}", *TINY, "run.parallel=dp"])
+    assert last["parallel"] == "dp" and last["test_images"] == 101
+
+
+@needs_2_gpus
+def test_torchrun_nccl_one_process_per_gpu(tmp_path):
+    exe = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    cmd = [exe, "--standalone", f"--nproc_per_node={GPUS}", str(TRAIN), f"run.out_dir={tmp_path}", *TINY]
+    batch = 32 * GPUS
+    ok(subprocess.run([*cmd, f"train.batch_size={batch}"], env=gpu_env(), capture_output=True, text=True))
+    assert metrics(tmp_path)[-1]["world_size"] == GPUS and metrics(tmp_path)[-1]["device"] == "cuda:0"

@@ -137,6 +137,9 @@ def load(cfg: DataConfig, world: World) -> Data:
         train, test, classes = _synthetic(cfg)
     else:
         train, test, classes = _torchvision(cfg, world)
+    for name, split in (("train", train), ("test", test)):
+        if len(split.labels) == 0:
+            raise UsageError(f"data.dataset={cfg.dataset}: the {name} split is empty")
     pixels = train.images.double().div_(255)
     mean = tuple(pixels.mean(dim=(0, 2, 3)).tolist())
     std = tuple(pixels.std(dim=(0, 2, 3)).tolist())

@@ -20,10 +20,16 @@ def start(out_dir: str, config_yaml: str, resumed_epoch: int) -> None:
     (out / "config.yaml").write_text(config_yaml)
     metrics = out / "metrics.jsonl"
     if metrics.exists():
-        kept = [
-            line for line in metrics.read_text().splitlines() if line and json.loads(line)["epoch"] <= resumed_epoch
-        ]
+        kept = [line for line in metrics.read_text().splitlines() if _epoch(line) <= resumed_epoch]
         metrics.write_text("".join(line + "\n" for line in kept))
+
+
+def _epoch(line: str) -> float:
+    """A metrics line's epoch; infinity for a line a crash left half-written (so it is dropped)."""
+    try:
+        return json.loads(line)["epoch"]
+    except (ValueError, KeyError, TypeError):
+        return float("inf")
 
 
 def append(out_dir: str, metrics: dict[str, Any]) -> None:

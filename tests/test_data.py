@@ -64,6 +64,11 @@ def test_npz_mistakes_name_data_path(tmp_path):
         data.load(DataConfig(dataset="npz", path=str(tmp_path / "junk.npz")), CPU)
 
 
+def test_empty_split_is_an_error():
+    with pytest.raises(UsageError, match="the test split is empty"):
+        data.load(DataConfig(dataset="synthetic", synthetic_test=0), CPU)
+
+
 def test_real_cifar10_subset(subset):
     d = data.load(DataConfig(dataset="npz", path=str(subset)), CPU)
     assert (len(d.train.labels), len(d.test.labels)) == (6034, 1017)

@@ -53,6 +53,8 @@ def test_ddp_checkpoint_loads_on_cpu_into_a_plain_model(ddp_run):
 def test_a_second_run_resumes_at_the_next_epoch_in_another_world_size(ddp_run, tmp_path):
     out, _ = ddp_run
     shutil.copytree(out, tmp_path, dirs_exist_ok=True)
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"epoch": 3, "train_lo')  # a crash during the next epoch's log line
     proc = ok(python(str(TRAIN), f"run.out_dir={tmp_path}", *TINY, "train.epochs=3"))
     assert "2 epoch(s) done (saved at world_size 2, now 1" in proc.stdout
     assert "epoch 1/3" not in proc.stdout and "epoch 3/3" in proc.stdout

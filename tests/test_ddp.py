@@ -102,3 +102,14 @@ def test_ddp_equals_one_process(tmp_path):
     for key in one:
         assert (ddp[key] - one[key]).abs().max().item() <= 1e-6, key
     assert max((one[k] - init[k]).abs().max().item() for k in one) > 1e-2  # and training did move them
+
+
+def test_a_failure_on_rank_0_after_the_rendezvous_stops_every_rank(tmp_path):
+    """out_dir is a path under a file: rank 0 cannot write, the other rank must not wait for it."""
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    proc = torchrun(2, str(TRAIN), f"run.out_dir={blocker / 'run'}", *TINY, "run.timeout_s=60", timeout=120)
+    assert proc.returncode != 0
+    assert proc.stderr.count("error: cannot write to run.out_dir") == 2  # each rank says why, then exits 2
+    assert "exitcode  : 2" in proc.stderr
+    assert f'File "{REPO / "ddp"}' not in proc.stderr  # torchrun prints its own traceback; none is ours

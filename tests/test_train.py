@@ -42,3 +42,12 @@ def test_schedule_warms_up_then_decays_to_zero():
         scheduler.step()
     assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
     assert all(a >= b for a, b in zip(lrs[9:], lrs[10:])) and lrs[-1] < 0.01
+
+
+def test_resume_from_a_named_checkpoint_into_a_new_out_dir(tmp_path):
+    train.main([f"run.out_dir={tmp_path / 'a'}", *TINY, "train.epochs=1"])
+    last = train.main(
+        [f"run.out_dir={tmp_path / 'b'}", *TINY, f"run.resume={tmp_path / 'a' / 'checkpoints' / 'last.pt'}"]
+    )
+    assert last["epoch"] == 2
+    assert [r["epoch"] for r in metrics(tmp_path / "b")] == [2]

@@ -2,7 +2,7 @@
 
 Every dataset kind (cifar10/cifar100 through torchvision, an .npz file, synthetic) is read once into
 the same form: uint8 images (N, 3, 32, 32) and int64 labels, plus class names. Loaders yield uint8
-batches (augmented on the CPU side when training); `to_input` converts and normalises them on the
+batches (augmented on the CPU side when training); `input_fn` converts and normalises them on the
 training device, so a batch crosses to the GPU at a quarter of its float size.
 
 Sharding: training uses a DistributedSampler (same permutation on every rank from (seed, epoch),
@@ -13,6 +13,7 @@ distributed.all_agree; nothing here reads launcher variables.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -192,10 +193,15 @@ def eval_loader(split: Split, per_rank_batch: int, world: World, workers: int) -
     return DataLoader(shard, batch_size=per_rank_batch, num_workers=workers, pin_memory=world.device.type == "cuda")
 
 
-def to_input(images: torch.Tensor, data: Data, device: torch.device, channels_last: bool) -> torch.Tensor:
-    """uint8 batch -> normalised float32 on `device` (conversion done there, not on the host)."""
-    x = images.to(device, non_blocking=True).float().div_(255)
+def input_fn(data: Data, device: torch.device, channels_last: bool) -> Callable[[torch.Tensor], torch.Tensor]:
+    """uint8 batch -> normalised float32 on `device`. The conversion runs there, not on the host,
+    and the statistics go to the device once here, not once per step."""
     mean = torch.tensor(data.mean, device=device).view(1, 3, 1, 1)
     std = torch.tensor(data.std, device=device).view(1, 3, 1, 1)
-    x = x.sub_(mean).div_(std)
-    return x.contiguous(memory_format=torch.channels_last) if channels_last else x
+    layout = torch.channels_last if channels_last else torch.contiguous_format
+
+    def to_input(images: torch.Tensor) -> torch.Tensor:
+        x = images.to(device, non_blocking=True).float().div_(255).sub_(mean).div_(std)
+        return x.contiguous(memory_format=layout)
+
+    return to_input

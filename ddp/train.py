@@ -14,6 +14,7 @@ import math
 import random
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -97,21 +98,21 @@ def make_optimizer(
 def train_epoch(
     wrapped: nn.Module,
     loader: torch.utils.data.DataLoader,
+    to_input: Callable[[torch.Tensor], torch.Tensor],
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
     scaler: torch.amp.GradScaler,
     criterion: nn.Module,
-    data: datasets.Data,
     world: World,
-    cfg: Config,
     amp: torch.dtype | None,
+    progress: bool,
     desc: str,
 ) -> tuple[torch.Tensor, int]:
     """One pass over this rank's shard: (sum of loss x images, images) on this rank."""
     wrapped.train()
     loss_sum, seen = torch.zeros((), device=world.device), 0
-    for images, labels in logs.bar(loader, world.is_main and cfg.run.progress, desc):
-        x = datasets.to_input(images, data, world.device, cfg.run.channels_last)
+    for images, labels in logs.bar(loader, world.is_main and progress, desc):
+        x = to_input(images)
         y = labels.to(world.device, non_blocking=True)
         with torch.autocast(world.device.type, dtype=amp, enabled=amp is not None):
             loss = criterion(wrapped(x), y)
@@ -129,22 +130,22 @@ def train_epoch(
 def evaluate(
     module: nn.Module,
     loader: torch.utils.data.DataLoader,
-    data: datasets.Data,
+    to_input: Callable[[torch.Tensor], torch.Tensor],
+    num_classes: int,
     world: World,
-    cfg: Config,
     amp: torch.dtype | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(correct, total) per class over the whole test set, summed over ranks: each image once."""
     module.eval()
-    correct = torch.zeros(data.num_classes, dtype=torch.int64, device=world.device)
+    correct = torch.zeros(num_classes, dtype=torch.int64, device=world.device)
     total = torch.zeros_like(correct)
     for images, labels in loader:
-        x = datasets.to_input(images, data, world.device, cfg.run.channels_last)
+        x = to_input(images)
         y = labels.to(world.device, non_blocking=True)
         with torch.autocast(world.device.type, dtype=amp, enabled=amp is not None):
             predicted = module(x).argmax(dim=1)
-        total += torch.bincount(y, minlength=data.num_classes)
-        correct += torch.bincount(y[predicted == y], minlength=data.num_classes)
+        total.index_add_(0, y, torch.ones_like(y))
+        correct.index_add_(0, y, (predicted == y).long())  # no boolean indexing: no sync per batch
     distributed.all_reduce_sum(correct, world)
     distributed.all_reduce_sum(total, world)
     return correct.cpu(), total.cpu()
@@ -213,6 +214,7 @@ def run(
         data.test, max(1, cfg.train.eval_batch_size // world.world_size), world, cfg.data.workers
     )
     criterion = nn.CrossEntropyLoss(label_smoothing=cfg.train.label_smoothing)
+    to_input = datasets.input_fn(data, world.device, cfg.run.channels_last)
     if world.is_main:
         params = sum(p.numel() for p in model.parameters())
         logs.say(
@@ -225,11 +227,12 @@ def run(
         started = time.perf_counter()
         train_dl.sampler.set_epoch(epoch)  # a new permutation each epoch, the same on every rank
         loss_sum, seen = train_epoch(
-            wrapped, train_dl, optimizer, scheduler, scaler, criterion, data, world, cfg, amp, f"epoch {epoch}"
-        )
+            wrapped, train_dl, to_input, optimizer, scheduler, scaler, criterion, world, amp, cfg.run.progress,
+            f"epoch {epoch}",
+        )  # fmt: skip
         train_seconds = elapsed(started, world.device)
         distributed.sync_buffers(model, world)
-        correct, total = evaluate(distributed.for_eval(wrapped), eval_dl, data, world, cfg, amp)
+        correct, total = evaluate(distributed.for_eval(wrapped), eval_dl, to_input, data.num_classes, world, amp)
         loss_and_count = distributed.all_reduce_sum(
             torch.stack([loss_sum, torch.tensor(float(seen), device=world.device)]), world
         )

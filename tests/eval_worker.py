@@ -23,7 +23,8 @@ def evaluate(path: str, out: str, overrides: list[str]) -> None:
         model.load_state_dict(checkpoint.load(path)["model"])
         wrapped = distributed.wrap(model, world)
         loader = datasets.eval_loader(data.test, 16, world, workers=0)
-        correct, total = train.evaluate(distributed.for_eval(wrapped), loader, data, world, cfg, amp=None)
+        to_input = datasets.input_fn(data, world.device, channels_last=False)
+        correct, total = train.evaluate(distributed.for_eval(wrapped), loader, to_input, data.num_classes, world, None)
         if world.is_main:
             with open(out, "w") as f:
                 json.dump({"correct": correct.tolist(), "total": total.tolist(), "world_size": world.world_size}, f)

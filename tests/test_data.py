@@ -189,9 +189,9 @@ def test_augmentation_crops_within_4px_and_flips_half():
     assert 0.4 < flips / 400 < 0.6
 
 
-def test_to_input_normalises_on_the_device():
+def test_input_fn_normalises_on_the_device():
     d = data.load(DataConfig(dataset="synthetic", synthetic_train=200, synthetic_test=8), CPU)
-    x = data.to_input(d.train.images, d, torch.device("cpu"), channels_last=True)
+    x = data.input_fn(d, torch.device("cpu"), channels_last=True)(d.train.images)
     assert x.dtype == torch.float32 and x.is_contiguous(memory_format=torch.channels_last)
     assert torch.allclose(x.mean(dim=(0, 2, 3)), torch.zeros(3), atol=1e-4)
     assert torch.allclose(x.std(dim=(0, 2, 3)), torch.ones(3), atol=1e-3)

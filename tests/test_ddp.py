@@ -46,7 +46,8 @@ def test_ddp_checkpoint_loads_on_cpu_into_a_plain_model(ddp_run):
     cfg = config.load(str(out / "config.yaml"))
     cpu = World(0, 0, 1, torch.device("cpu"), "none")
     d = datasets.load(cfg.data, cpu)
-    correct, total = train.evaluate(model, datasets.eval_loader(d.test, 50, cpu, 0), d, cpu, cfg, None)
+    to_input = datasets.input_fn(d, cpu.device, channels_last=False)
+    correct, total = train.evaluate(model, datasets.eval_loader(d.test, 50, cpu, 0), to_input, 10, cpu, None)
     assert correct.sum().item() / total.sum().item() == metrics(out)[-1]["test_acc"]
 
 

@@ -70,7 +70,12 @@ class RunConfig:
     amp: str = opt("off", "autocast precision (fp16 adds a GradScaler; CUDA only)", ("off", "bf16", "fp16"))
     compile: bool = opt(False, "torch.compile the model (before the DDP wrap)")
     channels_last: bool = opt(False, "NHWC memory format for model and inputs (faster convs on GPU)")
-    resume: str = opt("auto", "auto = from out_dir/checkpoints/last.pt if present | never | PATH")
+    resume: str = opt("auto", "auto = from the newest valid checkpoint in out_dir | never | PATH")
+    save_every_steps: int = opt(200, "also checkpoint every N optimizer steps (0 = only at epoch ends and stops)")
+    keep_last: int = opt(3, "numbered checkpoints kept in out_dir/checkpoints (the newest N)")
+    stop_signal: str = opt(
+        "SIGTERM,SIGUSR1,SIGINT", "signals that stop at the next step with a checkpoint, exit 75 (none = off)"
+    )
     timeout_s: int = opt(300, "seconds a collective may wait before the run fails instead of hanging")
     progress: bool = opt(True, "tqdm bar on rank 0 when stdout is a terminal")
 

@@ -6,21 +6,23 @@ batches (augmented on the CPU side when training); `input_fn` converts and norma
 training device, so a batch crosses to the GPU at a quarter of its float size.
 
 Sharding: training uses a DistributedSampler (same permutation on every rank from (seed, epoch),
-each rank its slice); evaluation gives rank r the images r, r + world_size, ... with no padding, so
-every test image is counted exactly once. Which rank downloads, and waiting for it, is decided with
-distributed.all_agree; nothing here reads launcher variables.
+each rank its slice) that can start mid-epoch, and augmentation drawn per image from a table of
+(seed, epoch), so a resumed run sees exactly the images and crops it would have seen. Evaluation
+gives rank r the images r, r + world_size, ... with no padding: each test image is counted once.
+Which rank downloads, and waiting for it, is decided with distributed.all_agree; nothing here reads launcher variables.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import itertools
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
-from torchvision.transforms import v2
 
 from ddp import distributed
 from ddp.config import DataConfig
@@ -147,50 +149,97 @@ def load(cfg: DataConfig, world: World) -> Data:
     return Data(train, test, classes, mean, std)
 
 
+def augmentation_table(n: int, seed: int, epoch: int) -> torch.Tensor:
+    """(n, 3) rows of (dy, dx, flip) for image i in this epoch: crop offsets 0..8 into the image
+    padded by 4 px, flip 0/1. A function of (seed, epoch) alone, so an image gets the same
+    augmentation whatever the world size, the loader workers or a resume in mid-epoch."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    offsets = torch.randint(0, 9, (n, 2), generator=g)
+    flips = torch.randint(0, 2, (n, 1), generator=g)
+    return torch.cat([offsets, flips], dim=1)
+
+
+def augment(image: torch.Tensor, dy: int, dx: int, flip: int) -> torch.Tensor:
+    """The standard CIFAR augmentation, with its randomness given: a 32x32 crop at (dy, dx) of the
+    image zero-padded by 4 px, then a horizontal flip if `flip`."""
+    crop = F.pad(image, (4, 4, 4, 4))[:, dy : dy + 32, dx : dx + 32]
+    return crop.flip(-1) if flip else crop.contiguous()
+
+
 class _Images(Dataset):
-    def __init__(self, split: Split, transform: v2.Transform | None) -> None:
-        self.split, self.transform = split, transform
+    """Images by index (evaluation) or by (index, epoch) (training, augmented from that epoch's table)."""
+
+    def __init__(self, split: Split, augment_seed: int | None) -> None:
+        self.split, self.augment_seed = split, augment_seed
+        self._table_epoch, self._table = None, None
 
     def __len__(self) -> int:
         return len(self.split.labels)
 
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def __getitem__(self, key: int | tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+        i, epoch = key if isinstance(key, tuple) else (key, None)
         image = self.split.images[i]
-        return (self.transform(image) if self.transform else image), self.split.labels[i]
+        if self.augment_seed is not None and epoch is not None:
+            if self._table_epoch != epoch:  # once per epoch per worker: ~1 ms for 50k images
+                self._table_epoch, self._table = epoch, augmentation_table(len(self), self.augment_seed, epoch)
+            image = augment(image, *self._table[i].tolist())
+        return image, self.split.labels[i]
 
 
-def augmentation() -> v2.Transform:
-    """The standard CIFAR augmentation on uint8 CHW tensors: random crop with 4-px zero padding,
-    horizontal flip with probability 1/2."""
-    return v2.Compose([v2.RandomCrop(32, padding=4), v2.RandomHorizontalFlip()])
+class ResumableSampler(DistributedSampler):
+    """A DistributedSampler (the same permutation of (seed, epoch) on every rank, each rank its
+    slice, drop_last) that yields (index, epoch) for the dataset's augmentation table and can start
+    at a global step of the epoch. Steps count global batches, so a position means the same images
+    for any world size."""
+
+    def __init__(self, dataset: Dataset, world: World, per_rank_batch: int, seed: int) -> None:
+        super().__init__(
+            dataset, num_replicas=world.world_size, rank=world.rank, shuffle=True, seed=seed, drop_last=True
+        )
+        self.per_rank_batch, self.start_step = per_rank_batch, 0
+
+    def set_position(self, epoch: int, step: int) -> None:
+        """The next iteration yields epoch `epoch` from its global step `step` on."""
+        self.set_epoch(epoch)
+        self.start_step = step
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        skip = self.start_step * self.per_rank_batch
+        return ((i, self.epoch) for i in itertools.islice(super().__iter__(), skip, None))
+
+    def __len__(self) -> int:
+        return super().__len__() - self.start_step * self.per_rank_batch
 
 
 def train_loader(split: Split, per_rank_batch: int, world: World, augment: bool, workers: int, seed: int) -> DataLoader:
-    """Per-rank batches of uint8 images; call .sampler.set_epoch(epoch) before each epoch.
+    """Per-rank batches of uint8 images; call .sampler.set_position(epoch, step) before each epoch.
 
     drop_last everywhere: every rank takes the same number of equal steps, and N ranks x B/N see
     exactly the images one process x B sees.
     """
-    dataset = _Images(split, augmentation() if augment else None)
-    sampler = DistributedSampler(
-        dataset, num_replicas=world.world_size, rank=world.rank, shuffle=True, seed=seed, drop_last=True
-    )
+    dataset = _Images(split, seed if augment else None)
     return DataLoader(
         dataset,
         batch_size=per_rank_batch,
-        sampler=sampler,
+        sampler=ResumableSampler(dataset, world, per_rank_batch, seed),
         drop_last=True,
         num_workers=workers,
         persistent_workers=workers > 0,
         pin_memory=world.device.type == "cuda",
-        generator=torch.Generator().manual_seed(seed * 1000 + world.rank),  # augmentation differs by rank
+        generator=torch.Generator().manual_seed(seed),  # worker seeds; leaves the global RNG alone
     )
 
 
 def eval_loader(split: Split, per_rank_batch: int, world: World, workers: int) -> DataLoader:
     """This rank's images r, r + world_size, ...: a partition of the test set, no duplicates."""
     shard = Subset(_Images(split, None), range(world.rank, len(split.labels), world.world_size))
-    return DataLoader(shard, batch_size=per_rank_batch, num_workers=workers, pin_memory=world.device.type == "cuda")
+    return DataLoader(
+        shard,
+        batch_size=per_rank_batch,
+        num_workers=workers,
+        pin_memory=world.device.type == "cuda",
+        generator=torch.Generator(),  # leaves the global RNG alone
+    )
 
 
 def input_fn(data: Data, device: torch.device, channels_last: bool) -> Callable[[torch.Tensor], torch.Tensor]:

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -26,8 +27,20 @@ from torch.nn.parallel import DistributedDataParallel
 from ddp.config import RunConfig
 from ddp.errors import UsageError
 
+_control: dist.ProcessGroup | None = None  # gloo group for CPU flags when the main group is nccl
 _LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 _DEVICE = re.compile(r"^(auto|cpu|cuda|cuda:(\d+))$")
+
+
+class PeerLost(Exception):
+    """A collective failed: another rank died, hung past run.timeout_s, or the network broke."""
+
+
+def _is_comm_failure(e: BaseException) -> bool:
+    if isinstance(e, dist.DistError):
+        return True
+    text = str(e)
+    return any(s in text for s in ("gloo", "NCCL", "Connection reset", "Connection closed", "imed out"))
 
 
 @dataclass(frozen=True)
@@ -151,6 +164,24 @@ def resolve(run: RunConfig, env: dict[str, str] | None = None, cuda_count: int |
     return World(rank if parallel == "ddp" else 0, local_rank, world_size, device, parallel)
 
 
+def _attempt_store(world: World, timeout_s: float, env: dict[str, str] | None = None) -> dict[str, Any]:
+    """init_process_group arguments that give each torchrun restart attempt its own keys.
+
+    Restarted workers (torchrun --max-restarts) join the agent's store again, where the dead
+    attempt's gloo addresses still are; they connect to those and fail ("Connection refused",
+    pytorch/pytorch#167288). A prefix per attempt keeps the attempts apart. Outside torchrun's
+    agent store: {} (plain env:// rendezvous)."""
+    env = os.environ if env is None else env
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    store = dist.TCPStore(
+        env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False, timeout=timedelta(seconds=timeout_s)
+    )
+    attempt = env.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return {"store": dist.PrefixStore(f"ddp-cifar/attempt-{attempt}", store), "rank": world.rank,
+            "world_size": world.world_size}  # fmt: skip
+
+
 @contextmanager
 def setup(world: World, timeout_s: float) -> Iterator[World]:
     """Pin the device and join the process group; always leave it, on errors too.
@@ -160,14 +191,27 @@ def setup(world: World, timeout_s: float) -> Iterator[World]:
     objects that outlive the process group abort the process at interpreter exit."""
     if world.device.type == "cuda":
         torch.cuda.set_device(world.device)  # before any CUDA work, so nothing lands on cuda:0
+    global _control
     try:
         if world.parallel == "ddp":
             dist.init_process_group(
                 "nccl" if world.device.type == "cuda" else "gloo",
                 timeout=timedelta(seconds=timeout_s),
+                **_attempt_store(world, timeout_s),
             )
+            if world.device.type == "cuda":  # CPU-side flags must not wait on the CUDA stream
+                _control = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
         yield world
+    except (dist.DistError, RuntimeError) as e:
+        if world.parallel == "ddp" and _is_comm_failure(e):
+            first = str(e).strip().splitlines()[0]
+            raise PeerLost(
+                f"rank {world.rank} of {world.world_size}: lost contact with the other ranks ({first}); another "
+                f"rank died or hung (run.timeout_s={timeout_s:g}): its own log and the launcher's report say which"
+            ) from e
+        raise
     finally:
+        _control = None
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -209,3 +253,43 @@ def sync_buffers(model: nn.Module, world: World) -> None:
     if world.parallel == "ddp":
         for b in model.buffers():
             dist.broadcast(b, src=0)
+
+
+def any_rank(flag: bool, world: World) -> bool:
+    """True on every rank if it is True on any: one all-reduce of a CPU tensor (no GPU sync)."""
+    if world.parallel != "ddp":
+        return flag
+    t = torch.tensor([int(flag)])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=_control)
+    return bool(t.item())
+
+
+def same_on_all_ranks(value: int, world: World) -> bool:
+    """Whether every rank holds the same integer (e.g. the checkpoint step each one found)."""
+    if world.parallel != "ddp":
+        return True
+    t = torch.tensor([value, -value])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=_control)
+    return int(t[0]) == -int(t[1])
+
+
+def gather_objects(obj: Any, world: World) -> list[Any]:
+    """Every rank's `obj`, in rank order, on every rank (pickled between our own processes)."""
+    if world.parallel != "ddp":
+        return [obj]
+    out: list[Any] = [None] * world.world_size
+    dist.all_gather_object(out, obj, group=_control)
+    return out
+
+
+def requeue_command(env: dict[str, str] | None = None) -> list[str] | None:
+    """`scontrol requeue JOB` for the SLURM job this process runs in (an array task as
+    ARRAYJOB_TASK), or None outside SLURM."""
+    env = os.environ if env is None else env
+    if "SLURM_JOB_ID" not in env:
+        return None
+    if "SLURM_ARRAY_JOB_ID" in env and "SLURM_ARRAY_TASK_ID" in env:
+        job = f"{env['SLURM_ARRAY_JOB_ID']}_{env['SLURM_ARRAY_TASK_ID']}"
+    else:
+        job = env["SLURM_JOB_ID"]
+    return ["scontrol", "requeue", job]

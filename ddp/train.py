@@ -3,18 +3,20 @@
     python ddp/train.py --config configs/quick.yaml optim.lr=0.05
     torchrun --standalone --nproc_per_node=2 ddp/train.py --config configs/quick.yaml
 
-main(argv) returns the last epoch's metrics; cli(argv) is the command line (UsageError -> one line on
-stderr, exit 2). Owns the order of things (build, resume, compile, wrap) and the step; devices and
-process groups belong to distributed.py, data to data.py, files to checkpoint.py and logs.py.
+main(argv) returns the last epoch's metrics; cli(argv) is the command line: a UsageError is one line
+on stderr and exit 2, a stop on a signal (after its checkpoint) exit 75. Owns the order of things
+(build, resume, compile, wrap), the step and the step boundary (checkpoints, stop requests); devices
+and process groups belong to distributed.py, data to data.py, files to checkpoint.py and logs.py.
 """
 
 from __future__ import annotations
 
 import math
 import random
+import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,11 +27,14 @@ import numpy as np
 import torch
 from torch import nn
 
-from ddp import checkpoint, config, distributed, logs, models
+from ddp import __version__ as ddp_version
+from ddp import checkpoint, config, distributed, faults, logs, models, preemption
 from ddp import data as datasets
 from ddp.config import Config, OptimConfig
 from ddp.distributed import World
 from ddp.errors import EXIT_USAGE, UsageError
+
+EXIT_PEER_LOST = 1  # another rank died or hung; the launcher (torchrun --max-restarts, SLURM) may restart
 
 USAGE = """usage: python ddp/train.py [--config FILE.yaml] [section.key=value ...] [--print-config]
        torchrun --standalone --nproc_per_node=N ddp/train.py [the same arguments]
@@ -95,7 +100,7 @@ def make_optimizer(
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def train_epoch(
+def train_steps(
     wrapped: nn.Module,
     loader: torch.utils.data.DataLoader,
     to_input: Callable[[torch.Tensor], torch.Tensor],
@@ -105,12 +110,13 @@ def train_epoch(
     criterion: nn.Module,
     world: World,
     amp: torch.dtype | None,
+    totals: torch.Tensor,
     progress: bool,
     desc: str,
-) -> tuple[torch.Tensor, int]:
-    """One pass over this rank's shard: (sum of loss x images, images) on this rank."""
+) -> Iterator[None]:
+    """This rank's steps over its shard; yields after each optimizer step so the caller can act at
+    the step boundary. Adds (loss x images, images) of this rank into `totals` without a sync."""
     wrapped.train()
-    loss_sum, seen = torch.zeros((), device=world.device), 0
     for images, labels in logs.bar(loader, world.is_main and progress, desc):
         x = to_input(images)
         y = labels.to(world.device, non_blocking=True)
@@ -121,9 +127,9 @@ def train_epoch(
         scaler.step(optimizer)
         scaler.update()
         scheduler.step()
-        loss_sum += loss.detach().float() * len(y)  # stays on the device: no sync per step
-        seen += len(y)
-    return loss_sum, seen
+        totals[0] += loss.detach().double() * len(y)
+        totals[1] += len(y)
+        yield
 
 
 @torch.no_grad()
@@ -169,40 +175,88 @@ def start_run_dir(cfg: Config, world: World, resumed_epoch: int) -> None:
     if world.is_main:
         try:
             logs.start(cfg.run.out_dir, config.dump(cfg), resumed_epoch)
+            checkpoint.remove_partial_writes(cfg.run.out_dir)
         except OSError as e:
             error = e
     if not distributed.all_agree(error is None, world):
         raise UsageError(f"cannot write to run.out_dir={cfg.run.out_dir} ({error or 'failed on rank 0'})")
 
 
-def run(
-    cfg: Config, world: World, per_rank_batch: int, amp: torch.dtype | None, resume_from: Path | None
-) -> dict[str, Any] | None:
+def check_resume_setting(resume: str, out_dir: str) -> None:
+    """run.resume must not overwrite checkpoints the user has not asked to continue."""
+    existing = checkpoint.step_files(out_dir) or [p for p in [checkpoint.last_path(out_dir)] if p.is_file()]
+    if resume in ("auto",) or not existing:
+        if resume not in ("auto", "never") and not Path(resume).is_file():
+            raise UsageError(f"run.resume={resume}: no such checkpoint file (use auto, never or a path)")
+        return
+    if resume == "never":
+        raise UsageError(
+            f"run.resume=never but {existing[0]} exists and would be overwritten; "
+            "use another run.out_dir, run.resume=auto to continue, or delete it yourself"
+        )
+    if not Path(resume).is_file():
+        raise UsageError(f"run.resume={resume}: no such checkpoint file (use auto, never or a path)")
+    if not any(Path(resume).samefile(p) for p in existing[:1] + [checkpoint.last_path(out_dir)] if p.is_file()):
+        raise UsageError(
+            f"run.resume={resume} but {checkpoint.directory(out_dir)} holds newer checkpoints that a later "
+            "auto-resume would pick; use another run.out_dir"
+        )
+
+
+def find_checkpoint(cfg: Config, world: World) -> tuple[Path | None, dict[str, Any] | None]:
+    if cfg.run.resume == "never":
+        return None, None
+    if cfg.run.resume == "auto":
+        path, state, warnings = checkpoint.newest_valid(cfg.run.out_dir)
+    else:
+        path, state, warnings = Path(cfg.run.resume), checkpoint.load(cfg.run.resume), []
+    if world.is_main:
+        for warning in warnings:
+            print(warning, file=sys.stderr, flush=True)
+    found = state["global_step"] if state and "global_step" in state else -1
+    if not distributed.same_on_all_ranks(found, world):
+        raise UsageError(
+            f"ranks found different checkpoints in {cfg.run.out_dir}: is it on a filesystem all nodes share?"
+        )
+    return path, state
+
+
+def run(cfg: Config, world: World, per_rank_batch: int, amp: torch.dtype | None) -> dict[str, Any] | None:
     """Train up to cfg.train.epochs inside an initialised World; the last epoch's metrics."""
     seed_everything(cfg.run.seed)
-
     data = datasets.load(cfg.data, world)
-    steps_per_epoch = len(data.train.labels) // cfg.train.batch_size
+    n_train = len(data.train.labels)
+    steps_per_epoch = n_train // cfg.train.batch_size
     if steps_per_epoch == 0:
-        raise UsageError(
-            f"train.batch_size={cfg.train.batch_size} exceeds the {len(data.train.labels)} training images"
-        )
+        raise UsageError(f"train.batch_size={cfg.train.batch_size} exceeds the {n_train} training images")
 
     model = models.build(cfg.model.name, data.num_classes).to(world.device)  # raw module: the one we save
     if cfg.run.channels_last:
         model = model.to(memory_format=torch.channels_last)
     optimizer, scheduler = make_optimizer(model, cfg.optim, cfg.train.epochs * steps_per_epoch, steps_per_epoch)
     scaler = torch.amp.GradScaler(world.device.type, enabled=cfg.run.amp == "fp16")
-    done, last = 0, None
-    if resume_from:
-        state = checkpoint.load(resume_from)
-        checkpoint.check_compatible(state, config.to_dict(cfg), resume_from)
+    # Position: `done` epochs finished, `step` global batches into the next; `totals` its running sums.
+    done, step, global_step, last = 0, 0, 0, None
+    totals = torch.zeros(2, dtype=torch.float64, device=world.device)
+    path, state = find_checkpoint(cfg, world)
+    if state:
+        checkpoint.check_compatible(state, config.to_dict(cfg), n_train, path)
         checkpoint.restore(state, model, optimizer, scheduler, scaler)
-        done, last = state["epoch"], state.get("metrics")
+        done, step, last = state["epoch"], state.get("step", 0), state.get("metrics")
+        global_step = state.get("global_step", done * steps_per_epoch)
+        ranks = state.get("ranks") or []
+        same_world = len(ranks) == world.world_size
+        if same_world:  # other world sizes: data order and augmentation need no RNG state
+            checkpoint.set_rng_state(ranks[world.rank]["rng"], world.device)
+        partials = [r["partial"] for r in ranks if r["partial"] is not None]
+        if partials:  # the unfinished epoch's loss sums: per rank, or all on rank 0 if the world changed
+            totals.copy_(partials[world.rank] if same_world else sum(partials) * (world.rank == 0))
         if world.is_main:
             logs.say(
-                f"resumed from {resume_from}: {done} epoch(s) done (saved at world_size "
-                f"{state.get('world_size')}, now {world.world_size}; global batch {cfg.train.batch_size})"
+                f"resumed from {path}: {done} epoch(s) + {step} step(s) done (global step {global_step}); "
+                f"saved at world_size {state.get('world_size')}, now {world.world_size}; same global batch "
+                f"{cfg.train.batch_size} and data order"
+                + ("" if same_world else "; RNG states not restored (world size changed)")
             )
     wrapped = distributed.wrap(torch.compile(model) if cfg.run.compile else model, world)
     start_run_dir(cfg, world, done)
@@ -219,48 +273,99 @@ def run(
         params = sum(p.numel() for p in model.parameters())
         logs.say(
             f"{cfg.model.name} ({params / 1e6:.2f}M params) on {cfg.data.dataset} "
-            f"({len(data.train.labels)} train / {len(data.test.labels)} test, {data.num_classes} classes); "
+            f"({n_train} train / {len(data.test.labels)} test, {data.num_classes} classes); "
             f"parallel={world.parallel} world_size={world.world_size} device={world.device} "
             f"global batch {cfg.train.batch_size} ({per_rank_batch} per rank), amp={cfg.run.amp}"
         )
-    for epoch in range(done + 1, cfg.train.epochs + 1):
-        started = time.perf_counter()
-        train_dl.sampler.set_epoch(epoch)  # a new permutation each epoch, the same on every rank
-        loss_sum, seen = train_epoch(
-            wrapped, train_dl, to_input, optimizer, scheduler, scaler, criterion, world, amp, cfg.run.progress,
-            f"epoch {epoch}",
-        )  # fmt: skip
-        train_seconds = elapsed(started, world.device)
-        distributed.sync_buffers(model, world)
-        correct, total = evaluate(distributed.for_eval(wrapped), eval_dl, to_input, data.num_classes, world, amp)
-        loss_and_count = distributed.all_reduce_sum(
-            torch.stack([loss_sum, torch.tensor(float(seen), device=world.device)]), world
+
+    def save(metrics: dict[str, Any] | None) -> Path | None:
+        """Every rank calls this at the same boundary (it gathers RNG states); rank 0 writes."""
+        epoch_done, step_done = (done, step) if step < steps_per_epoch else (done + 1, 0)
+        mine = {"rng": checkpoint.rng_state(world.device), "partial": totals.cpu() if step_done else None}
+        ranks = distributed.gather_objects(mine, world)
+        if not world.is_main:
+            return None
+        return checkpoint.save(
+            {
+                "format": checkpoint.FORMAT,
+                "epoch": epoch_done,
+                "step": step_done,
+                "global_step": global_step,
+                "model": model.state_dict(),
+                "optimizer": optimizer.state_dict(),
+                "scheduler": scheduler.state_dict(),
+                "scaler": scaler.state_dict() if scaler.is_enabled() else None,
+                "ranks": ranks,
+                "global_batch": cfg.train.batch_size,
+                "world_size": world.world_size,
+                "train_images": n_train,
+                "normalize": {"mean": list(data.mean), "std": list(data.std)},
+                "config": config.to_dict(cfg),
+                "metrics": metrics,
+                "versions": {"torch": str(torch.__version__), "ddp_cifar": ddp_version},
+            },
+            cfg.run.out_dir,
+            cfg.run.keep_last,
         )
-        train_loss, images = loss_and_count.tolist()
-        last = {
-            "epoch": epoch,
-            "train_loss": train_loss / images,
-            "test_acc": correct.sum().item() / total.sum().item(),
-            "test_images": int(total.sum()),
-            "per_class_acc": [c / t if t else None for c, t in zip(correct.tolist(), total.tolist())],
-            "classes": data.classes,
-            "lr": scheduler.get_last_lr()[0],
-            "images_per_s": images / train_seconds,
-            "seconds": elapsed(started, world.device),
-            "world_size": world.world_size,
-            "parallel": world.parallel,
-            "device": str(world.device),
-        }
-        if world.is_main:
-            logs.say(logs.epoch_line(last, cfg.train.epochs))
-            logs.append(cfg.run.out_dir, last)
-            state = checkpoint.make_state(
-                model, optimizer, scheduler, scaler, epoch, config.to_dict(cfg), last, world.world_size
-            )
-            checkpoint.save(state, checkpoint.last_path(cfg.run.out_dir))
-    if done >= cfg.train.epochs and world.is_main:
-        logs.say(f"nothing to do: {done} of train.epochs={cfg.train.epochs} already done (raise train.epochs to go on)")
+
+    with preemption.StopRequest(preemption.parse_signals(cfg.run.stop_signal)) as stop:
+        for epoch in range(done + 1, cfg.train.epochs + 1):
+            started, images_before = time.perf_counter(), totals[1].item()
+            train_dl.sampler.set_position(epoch, step)  # this epoch's permutation, from `step` on
+            for _ in train_steps(
+                wrapped, train_dl, to_input, optimizer, scheduler, scaler, criterion, world, amp, totals,
+                cfg.run.progress, f"epoch {epoch}",
+            ):  # fmt: skip
+                step, global_step = step + 1, global_step + 1
+                faults.maybe_kill("step", global_step, world.rank, cfg.run.out_dir)
+                stopping = distributed.any_rank(stop.requested, world)
+                periodic = cfg.run.save_every_steps and global_step % cfg.run.save_every_steps == 0
+                if step < steps_per_epoch and (stopping or periodic):  # at the last step: the epoch's end
+                    saved = save(last)
+                    if stopping:
+                        finish_stop(stop.received, saved, world)
+            train_seconds = elapsed(started, world.device)
+            distributed.sync_buffers(model, world)
+            correct, total = evaluate(distributed.for_eval(wrapped), eval_dl, to_input, data.num_classes, world, amp)
+            summed = distributed.all_reduce_sum(totals.clone(), world).tolist()
+            last = {
+                "epoch": epoch,
+                "train_loss": summed[0] / summed[1],
+                "test_acc": correct.sum().item() / total.sum().item(),
+                "test_images": int(total.sum()),
+                "per_class_acc": [c / t if t else None for c, t in zip(correct.tolist(), total.tolist())],
+                "classes": data.classes,
+                "lr": scheduler.get_last_lr()[0],
+                "images_per_s": (totals[1].item() - images_before) * world.world_size / train_seconds,
+                "seconds": elapsed(started, world.device),
+                "world_size": world.world_size,
+                "parallel": world.parallel,
+                "device": str(world.device),
+            }
+            if world.is_main:
+                logs.say(logs.epoch_line(last, cfg.train.epochs))
+                logs.append(cfg.run.out_dir, last)
+            saved = save(last)
+            done, step = epoch, 0
+            totals.zero_()
+            if distributed.any_rank(stop.requested, world):
+                finish_stop(stop.received, saved, world)
+    if state and state["epoch"] >= cfg.train.epochs and world.is_main:
+        logs.say(f"nothing to do: {state['epoch']} of train.epochs={cfg.train.epochs} already done")
     return last
+
+
+def finish_stop(signal_name: str | None, saved: Path | None, world: World) -> None:
+    """After the stop checkpoint: rank 0 asks SLURM to requeue the job (if in one); all ranks leave."""
+    if world.is_main:
+        logs.say(f"stopping on {signal_name or 'a signal to another rank'}: checkpoint {saved}")
+        command = distributed.requeue_command()
+        if command:
+            result = subprocess.run(command, capture_output=True, text=True)
+            logs.say(f"{' '.join(command)}: " + ("requeued" if result.returncode == 0 else result.stderr.strip()))
+    distributed.all_agree(True, world)  # leave together, after rank 0's checkpoint is on disk
+    why = f"stopped on {signal_name or 'a signal to another rank'}; run the same command to resume"
+    raise preemption.Stopped(why if world.is_main else "")  # other ranks print nothing but errors
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any] | None:
@@ -274,9 +379,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     # other ranks waiting in the rendezvous.
     per_rank_batch = world.split(cfg.train.batch_size, "train.batch_size")
     amp = autocast_dtype(cfg.run.amp, world.device)
-    resume_from = checkpoint.to_resume(cfg.run.resume, cfg.run.out_dir)
+    check_resume_setting(cfg.run.resume, cfg.run.out_dir)
+    preemption.parse_signals(cfg.run.stop_signal)
     with distributed.setup(world, cfg.run.timeout_s):
-        return run(cfg, world, per_rank_batch, amp, resume_from)
+        return run(cfg, world, per_rank_batch, amp)
 
 
 def cli(argv: list[str] | None = None) -> int:
@@ -285,6 +391,13 @@ def cli(argv: list[str] | None = None) -> int:
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE
+    except preemption.Stopped as e:
+        if str(e):
+            print(str(e), file=sys.stderr)
+        return preemption.EXIT_PREEMPTED
+    except distributed.PeerLost as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_PEER_LOST
     return 0
 
 

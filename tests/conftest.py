@@ -43,11 +43,25 @@ def python(*args: str, env: dict[str, str] | None = None, timeout: float = 180) 
     )
 
 
-def torchrun(nproc: int, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+TORCHRUN = str(Path(sys.executable).parent / "torchrun")
+
+
+def torchrun(
+    nproc: int, *args: str, timeout: float = 300, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
     """The real torchrun executable of this environment, standalone rendezvous on loopback."""
-    exe = Path(sys.executable).parent / "torchrun"
-    cmd = [str(exe), "--standalone", f"--nproc_per_node={nproc}", *args]
-    return subprocess.run(cmd, cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=timeout)
+    cmd = [TORCHRUN, "--standalone", f"--nproc_per_node={nproc}", *args]
+    return subprocess.run(cmd, cwd=REPO, env=env or clean_env(), capture_output=True, text=True, timeout=timeout)
+
+
+REPORT: list[str] = []  # lines for the end of the pytest run (e.g. the kill points tried)
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if REPORT:
+        terminalreporter.section("kill / resume report")
+        for line in REPORT:
+            terminalreporter.write_line(line)
 
 
 def metrics(out_dir: Path) -> list[dict]:

@@ -171,22 +171,54 @@ def test_augmentation_crops_within_4px_and_flips_half():
     # its crop offset and whether it was flipped.
     rows, cols = torch.meshgrid(torch.arange(32), torch.arange(32), indexing="ij")
     image = torch.stack([cols + 1, rows + 1, torch.zeros_like(rows)]).to(torch.uint8)
-    aug = data.augmentation()
-    torch.manual_seed(0)
+    table = data.augmentation_table(2000, seed=0, epoch=1)
     offsets, flips = set(), 0
-    for _ in range(400):
-        out = aug(image)
+    for dy, dx, flip in table.tolist():
+        out = data.augment(image, dy, dx, flip)
         assert out.shape == (3, 32, 32) and out.dtype == torch.uint8
         out = out.long()
         i, j = (out[0] > 0).nonzero()[0]  # top-left image pixel; at least 28 more follow in its row
         flipped = bool(out[0, i, j + 1] < out[0, i, j])
+        assert flipped == bool(flip)
         flips += flipped
         u = out.flip(-1) if flipped else out
         i, j = (u[0] > 0).nonzero()[0]
-        offsets.add((int(u[1, i, j] - 1 - i), int(u[0, i, j] - 1 - j)))
-    assert all(-4 <= dy <= 4 and -4 <= dx <= 4 for dy, dx in offsets)
-    assert len(offsets) > 40  # of the 81 possible
-    assert 0.4 < flips / 400 < 0.6
+        offsets.add((int(u[1, i, j] - 1 - i), int(u[0, i, j] - 1 - j)))  # shift of the image in the crop
+    assert offsets == {(dy, dx) for dy in range(-4, 5) for dx in range(-4, 5)}  # all 81, none beyond 4 px
+    assert 0.45 < flips / 2000 < 0.55
+
+
+def test_augmentation_is_a_function_of_seed_and_epoch():
+    a = data.augmentation_table(100, seed=3, epoch=2)
+    assert torch.equal(a, data.augmentation_table(100, seed=3, epoch=2))
+    assert not torch.equal(a, data.augmentation_table(100, seed=3, epoch=3))
+    assert not torch.equal(a, data.augmentation_table(100, seed=4, epoch=2))
+
+
+@pytest.mark.parametrize("world_size, workers", [(1, 0), (2, 0), (3, 2)])
+def test_an_image_gets_the_same_crop_whatever_the_world_size_workers_or_resume_step(world_size, workers):
+    """Rank r of world_size, with loader workers, started at step 2: each image id maps to the
+    same augmented pixels as in one process from the start."""
+    n, batch = 36, 6
+    split = data.Split(
+        torch.randint(0, 256, (n, 3, 32, 32), generator=torch.Generator().manual_seed(0), dtype=torch.uint8),
+        torch.arange(n),
+    )
+
+    def images_by_id(world_size: int, start: int, workers: int) -> dict[int, torch.Tensor]:
+        out = {}
+        for r in range(world_size):
+            loader = data.train_loader(split, batch // world_size, world(r, world_size), True, workers, seed=5)
+            loader.sampler.set_position(epoch=4, step=start)
+            for images, ids in loader:
+                out.update(zip(ids.tolist(), images))
+        return out
+
+    reference = images_by_id(1, 0, 0)
+    resumed = images_by_id(world_size, 2, workers)
+    assert len(reference) == n and len(resumed) == n - 2 * batch
+    for i, image in resumed.items():
+        assert torch.equal(image, reference[i])
 
 
 def test_input_fn_normalises_on_the_device():

@@ -57,7 +57,7 @@ def test_a_second_run_resumes_at_the_next_epoch_in_another_world_size(ddp_run, t
     with open(tmp_path / "metrics.jsonl", "a") as f:
         f.write('{"epoch": 3, "train_lo')  # a crash during the next epoch's log line
     proc = ok(python(str(TRAIN), f"run.out_dir={tmp_path}", *TINY, "train.epochs=3"))
-    assert "2 epoch(s) done (saved at world_size 2, now 1" in proc.stdout
+    assert "2 epoch(s) + 0 step(s) done (global step 16); saved at world_size 2, now 1" in proc.stdout
     assert "epoch 1/3" not in proc.stdout and "epoch 3/3" in proc.stdout
     rows = metrics(tmp_path)
     assert [r["epoch"] for r in rows] == [1, 2, 3] and rows[2]["world_size"] == 1

@@ -1,0 +1,61 @@
+"""Stopping on request: a signal (SLURM's warning before a time limit or preemption, `kill`, Ctrl-C)
+only sets a flag; train.py reads it at the next step boundary, all ranks agree (one all-reduce),
+rank 0 saves, and the run ends with EXIT_PREEMPTED. Running the same command again resumes.
+
+A second Ctrl-C (SIGINT) while a stop is pending interrupts at once, as Ctrl-C usually does.
+"""
+
+from __future__ import annotations
+
+import signal
+from types import FrameType, TracebackType
+
+from ddp.errors import UsageError
+
+EXIT_PREEMPTED = 75  # EX_TEMPFAIL (sysexits.h): stopped with a checkpoint; run the same command to resume
+
+
+class Stopped(Exception):
+    """Raised by the loop after the stop checkpoint is written; the command line exits 75."""
+
+
+def parse_signals(names: str) -> list[signal.Signals]:
+    """ "SIGTERM,SIGUSR1" (or "TERM,USR1") as signals; "" or "none" for no handlers."""
+    out = []
+    for name in filter(None, (n.strip().upper() for n in names.split(","))):
+        if name == "NONE":
+            continue
+        full = name if name.startswith("SIG") else f"SIG{name}"
+        if full not in signal.Signals.__members__ or full in ("SIGKILL", "SIGSTOP"):
+            raise UsageError(
+                f"run.stop_signal: {name!r} is not a signal that can be caught; e.g. SIGTERM,SIGUSR1,SIGINT"
+            )
+        out.append(signal.Signals[full])
+    return out
+
+
+class StopRequest:
+    """Context manager: while inside, the given signals request a stop instead of killing."""
+
+    def __init__(self, signals: list[signal.Signals]) -> None:
+        self.signals, self.received, self._previous = signals, None, {}
+
+    @property
+    def requested(self) -> bool:
+        return self.received is not None
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self.requested and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # the second Ctrl-C: stop now, without the checkpoint
+        self.received = signal.Signals(signum).name
+
+    def __enter__(self) -> StopRequest:
+        for sig in self.signals:
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, kind: type | None, value: BaseException | None, tb: TracebackType | None) -> None:
+        if kind is not None and issubclass(kind, Stopped):
+            return  # leaving with a checkpoint: a late signal (the launcher's, say) must not kill the exit
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)

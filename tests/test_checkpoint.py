@@ -1,0 +1,140 @@
+"""Checkpoint files: durability, fallback, refusal of code, inspection, export, loading anywhere."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from conftest import REPO, TINY, TRAIN, clean_env, metrics, ok, python
+
+from ddp import checkpoint, models, train
+
+RUN = [*TINY, "train.epochs=2", "run.save_every_steps=3", "run.keep_last=2"]
+
+
+@pytest.fixture
+def run_dir(tmp_path):
+    """A finished 2-epoch single-process run: 16 steps, checkpoints every 3 steps, 2 kept."""
+    train.main([f"run.out_dir={tmp_path}", *RUN])
+    return tmp_path
+
+
+def test_keeps_the_newest_files_and_last_pt_is_the_newest(run_dir):
+    files = checkpoint.step_files(run_dir)
+    assert [p.name for p in files] == ["step-000000016.pt", "step-000000015.pt"]  # keep_last=2
+    assert os.path.samefile(files[0], checkpoint.last_path(run_dir))  # a hard link, not a copy
+    state = checkpoint.load(files[1])
+    assert (state["epoch"], state["step"], state["global_step"]) == (1, 7, 15)  # mid-epoch 2
+    assert state["ranks"][0]["partial"] is not None  # the unfinished epoch's running loss sums
+
+
+def test_a_checkpoint_holds_everything_for_an_exact_continuation(run_dir):
+    state = torch.load(checkpoint.last_path(run_dir), map_location="cpu", weights_only=True)
+    assert {
+        "model", "optimizer", "scheduler", "scaler", "ranks", "epoch", "step", "global_step", "global_batch",
+        "world_size", "config", "versions", "checksum", "metrics", "normalize", "train_images",
+    } <= state.keys()  # fmt: skip
+    assert set(state["ranks"][0]["rng"]) == {"python", "numpy", "torch", "cuda"}
+    assert state["versions"]["torch"] == str(torch.__version__) and state["global_batch"] == 32
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip a byte"])
+def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_with_a_warning(run_dir, damage, capsys):
+    newest = checkpoint.step_files(run_dir)[0]
+    data = bytearray(newest.read_bytes())
+    if damage == "truncate":
+        data = data[: len(data) // 2]
+    else:
+        data[len(data) // 2] ^= 0x40  # in the middle: tensor bytes, which only the checksum sees
+    newest.unlink()  # last.pt is a hard link to it; write the damage into a fresh file
+    newest.write_bytes(bytes(data))
+    with pytest.raises(checkpoint.CorruptCheckpoint):
+        checkpoint.load(newest)
+    last = train.main([f"run.out_dir={run_dir}", *RUN, "train.epochs=3"])
+    err = capsys.readouterr()
+    assert f"warning: skipping {newest}" in err.err
+    assert "resumed from" in err.out and "step-000000015.pt" in err.out
+    assert last["epoch"] == 3 and [m["epoch"] for m in metrics(run_dir)] == [1, 2, 3]
+
+
+def test_when_every_checkpoint_is_damaged_the_run_stops_instead_of_starting_over(run_dir, capsys):
+    for path in checkpoint.step_files(run_dir):
+        path.unlink()
+        path.write_bytes(b"garbage")
+    assert train.cli([f"run.out_dir={run_dir}", *RUN]) == 2
+    assert "no valid checkpoint in" in capsys.readouterr().err
+
+
+class Evil:
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_checkpoint_that_would_run_code_is_refused_not_executed(tmp_path):
+    marker = tmp_path / "pwned"
+    Evil.marker = marker
+    evil = tmp_path / "evil.pt"
+    torch.save({"model": Evil(), "epoch": 1}, evil)
+    proc = python(str(TRAIN), f"run.out_dir={tmp_path / 'run'}", *TINY, f"run.resume={evil}")
+    assert proc.returncode == 2 and "is not a loadable checkpoint" in proc.stderr
+    inspected = python("-m", "ddp.checkpoint", "inspect", str(evil))
+    assert inspected.returncode == 1 and "checksum FAILED" in inspected.stdout
+    assert not marker.exists()
+
+
+def test_inspect_and_export(run_dir, tmp_path):
+    shown = ok(python("-m", "ddp.checkpoint", "inspect", str(checkpoint.last_path(run_dir)))).stdout
+    assert "checksum ok" in shown and "epoch 2 done, step 0" in shown and "world_size 1" in shown
+    assert "test_acc" in shown and "MB" in shown
+    out = tmp_path / "weights.pt"
+    ok(python("-m", "ddp.checkpoint", "export", str(checkpoint.last_path(run_dir)), str(out)))
+    weights = torch.load(out, map_location="cpu", weights_only=True)
+    assert weights["model_name"] == "small" and len(weights["classes"]) == 10
+    models.build(weights["model_name"], len(weights["classes"])).load_state_dict(weights["model"])
+    assert set(weights) == {"format", "model_name", "classes", "normalize", "model"}  # no optimizer
+    assert python("-m", "ddp.checkpoint", "frobnicate").returncode == 2
+
+
+@pytest.mark.parametrize("prefix", ["module.", "_orig_mod.", "module._orig_mod."])
+def test_weights_saved_from_a_wrapper_load_into_a_plain_model(run_dir, prefix):
+    """DataParallel/DDP ("module."), torch.compile ("_orig_mod.") and both: a user's own state dict
+    saved from the wrapper resumes into the plain model."""
+    state = checkpoint.load(checkpoint.last_path(run_dir))
+    state["model"] = {prefix + k: v for k, v in state["model"].items()}
+    model = models.build("small", 10)
+    optimizer, scheduler = train.make_optimizer(model, train.config.OptimConfig(), 16, 8)
+    checkpoint.restore(state, model, optimizer, scheduler, torch.amp.GradScaler("cpu", enabled=False))
+    assert torch.equal(
+        model.state_dict()["0.0.weight"], checkpoint.load(checkpoint.last_path(run_dir))["model"]["0.0.weight"]
+    )
+
+
+def test_stop_signal_under_slurm_requeues_the_job(tmp_path):
+    """SLURM_JOB_ID set: after the stop checkpoint rank 0 runs `scontrol requeue` (an array task as
+    ARRAYJOB_TASK). scontrol here is a stand-in that records its arguments; real SLURM is tested
+    with the SLURM launch files."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    calls = tmp_path / "scontrol.calls"
+    (bin_dir / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> {calls}\n')
+    (bin_dir / "scontrol").chmod(0o755)
+    env = clean_env(
+        PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+        SLURM_JOB_ID="1234", SLURM_ARRAY_JOB_ID="1200", SLURM_ARRAY_TASK_ID="7",
+    )  # fmt: skip
+    out = tmp_path / "run"
+    args = [*TINY, "data.synthetic_train=4096", "train.epochs=20"]
+    proc = subprocess.Popen([sys.executable, str(TRAIN), f"run.out_dir={out}", *args], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    while not (out / "metrics.jsonl").exists():
+        assert proc.poll() is None
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGUSR1)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 75, stderr
+    assert calls.read_text().split() == ["requeue", "1200_7"]
+    assert "scontrol requeue 1200_7: requeued" in stdout
+    assert checkpoint.load(checkpoint.last_path(out))["epoch"] < 20

@@ -36,12 +36,12 @@ test: $(STAMP) lint
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 lint: $(STAMP)
-	$(PY) -m ruff check ddp tests
-	$(PY) -m ruff format --check ddp tests
+	$(PY) -m ruff check ddp tests bench
+	$(PY) -m ruff format --check ddp tests bench
 
 format: $(STAMP)
-	$(PY) -m ruff format ddp tests
-	$(PY) -m ruff check --fix ddp tests
+	$(PY) -m ruff format ddp tests bench
+	$(PY) -m ruff check --fix ddp tests bench
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

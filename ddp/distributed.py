@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import os
 import re
+import signal
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -28,6 +30,7 @@ from ddp.config import RunConfig
 from ddp.errors import UsageError
 
 _control: dist.ProcessGroup | None = None  # gloo group for CPU flags when the main group is nccl
+_agent_store: dist.Store | None = None  # torchrun's store (outlives dead workers), this attempt's keys
 _LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 _DEVICE = re.compile(r"^(auto|cpu|cuda|cuda:(\d+))$")
 
@@ -178,8 +181,39 @@ def _attempt_store(world: World, timeout_s: float, env: dict[str, str] | None = 
         env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False, timeout=timedelta(seconds=timeout_s)
     )
     attempt = env.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return {"store": dist.PrefixStore(f"ddp-cifar/attempt-{attempt}", store), "rank": world.rank,
-            "world_size": world.world_size}  # fmt: skip
+    global _agent_store
+    _agent_store = dist.PrefixStore(f"ddp-cifar/attempt-{attempt}", store)
+    return {"store": _agent_store, "rank": world.rank, "world_size": world.world_size}
+
+
+def _silent_ranks(world: World, wait_s: float = 1.0) -> list[int] | None:
+    """After a failed collective: the ranks that do not check in at the agent's store within
+    `wait_s` (dead or hung), or None without an agent store (it would have died with rank 0)."""
+    if _agent_store is None:
+        return None
+    # The launcher, seeing a dead worker, SIGTERMs the others; this rank is leaving anyway, and
+    # takes at most `wait_s` more to say whom it lost (torchrun's SIGKILL comes 30 s later).
+    previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        _agent_store.set(f"lost-contact/{world.rank}", "1")
+        keys = [f"lost-contact/{r}" for r in range(world.world_size)]
+        deadline = time.monotonic() + wait_s
+        while not all(present := [_agent_store.check([k]) for k in keys]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return [r for r, here in enumerate(present) if not here]
+    except Exception:  # the store is gone too: say what we know
+        return None
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _lost_contact_message(world: World, error: BaseException, timeout_s: float) -> str:
+    first = str(error).strip().splitlines()[0]
+    hung = "imed out" in first or "imeout" in first
+    what = f"no answer within run.timeout_s={timeout_s:g}: hung" if hung else "its connection closed: it died"
+    silent = _silent_ranks(world)
+    who = f"rank {', '.join(map(str, silent))}" if silent else "another rank"
+    return f"rank {world.rank} of {world.world_size}: lost contact with {who} ({what}) [{first}]"
 
 
 @contextmanager
@@ -191,7 +225,7 @@ def setup(world: World, timeout_s: float) -> Iterator[World]:
     objects that outlive the process group abort the process at interpreter exit."""
     if world.device.type == "cuda":
         torch.cuda.set_device(world.device)  # before any CUDA work, so nothing lands on cuda:0
-    global _control
+    global _control, _agent_store
     try:
         if world.parallel == "ddp":
             dist.init_process_group(
@@ -204,14 +238,10 @@ def setup(world: World, timeout_s: float) -> Iterator[World]:
         yield world
     except (dist.DistError, RuntimeError) as e:
         if world.parallel == "ddp" and _is_comm_failure(e):
-            first = str(e).strip().splitlines()[0]
-            raise PeerLost(
-                f"rank {world.rank} of {world.world_size}: lost contact with the other ranks ({first}); another "
-                f"rank died or hung (run.timeout_s={timeout_s:g}): its own log and the launcher's report say which"
-            ) from e
+            raise PeerLost(_lost_contact_message(world, e, timeout_s)) from e
         raise
     finally:
-        _control = None
+        _control = _agent_store = None
         if dist.is_initialized():
             dist.destroy_process_group()
 

@@ -97,7 +97,8 @@ def test_rank_killed_at_a_random_step_then_same_command_resumes_bitwise(referenc
     env = clean_env(DDP_CIFAR_FAULT=f"step:{step}:r{rank}")
     first = subprocess.run(train_cmd(tmp_path), cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert first.returncode != 0 and list(tmp_path.glob("fault-fired.*"))
-    assert f"rank {1 - rank} of 2: lost contact with the other ranks" in first.stderr  # the survivor says so
+    survivor = f"rank {1 - rank} of 2: lost contact with rank {rank} (its connection closed: it died)"
+    assert survivor in first.stderr  # the survivor names the dead rank
     ok(subprocess.run(train_cmd(tmp_path), cwd=REPO, env=env, capture_output=True, text=True, timeout=300))
     assert_bitwise(reference, tmp_path)
     REPORT.append(f"kill -9 of rank {rank} after global step {step}/{STEPS}: resumed bitwise identical")
@@ -199,7 +200,7 @@ def test_a_hung_rank_makes_the_others_exit_within_the_timeout(tmp_path):
     finally:
         kill_job(proc)
     err = proc.stderr.read()
-    assert "error: rank 0 of 2: lost contact with the other ranks" in err
+    assert "error: rank 0 of 2: lost contact with rank 1 (no answer within run.timeout_s=5: hung)" in err
     REPORT.append(f"rank 1 hung (SIGSTOP): rank 0 exited after {waited:.1f} s with run.timeout_s=5")
 
 

@@ -225,6 +225,20 @@ def restore(state: dict[str, Any], model: torch.nn.Module, *stateful: Any) -> No
             obj.load_state_dict(state[key])
 
 
+def restore_rank(state: dict[str, Any], rank: int, world_size: int, device: torch.device, totals: torch.Tensor) -> bool:
+    """This rank's share of `ranks`: its RNG states (same world size only: data order and
+    augmentation need none) and the unfinished epoch's loss sums into `totals` (all on rank 0 if
+    the world size changed, so the epoch's mean loss stays right). Returns whether it was the same."""
+    ranks = state.get("ranks") or []
+    same_world = len(ranks) == world_size
+    if same_world:
+        set_rng_state(ranks[rank]["rng"], device)
+    partials = [r["partial"] for r in ranks if r["partial"] is not None]
+    if partials:
+        totals.copy_(partials[rank] if same_world else sum(partials) * (rank == 0))
+    return same_world
+
+
 def export(path: str | Path, out: str | Path) -> None:
     """The model alone, with what inference needs to rebuild it: name, classes, normalisation."""
     state = load(path)

@@ -44,7 +44,7 @@ class ModelConfig:
 
 @dataclass
 class TrainConfig:
-    epochs: int = opt(30, "epochs to train (a resumed run continues up to this count)")
+    epochs: int = opt(30, "epochs to train; the LR schedule spans them (a resumed run continues to this count)")
     batch_size: int = opt(256, "GLOBAL batch in images per step, split evenly across ranks")
     eval_batch_size: int = opt(1024, "GLOBAL evaluation batch, split across ranks")
     label_smoothing: float = opt(0.0, "label smoothing of the cross-entropy loss (0 = off)")

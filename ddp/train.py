@@ -244,13 +244,7 @@ def run(cfg: Config, world: World, per_rank_batch: int, amp: torch.dtype | None)
         checkpoint.restore(state, model, optimizer, scheduler, scaler)
         done, step, last = state["epoch"], state.get("step", 0), state.get("metrics")
         global_step = state.get("global_step", done * steps_per_epoch)
-        ranks = state.get("ranks") or []
-        same_world = len(ranks) == world.world_size
-        if same_world:  # other world sizes: data order and augmentation need no RNG state
-            checkpoint.set_rng_state(ranks[world.rank]["rng"], world.device)
-        partials = [r["partial"] for r in ranks if r["partial"] is not None]
-        if partials:  # the unfinished epoch's loss sums: per rank, or all on rank 0 if the world changed
-            totals.copy_(partials[world.rank] if same_world else sum(partials) * (world.rank == 0))
+        same_world = checkpoint.restore_rank(state, world.rank, world.world_size, world.device, totals)
         if world.is_main:
             logs.say(
                 f"resumed from {path}: {done} epoch(s) + {step} step(s) done (global step {global_step}); "
@@ -348,7 +342,7 @@ def run(cfg: Config, world: World, per_rank_batch: int, amp: torch.dtype | None)
             saved = save(last)
             done, step = epoch, 0
             totals.zero_()
-            if distributed.any_rank(stop.requested, world):
+            if epoch < cfg.train.epochs and distributed.any_rank(stop.requested, world):  # done is done
                 finish_stop(stop.received, saved, world)
     if state and state["epoch"] >= cfg.train.epochs and world.is_main:
         logs.say(f"nothing to do: {state['epoch']} of train.epochs={cfg.train.epochs} already done")

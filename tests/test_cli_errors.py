@@ -34,6 +34,8 @@ def assert_usage_error(proc, *fragments: str) -> None:
         (["data.dataset=npz"], ["data.dataset=npz needs data.path"]),
         (["data.dataset=npz", "data.path=/no/such.npz"], ["data.path=/no/such.npz: no such file"]),
         (["--bogus"], ["unknown option --bogus"]),
+        (["run.stop_signal=SIGFOO"], ["run.stop_signal: 'SIGFOO' is not a signal that can be caught"]),
+        (["run.stop_signal=KILL"], ["run.stop_signal: 'KILL' is not a signal that can be caught"]),
     ],
 )
 def test_bad_input_exits_2_with_one_line(args, fragments, tmp_path):

@@ -177,7 +177,9 @@ def test_stop_signal_saves_at_the_next_step_and_exits_75(reference, tmp_path, si
     out, err = proc.communicate(timeout=120)
     assert f"stopped on {sig}; run the same command to resume" in err
     if sig == "SIGUSR1":
-        assert err.count("exitcode  : 75") == 2  # torchrun's report of both workers
+        # torchrun's report lists the workers that had exited when it saw the first one go; each is 75
+        codes = [line.split(":")[1].split()[0] for line in err.splitlines() if line.strip().startswith("exitcode")]
+        assert codes and set(codes) == {"75"}, codes
     saved = [line for line in out.splitlines() if line.startswith(f"stopping on {sig}")]
     assert len(saved) == 1
     ok(subprocess.run(train_cmd(tmp_path, "run.save_every_steps=0"), cwd=REPO, env=clean_env(),

@@ -184,19 +184,19 @@ def start_run_dir(cfg: Config, world: World, resumed_epoch: int) -> None:
 
 def check_resume_setting(resume: str, out_dir: str) -> None:
     """run.resume must not overwrite checkpoints the user has not asked to continue."""
+    if resume == "auto":
+        return
+    if resume != "never" and not Path(resume).is_file():
+        raise UsageError(f"run.resume={resume}: no such checkpoint file (use auto, never or a path)")
     existing = checkpoint.step_files(out_dir) or [p for p in [checkpoint.last_path(out_dir)] if p.is_file()]
-    if resume in ("auto",) or not existing:
-        if resume not in ("auto", "never") and not Path(resume).is_file():
-            raise UsageError(f"run.resume={resume}: no such checkpoint file (use auto, never or a path)")
+    if not existing:
         return
     if resume == "never":
         raise UsageError(
             f"run.resume=never but {existing[0]} exists and would be overwritten; "
             "use another run.out_dir, run.resume=auto to continue, or delete it yourself"
         )
-    if not Path(resume).is_file():
-        raise UsageError(f"run.resume={resume}: no such checkpoint file (use auto, never or a path)")
-    if not any(Path(resume).samefile(p) for p in existing[:1] + [checkpoint.last_path(out_dir)] if p.is_file()):
+    if not Path(resume).samefile(existing[0]):  # last.pt is a hard link to the newest
         raise UsageError(
             f"run.resume={resume} but {checkpoint.directory(out_dir)} holds newer checkpoints that a later "
             "auto-resume would pick; use another run.out_dir"

@@ -5,7 +5,7 @@ Run as real processes (`python ddp/train.py ...`), the way users meet them."""
 import pytest
 from conftest import TINY, TRAIN, clean_env, python
 
-from ddp import train
+from ddp import checkpoint, train
 
 
 def assert_usage_error(proc, *fragments: str) -> None:
@@ -83,3 +83,13 @@ def test_bad_npz_format(tmp_path, capsys):
     np.savez(bad, x_train=np.zeros((4, 28, 28), np.uint8), y_train=np.zeros(4), x_test=np.zeros(1), y_test=np.zeros(1))
     assert train.cli([f"run.out_dir={tmp_path}", "data.dataset=npz", f"data.path={bad}"]) == 2
     assert "x_train must be uint8 (N, 32, 32, 3)" in capsys.readouterr().err
+
+
+def test_resume_from_an_older_file_of_the_same_out_dir_is_refused(tmp_path, capsys):
+    """Continuing from step 3 would leave steps 6 and 8 on disk for the next auto-resume to pick."""
+    assert train.cli([f"run.out_dir={tmp_path}", *TINY, "train.epochs=1", "run.save_every_steps=3"]) == 0
+    older = checkpoint.step_files(tmp_path)[-1]
+    assert older.name == "step-000000003.pt"
+    assert train.cli([f"run.out_dir={tmp_path}", *TINY, f"run.resume={older}"]) == 2
+    assert "holds newer checkpoints" in capsys.readouterr().err
+    assert train.cli([f"run.out_dir={tmp_path}", *TINY, f"run.resume={checkpoint.last_path(tmp_path)}"]) == 0

@@ -81,7 +81,11 @@ def digest(obj: Any) -> str:
     return h.hexdigest()
 
 
-def _atomic_write(data: bytes, path: Path, fault_step: int | None = None) -> None:
+def _atomic_write(obj: dict[str, Any], path: Path, fault_step: int | None = None) -> None:
+    """torch.save `obj` to a temporary file beside `path`, fsync, rename over `path`."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    data = buffer.getvalue()
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
@@ -120,15 +124,18 @@ def step_files(out_dir: str | Path) -> list[Path]:
     return [p for _, p in sorted(found, reverse=True)]
 
 
+def existing(out_dir: str | Path) -> list[Path]:
+    """The checkpoints a run in out_dir would resume from, newest first (a format-1 dir: last.pt)."""
+    return step_files(out_dir) or [p for p in [last_path(out_dir)] if p.is_file()]
+
+
 def save(state: dict[str, Any], out_dir: str | Path, keep_last: int) -> Path:
     """Write `state` as step-<global_step>.pt with its checksum, point last.pt at it, keep the
     newest `keep_last` numbered files. Rank 0 only."""
     state = {**state, "checksum": digest(state)}
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
     path = directory(out_dir) / f"step-{state['global_step']:09d}.pt"
     path.parent.mkdir(parents=True, exist_ok=True)
-    _atomic_write(buffer.getvalue(), path, fault_step=state["global_step"])
+    _atomic_write(state, path, fault_step=state["global_step"])
     _point_last_at(path)
     for old in step_files(out_dir)[max(1, keep_last) :]:
         old.unlink(missing_ok=True)
@@ -162,7 +169,7 @@ def load(path: str | Path) -> dict[str, Any]:
 
 def newest_valid(out_dir: str | Path) -> tuple[Path | None, dict[str, Any] | None, list[str]]:
     """(path, state, warnings) of the newest checkpoint in out_dir that loads and checks out."""
-    candidates = step_files(out_dir) or [p for p in [last_path(out_dir)] if p.is_file()]
+    candidates = existing(out_dir)
     warnings = []
     for path in candidates:
         try:
@@ -253,9 +260,7 @@ def export(path: str | Path, out: str | Path) -> None:
     }
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    buffer = io.BytesIO()
-    torch.save(weights, buffer)
-    _atomic_write(buffer.getvalue(), out)
+    _atomic_write(weights, out)
 
 
 def describe(path: str | Path) -> str:

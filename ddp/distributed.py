@@ -271,10 +271,7 @@ def all_reduce_sum(t: torch.Tensor, world: World) -> torch.Tensor:
 
 def all_agree(ok: bool, world: World) -> bool:
     """True only if every rank says ok; also a barrier. Lets one rank's failure stop all ranks."""
-    flag = torch.tensor([int(ok)], device=world.device)
-    if world.parallel == "ddp":
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
+    return not any_rank(not ok, world)
 
 
 def sync_buffers(model: nn.Module, world: World) -> None:

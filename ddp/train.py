@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import random
+import signal
 import subprocess
 import sys
 import time
@@ -188,7 +189,7 @@ def check_resume_setting(resume: str, out_dir: str) -> None:
         return
     if resume != "never" and not Path(resume).is_file():
         raise UsageError(f"run.resume={resume}: no such checkpoint file (use auto, never or a path)")
-    existing = checkpoint.step_files(out_dir) or [p for p in [checkpoint.last_path(out_dir)] if p.is_file()]
+    existing = checkpoint.existing(out_dir)
     if not existing:
         return
     if resume == "never":
@@ -221,7 +222,9 @@ def find_checkpoint(cfg: Config, world: World) -> tuple[Path | None, dict[str, A
     return path, state
 
 
-def run(cfg: Config, world: World, per_rank_batch: int, amp: torch.dtype | None) -> dict[str, Any] | None:
+def run(
+    cfg: Config, world: World, per_rank_batch: int, amp: torch.dtype | None, stop_signals: list[signal.Signals]
+) -> dict[str, Any] | None:
     """Train up to cfg.train.epochs inside an initialised World; the last epoch's metrics."""
     seed_everything(cfg.run.seed)
     data = datasets.load(cfg.data, world)
@@ -302,7 +305,7 @@ def run(cfg: Config, world: World, per_rank_batch: int, amp: torch.dtype | None)
             cfg.run.keep_last,
         )
 
-    with preemption.StopRequest(preemption.parse_signals(cfg.run.stop_signal)) as stop:
+    with preemption.StopRequest(stop_signals) as stop:
         for epoch in range(done + 1, cfg.train.epochs + 1):
             started, images_before = time.perf_counter(), totals[1].item()
             train_dl.sampler.set_position(epoch, step)  # this epoch's permutation, from `step` on
@@ -351,14 +354,15 @@ def run(cfg: Config, world: World, per_rank_batch: int, amp: torch.dtype | None)
 
 def finish_stop(signal_name: str | None, saved: Path | None, world: World) -> None:
     """After the stop checkpoint: rank 0 asks SLURM to requeue the job (if in one); all ranks leave."""
+    cause = signal_name or "a signal to another rank"
     if world.is_main:
-        logs.say(f"stopping on {signal_name or 'a signal to another rank'}: checkpoint {saved}")
+        logs.say(f"stopping on {cause}: checkpoint {saved}")
         command = distributed.requeue_command()
         if command:
             result = subprocess.run(command, capture_output=True, text=True)
             logs.say(f"{' '.join(command)}: " + ("requeued" if result.returncode == 0 else result.stderr.strip()))
     distributed.all_agree(True, world)  # leave together, after rank 0's checkpoint is on disk
-    why = f"stopped on {signal_name or 'a signal to another rank'}; run the same command to resume"
+    why = f"stopped on {cause}; run the same command to resume"
     raise preemption.Stopped(why if world.is_main else "")  # other ranks print nothing but errors
 
 
@@ -374,9 +378,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     per_rank_batch = world.split(cfg.train.batch_size, "train.batch_size")
     amp = autocast_dtype(cfg.run.amp, world.device)
     check_resume_setting(cfg.run.resume, cfg.run.out_dir)
-    preemption.parse_signals(cfg.run.stop_signal)
+    stop_signals = preemption.parse_signals(cfg.run.stop_signal)
     with distributed.setup(world, cfg.run.timeout_s):
-        return run(cfg, world, per_rank_batch, amp)
+        return run(cfg, world, per_rank_batch, amp, stop_signals)
 
 
 def cli(argv: list[str] | None = None) -> int:

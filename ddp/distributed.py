@@ -11,10 +11,12 @@ one process. (SLURM and accelerate detection come with the launch issue.)
 
 from __future__ import annotations
 
+import gc
 import os
 import re
 import signal
 import time
+import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -222,7 +224,9 @@ def setup(world: World, timeout_s: float) -> Iterator[World]:
 
     Takes a World from resolve(), so every usage check is done before the rendezvous can wait.
     Let DDP objects die inside the block (e.g. keep them in a function called there): gloo
-    objects that outlive the process group abort the process at interpreter exit."""
+    objects that outlive the process group can abort the process (SIGABRT) when they are freed.
+    An exception's traceback keeps the frames' locals (the DDP model) alive, so they are cleared
+    before the group is destroyed."""
     if world.device.type == "cuda":
         torch.cuda.set_device(world.device)  # before any CUDA work, so nothing lands on cuda:0
     global _control, _agent_store
@@ -236,13 +240,15 @@ def setup(world: World, timeout_s: float) -> Iterator[World]:
             if world.device.type == "cuda":  # CPU-side flags must not wait on the CUDA stream
                 _control = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
         yield world
-    except (dist.DistError, RuntimeError) as e:
-        if world.parallel == "ddp" and _is_comm_failure(e):
+    except BaseException as e:
+        traceback.clear_frames(e.__traceback__)  # frames keep their names and lines, not their locals
+        if world.parallel == "ddp" and isinstance(e, (dist.DistError, RuntimeError)) and _is_comm_failure(e):
             raise PeerLost(_lost_contact_message(world, e, timeout_s)) from e
         raise
     finally:
         _control = _agent_store = None
         if dist.is_initialized():
+            gc.collect()  # DDP objects in reference cycles go now, while their group exists
             dist.destroy_process_group()
 
 

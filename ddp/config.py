@@ -65,7 +65,12 @@ class OptimConfig:
 class RunConfig:
     out_dir: str = opt("runs/default", "where checkpoints, metrics.jsonl and config.yaml go")
     device: str = opt("auto", "auto | cpu | cuda | cuda:N (under torchrun: auto/cuda = cuda:<local_rank>)")
-    parallel: str = opt("auto", "auto = ddp under torchrun else none", ("auto", "none", "dp", "ddp"))
+    parallel: str = opt("auto", "auto = ddp under a launcher else none", ("auto", "none", "dp", "ddp"))
+    launcher: str = opt(
+        "auto",
+        "who started the processes; auto = torchrun/accelerate variables, then SLURM (srun), then one process",
+        ("auto", "torchrun", "accelerate", "slurm", "none"),
+    )
     seed: int = opt(0, "seed for weights, data order and augmentation")
     amp: str = opt("off", "autocast precision (fp16 adds a GradScaler; CUDA only)", ("off", "bf16", "fp16"))
     compile: bool = opt(False, "torch.compile the model (before the DDP wrap)")

@@ -15,6 +15,7 @@ Which rank downloads, and waiting for it, is decided with distributed.all_agree;
 from __future__ import annotations
 
 import itertools
+import signal
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -211,6 +212,14 @@ class ResumableSampler(DistributedSampler):
         return super().__len__() - self.start_step * self.per_rank_batch
 
 
+def _leave_stopping_to_the_main_process(worker_id: int) -> None:
+    """SLURM (and torchrun) signal every process of a job. A loader worker killed by that SIGTERM
+    would fail the very step that should checkpoint; the main process decides when to stop and
+    shuts its workers down itself."""
+    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
+
+
 def train_loader(split: Split, per_rank_batch: int, world: World, augment: bool, workers: int, seed: int) -> DataLoader:
     """Per-rank batches of uint8 images; call .sampler.set_position(epoch, step) before each epoch.
 
@@ -225,6 +234,7 @@ def train_loader(split: Split, per_rank_batch: int, world: World, augment: bool,
         drop_last=True,
         num_workers=workers,
         persistent_workers=workers > 0,
+        worker_init_fn=_leave_stopping_to_the_main_process,
         pin_memory=world.device.type == "cuda",
         generator=torch.Generator().manual_seed(seed),  # worker seeds; leaves the global RNG alone
     )
@@ -237,6 +247,7 @@ def eval_loader(split: Split, per_rank_batch: int, world: World, workers: int) -
         shard,
         batch_size=per_rank_batch,
         num_workers=workers,
+        worker_init_fn=_leave_stopping_to_the_main_process,
         pin_memory=world.device.type == "cuda",
         generator=torch.Generator(),  # leaves the global RNG alone
     )

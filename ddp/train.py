@@ -271,7 +271,7 @@ def run(
         logs.say(
             f"{cfg.model.name} ({params / 1e6:.2f}M params) on {cfg.data.dataset} "
             f"({n_train} train / {len(data.test.labels)} test, {data.num_classes} classes); "
-            f"parallel={world.parallel} world_size={world.world_size} device={world.device} "
+            f"launcher={world.launcher} parallel={world.parallel} world_size={world.world_size} device={world.device} "
             f"global batch {cfg.train.batch_size} ({per_rank_batch} per rank), amp={cfg.run.amp}"
         )
 
@@ -372,6 +372,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     if print_config:
         print(config.dump(cfg), end="")
         return None
+    cfg.run = distributed.accelerate_flags(cfg.run)
     world = distributed.resolve(cfg.run)
     # Checks that need no process group, made before joining one: a bad value must not leave the
     # other ranks waiting in the rendezvous.

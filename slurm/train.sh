@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+#SBATCH --job-name=ddp-cifar
+#SBATCH --nodes=1
+#SBATCH --ntasks-per-node=1
+#SBATCH --requeue
+#SBATCH --signal=TERM@120
+#SBATCH --open-mode=append
+#SBATCH --output=slurm-%j.out
+# DDP under SLURM: srun starts one torchrun per node; each starts one process per GPU of its node.
+# Submit from the repository root (the job runs there); every argument goes to ddp/train.py:
+#   sbatch slurm/train.sh --config configs/quick.yaml
+#   sbatch --nodes=4 --gpus-per-node=4 --time=12:00:00 slurm/train.sh --config configs/resnet18.yaml
+# - Rendezvous: c10d on the first node of the job, port derived from the job id (ddp/distributed.py:
+#   slurm_rendezvous), so concurrent jobs do not collide.
+# - Processes per node: NPROC, else the GPUs SLURM allocated on the node (SLURM_GPUS_ON_NODE), else
+#   the GPUs torch sees, else 2 CPU processes (gloo).
+# - out_dir: $OUT_ROOT/slurm-<job id> (OUT_ROOT defaults to runs; for array jobs <job>_<task>), on a
+#   filesystem every node sees. A run.out_dir=... argument overrides it.
+# - Preemption: 120 s before the time limit (--signal=TERM@120), or when SLURM preempts the job, every
+#   process gets SIGTERM: all ranks stop at the next step boundary, rank 0 saves a checkpoint and
+#   requeues the job (scontrol requeue); the requeued job resumes from that checkpoint in the same
+#   out_dir. --open-mode=append keeps the log of every run in one file.
+set -euo pipefail
+root=${DDP_CIFAR_ROOT:-${SLURM_SUBMIT_DIR:-$(pwd)}}
+if [ ! -f "$root/ddp/train.py" ]; then
+  echo "slurm/train.sh: no ddp/train.py in $root: submit from the repository root or set DDP_CIFAR_ROOT" >&2
+  exit 2
+fi
+cd "$root"
+job=${SLURM_ARRAY_JOB_ID:+${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}}
+job=${job:-${SLURM_JOB_ID:?not inside a SLURM job: submit with sbatch slurm/train.sh}}
+read -r addr port < <(python -c 'from ddp.distributed import slurm_rendezvous; print(*slurm_rendezvous())')
+nproc=${NPROC:-${SLURM_GPUS_ON_NODE:-0}}
+if [ "$nproc" = 0 ]; then
+  nproc=$(python -c 'import torch; print(torch.cuda.device_count() or 2)')
+fi
+echo "job $job (restart ${SLURM_RESTART_COUNT:-0}) on ${SLURM_JOB_NUM_NODES} node(s) [$SLURM_JOB_NODELIST]," \
+  "$nproc process(es) per node, rendezvous $addr:$port"
+cmd=(srun --ntasks-per-node=1 --kill-on-bad-exit=1
+  torchrun --nnodes="$SLURM_JOB_NUM_NODES" --nproc_per_node="$nproc" --rdzv_backend=c10d
+  --rdzv_endpoint="$addr:$port" --rdzv_id="$job"
+  ddp/train.py run.out_dir="${OUT_ROOT:-runs}/slurm-$job" "$@")
+echo "+ ${cmd[*]}"
+exec "${cmd[@]}"

@@ -237,6 +237,43 @@ def detect_launch(env: dict[str, str] | None = None, launcher: str = "auto") -> 
     return found or Launch("none", 0, 0, 1)
 
 
+def launch_variables(env: dict[str, str] | None = None) -> dict[str, str]:
+    """The launcher variables that are set, for ddp.doctor's report."""
+    env = os.environ if env is None else env
+    names = (*_TORCHRUN_VARS, "LOCAL_WORLD_SIZE", "CUDA_VISIBLE_DEVICES", "TORCHELASTIC_RESTART_COUNT")
+    prefixes = ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS", "SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_NODEID",
+                "SLURM_JOB_NODELIST", "SLURM_STEP_TASKS_PER_NODE", "SLURM_GPUS", "ACCELERATE_", "OMPI_COMM_WORLD_",
+                "PMI_RANK", "PMI_SIZE")  # fmt: skip
+    return {k: v for k, v in sorted(env.items()) if k in names or k.startswith(prefixes)}
+
+
+def planned_rendezvous(env: dict[str, str] | None = None) -> tuple[str, int, str]:
+    """(address, port, where from) that a launch from here would use: MASTER_ADDR/MASTER_PORT, a
+    SLURM job's derived port, else torchrun's default 29500."""
+    env = os.environ if env is None else env
+    if "SLURM_JOB_ID" in env and (env.get("SLURM_JOB_NODELIST") or "MASTER_ADDR" in env):
+        addr, port = slurm_rendezvous(env)
+        return addr, port, "SLURM job" if "MASTER_PORT" not in env else "MASTER_ADDR/MASTER_PORT"
+    if "MASTER_PORT" in env:
+        return env.get("MASTER_ADDR", "127.0.0.1"), int(env["MASTER_PORT"]), "MASTER_ADDR/MASTER_PORT"
+    return "127.0.0.1", 29500, "torchrun's default"
+
+
+def slurm_gpu_problem(cuda_count: int, env: dict[str, str] | None = None) -> str | None:
+    """Why SLURM's tasks and this node's GPUs do not pair up one to one, or None if they do (or
+    there are no GPUs, or no srun step)."""
+    env = os.environ if env is None else env
+    if "SLURM_STEP_ID" not in env or cuda_count <= 1 or _TORCHRUN_VARS[0] in env:
+        return None  # one GPU per task (or none) pairs up; torchrun under srun starts its own processes
+    tasks = _tasks_on_this_node(env)
+    if tasks == cuda_count:
+        return None
+    return (
+        f"SLURM runs {tasks} task(s) on this node and each sees {cuda_count} GPUs: use --ntasks-per-node="
+        f"{cuda_count}, or --gpus-per-task=1 so that each task gets its own GPU"
+    )
+
+
 def accelerate_flags(run: RunConfig, env: dict[str, str] | None = None) -> RunConfig:
     """run with `accelerate launch --cpu / --mixed_precision` applied: they choose what the config
     left at its default; a config that says otherwise is an error, not a silent pick."""

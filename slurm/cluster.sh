@@ -38,7 +38,7 @@ write_conf() {
   cat >"$conf" <<EOF
 # Written by slurm/cluster.sh: one node on localhost, for tests. Not for production.
 ClusterName=ddpcifar
-SlurmctldHost=$host
+SlurmctldHost=$host(127.0.0.1)
 SlurmUser=root
 AuthType=auth/munge
 # Requeued jobs wait this long before they may start again (default 120 s).
@@ -66,7 +66,7 @@ SchedulerParameters=sched_interval=2
 MessageTimeout=20
 KillWait=10
 MinJobAge=300
-$node State=UNKNOWN
+$node NodeAddr=127.0.0.1 State=UNKNOWN
 PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 EOF
 }
@@ -103,7 +103,10 @@ start() {
 stop() {
   for daemon in slurmd slurmctld; do
     pid_file=$state/$daemon.pid
-    if [ -f "$pid_file" ] && kill "$(cat "$pid_file")" 2>/dev/null; then
+    [ -f "$pid_file" ] || continue
+    pid=$(cat "$pid_file")
+    if kill "$pid" 2>/dev/null; then
+      for _ in $(seq 1 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
       echo "stopped $daemon"
     fi
   done

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -29,11 +30,34 @@ TINY = [
 ]
 
 
+LAUNCH_PREFIXES = ("SLURM_", "ACCELERATE_", "OMPI_", "PMI_", "TORCHELASTIC_")  # e.g. pytest run inside a job
+BIN = Path(sys.executable).parent  # this environment's python, torchrun, accelerate
+
+
+def is_launch_var(name: str) -> bool:
+    return name in LAUNCH_VARS or name.startswith(LAUNCH_PREFIXES)
+
+
 def clean_env(**extra: str) -> dict[str, str]:
-    """The environment of a fresh shell: no launcher variables, CPU only, unbuffered output."""
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
-    env.update(PYTHONUNBUFFERED="1", CUDA_VISIBLE_DEVICES="", **extra)
+    """The environment of a fresh shell: no launcher variables, CPU only, unbuffered output, this
+    environment's executables first on PATH."""
+    env = {k: v for k, v in os.environ.items() if not is_launch_var(k)}
+    env.update(PYTHONUNBUFFERED="1", CUDA_VISIBLE_DEVICES="", PATH=f"{BIN}{os.pathsep}{os.environ['PATH']}")
+    env.update(extra)
     return env
+
+
+def require(tool: str, install: str) -> str:
+    """The path of a system tool the launcher tests need. Missing, the test fails and says how to
+    install it (CI installs it in .ci/run); DDP_CIFAR_ALLOW_MISSING=1 turns that into a skip, for
+    machines that cannot have it (no root, not Debian)."""
+    path = shutil.which(tool)
+    if path:
+        return path
+    reason = f"{tool} not found: {install} (.ci/run does this as root)"
+    if os.environ.get("DDP_CIFAR_ALLOW_MISSING") == "1":
+        pytest.skip(reason)
+    pytest.fail(reason)
 
 
 def python(*args: str, env: dict[str, str] | None = None, timeout: float = 180) -> subprocess.CompletedProcess:
@@ -43,7 +67,7 @@ def python(*args: str, env: dict[str, str] | None = None, timeout: float = 180) 
     )
 
 
-TORCHRUN = str(Path(sys.executable).parent / "torchrun")
+TORCHRUN = str(BIN / "torchrun")
 
 
 def torchrun(
@@ -59,7 +83,7 @@ REPORT: list[str] = []  # lines for the end of the pytest run (e.g. the kill poi
 
 def pytest_terminal_summary(terminalreporter) -> None:
     if REPORT:
-        terminalreporter.section("kill / resume report")
+        terminalreporter.section("launch / kill / resume report")
         for line in REPORT:
             terminalreporter.write_line(line)
 
@@ -76,7 +100,7 @@ def ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
 @pytest.fixture(autouse=True)
 def _no_launcher_vars(monkeypatch: pytest.MonkeyPatch) -> None:
     """In-process tests are a plain single process, whatever shell pytest was started from."""
-    for var in LAUNCH_VARS:
+    for var in [k for k in os.environ if is_launch_var(k)]:
         monkeypatch.delenv(var, raising=False)
 
 

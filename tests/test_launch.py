@@ -1,25 +1,122 @@
-import os
+"""Every launch path, run for real on CPU (gloo): the scripts in launch/ and slurm/, torchrun across
+two "nodes" on loopback, accelerate launch (torchrun and MPI modes). SLURM itself: test_slurm.py."""
+
+import re
+import socket
 import subprocess
-import sys
+from pathlib import Path
 
 import pytest
-from conftest import REPO, TINY, clean_env, metrics
+from conftest import BIN, REPO, TINY, TRAIN, clean_env, metrics, require
 
-SCRIPTS = sorted((REPO / "launch").glob("*.sh"))
+SCRIPTS = sorted([*(REPO / "launch").glob("*.sh"), *(REPO / "slurm").glob("*.sh")])
+ONE_EPOCH = [*TINY, "train.epochs=1"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_script(script: str, *args: str, env: dict | None = None, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["bash", str(REPO / script), *args],
+        cwd=cwd,
+        env=env or clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def in_parallel(commands: list[tuple[list[str], dict]], timeout: float = 300) -> list[subprocess.CompletedProcess]:
+    procs = [subprocess.Popen(c, cwd=REPO, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for c, e in commands]  # fmt: skip
+    out = []
+    for p in procs:
+        stdout, stderr = p.communicate(timeout=timeout)
+        out.append(subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr))
+    return out
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
-def test_launch_scripts_parse(script):
+def test_scripts_parse_and_every_path_they_name_exists(script):
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    named = set(re.findall(r"\b((?:launch|slurm|ddp|configs)/[\w./-]*\w)", script.read_text()))
+    named = {n for n in named if not n.startswith("ddp/distributed.py:")}
+    missing = [n for n in named if not (REPO / n).exists() and not n.startswith("slurm/train.sh ")]
+    assert not missing, f"{script.name} names {missing}, which do not exist"
 
 
 def test_torchrun_launcher_defaults_to_2_cpu_processes_and_passes_arguments(tmp_path):
-    env = clean_env(PATH=f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ['PATH']}")
+    env = clean_env()
     env.pop("NPROC", None)
-    proc = subprocess.run(
-        ["bash", str(REPO / "launch" / "torchrun.sh"), *TINY, "train.epochs=1", f"run.out_dir={tmp_path}"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    proc = run_script("launch/torchrun.sh", *ONE_EPOCH, f"run.out_dir={tmp_path}", env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert "+ torchrun --standalone --nproc_per_node=2" in proc.stderr
+    assert metrics(tmp_path)[0]["world_size"] == 2
+
+
+def test_two_torchrun_agents_on_two_nodes_form_one_job(tmp_path):
+    """launch/multinode.sh twice on loopback, as on two machines: c10d rendezvous, 2 nodes x 1 process."""
+    port = str(free_port())
+    agents = [
+        (["bash", "launch/multinode.sh", *ONE_EPOCH, f"run.out_dir={tmp_path}"],
+         clean_env(NNODES="2", NODE_RANK=str(n), MASTER_ADDR="127.0.0.1", MASTER_PORT=port, NPROC="1"))
+        for n in (0, 1)
+    ]  # fmt: skip
+    done = in_parallel(agents)
+    for proc in done:
+        assert proc.returncode == 0, proc.stderr
+    assert "--nnodes=2 --nproc_per_node=1 --rdzv_backend=c10d" in done[0].stderr
+    assert "launcher=torchrun parallel=ddp world_size=2" in done[0].stdout + done[1].stdout
+    assert metrics(tmp_path)[0]["world_size"] == 2
+
+
+def test_accelerate_launch_on_cpu_runs_2_processes_through_mpi(tmp_path):
+    require("mpirun", "apt-get install openmpi-bin")
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("localhost slots=2\n")
+    env = clean_env(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    cmd = [str(BIN / "accelerate"), "launch", "--cpu", "--num_processes", "2", "--mpirun_hostfile", str(hostfile),
+           "--main_process_port", str(free_port()), str(TRAIN), *ONE_EPOCH, f"run.out_dir={tmp_path}/run"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "launcher=accelerate parallel=ddp world_size=2 device=cpu" in proc.stdout
+    assert metrics(tmp_path / "run")[0]["world_size"] == 2
+
+
+def test_accelerate_launch_cpu_without_mpi_says_why_it_got_one_process(tmp_path):
+    cmd = [str(BIN / "accelerate"), "launch", "--cpu", "--num_processes", "2", str(TRAIN), *ONE_EPOCH,
+           f"run.out_dir={tmp_path}"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "error: accelerate started 1 process for --num_processes > 1" in proc.stderr
+    assert "--mpirun_hostfile" in proc.stderr and not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_accelerate_script_on_cpu(tmp_path):
+    require("mpirun", "apt-get install openmpi-bin")
+    proc = run_script("launch/accelerate.sh", *ONE_EPOCH, f"run.out_dir={tmp_path}",
+                      env=clean_env(MASTER_PORT=str(free_port())))  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "+ accelerate launch --cpu --num_processes 2" in proc.stderr
+    assert metrics(tmp_path)[0]["world_size"] == 2
+
+
+def test_accelerate_multi_machine_config_on_two_machines(tmp_path):
+    """launch/accelerate/multi-machine.yaml through launch/accelerate.sh, twice on loopback."""
+    port = str(free_port())
+    config = "launch/accelerate/multi-machine.yaml"
+    machines = [
+        (["bash", "launch/accelerate.sh", *ONE_EPOCH, f"run.out_dir={tmp_path}"],
+         clean_env(ACCELERATE_CONFIG=config, NUM_MACHINES="2", MACHINE_RANK=str(m), MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=port, NPROC="1"))
+        for m in (0, 1)
+    ]  # fmt: skip
+    done = in_parallel(machines)
+    for proc in done:
+        assert proc.returncode == 0, proc.stderr
+    assert "launcher=accelerate parallel=ddp world_size=2" in done[0].stdout
     assert metrics(tmp_path)[0]["world_size"] == 2

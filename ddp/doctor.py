@@ -1,0 +1,189 @@
+"""Check a machine and a launch before training: `python -m ddp.doctor`, or under any launcher
+(`torchrun --nproc_per_node=4 -m ddp.doctor`, `srun python -m ddp.doctor`) to check every rank.
+
+Reports, per rank, the launcher variables and the rank and device they resolve to; torch, CUDA,
+cuDNN and NCCL versions; each visible GPU with its memory; TF32 and cudnn.benchmark; whether the
+rendezvous port is free (before a launch); whether run.out_dir is writable and is the same directory
+on every rank (a shared filesystem across nodes). Under a launcher it also runs one all_reduce on the
+real backend. Takes the training's arguments (--config FILE, key=value) so it checks that setup.
+
+Exit codes: 0 all good; 1 problems found (each printed with its fix); 2 a usage error, the same one
+ddp/train.py would stop with.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ddp import config, distributed
+from ddp.distributed import World
+from ddp.errors import UsageError
+from ddp.train import parse_args
+
+
+def versions() -> dict[str, str]:
+    cuda = torch.cuda.is_available()
+    nccl = ".".join(map(str, torch.cuda.nccl.version())) if cuda and dist.is_nccl_available() else "n/a"
+    return {
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "cuda": str(torch.version.cuda) if cuda else f"{torch.version.cuda} (no GPU visible)",
+        "cudnn": str(torch.backends.cudnn.version()) if cuda else "n/a",
+        "nccl": nccl,
+        "gloo": str(dist.is_gloo_available()),
+    }
+
+
+def gpus() -> list[dict[str, Any]]:
+    out = []
+    for i in range(torch.cuda.device_count()):
+        props = torch.cuda.get_device_properties(i)
+        out.append(
+            {
+                "index": i,
+                "name": props.name,
+                "total_gib": props.total_memory / 2**30,
+                "allocated_gib": torch.cuda.memory_allocated(i) / 2**30,
+                "reserved_gib": torch.cuda.memory_reserved(i) / 2**30,
+            }
+        )
+    return out
+
+
+def port_free(addr: str, port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("" if addr in ("127.0.0.1", "localhost") else addr, port))
+            return True
+        except OSError:
+            return False
+
+
+def check_out_dir(out_dir: str) -> tuple[str | None, str | None]:
+    """(token written there, problem) on rank 0: a file only this run knows, removed at the end."""
+    token = f".doctor-{uuid.uuid4().hex}"
+    try:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        (Path(out_dir) / token).write_text(token)
+        return token, None
+    except OSError as e:
+        return None, f"run.out_dir={out_dir} is not writable ({e}); choose another run.out_dir"
+
+
+def report(world: World, out_dir: str) -> dict[str, Any]:
+    return {
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "rank": world.rank,
+        "local_rank": world.local_rank,
+        "world_size": world.world_size,
+        "launcher": world.launcher,
+        "device": str(world.device),
+        "variables": distributed.launch_variables(),
+        "versions": versions(),
+        "gpus": gpus(),
+        "tf32": {
+            "matmul": torch.backends.cuda.matmul.allow_tf32,
+            "cudnn": torch.backends.cudnn.allow_tf32,
+            "cudnn.benchmark": torch.backends.cudnn.benchmark,
+        },
+        "out_dir": str(Path(out_dir).resolve()),
+    }
+
+
+def print_report(r: dict[str, Any]) -> None:
+    print(
+        f"rank {r['rank']}/{r['world_size']}  local_rank {r['local_rank']}  host {r['host']}  pid {r['pid']}  "
+        f"launcher {r['launcher']}  device {r['device']}"
+    )
+    print("  variables: " + (" ".join(f"{k}={v}" for k, v in r["variables"].items()) or "(none: one process)"))
+    print("  versions:  " + "  ".join(f"{k} {v}" for k, v in r["versions"].items()))
+    for g in r["gpus"]:
+        print(
+            f"  cuda:{g['index']} {g['name']}: {g['total_gib']:.1f} GiB total, "
+            f"{g['allocated_gib']:.2f} allocated, {g['reserved_gib']:.2f} reserved"
+        )
+    if not r["gpus"]:
+        print("  GPUs: none visible")
+    print("  TF32: " + "  ".join(f"{k} {v}" for k, v in r["tf32"].items()))
+
+
+def diagnose(run: config.RunConfig) -> list[str]:
+    """Problems found on this rank and, under a launcher, across ranks; prints the report."""
+    world = distributed.resolve(run)
+    problems = []
+    if mismatch := distributed.slurm_gpu_problem(torch.cuda.device_count()):
+        problems.append(mismatch)
+    if world.parallel != "ddp":
+        print_report(report(world, run.out_dir))
+        addr, port, source = distributed.planned_rendezvous()
+        free = port_free(addr, port)
+        print(f"rendezvous port {port} ({source}): " + ("free" if free else "IN USE"))
+        if not free:
+            problems.append(f"port {port} ({source}) is in use on this machine: set MASTER_PORT to a free port")
+        token, problem = check_out_dir(run.out_dir)
+        problems += [problem] if problem else []
+        if token:
+            (Path(run.out_dir) / token).unlink()
+            print(f"run.out_dir {Path(run.out_dir).resolve()}: writable")
+        return problems
+    with distributed.setup(world, run.timeout_s):
+        token, problem = check_out_dir(run.out_dir) if world.is_main else (None, None)
+        shared = distributed.gather_objects((token, problem), world)[0]
+        # Every rank looks for rank 0's file: missing means another filesystem (not shared across nodes).
+        sees = shared[0] is not None and (Path(run.out_dir) / shared[0]).is_file()
+        reduced = distributed.all_reduce_sum(torch.tensor([float(world.rank)], device=world.device), world)
+        reports = distributed.gather_objects((report(world, run.out_dir), sees, mismatch), world)
+        if world.is_main:
+            for r, _, _ in reports:
+                print_report(r)
+            expected = world.world_size * (world.world_size - 1) / 2
+            backend = dist.get_backend()
+            print(f"all_reduce over {world.world_size} ranks ({backend}): {reduced.item():g} (expected {expected:g})")
+            if reduced.item() != expected:
+                problems.append(f"all_reduce gave {reduced.item():g}, not {expected:g}: the {backend} backend is broken")
+            if shared[1]:
+                problems.append(shared[1])
+            blind = [r["rank"] for r, seen, _ in reports if not seen]
+            if shared[0] and blind:
+                problems.append(
+                    f"ranks {blind} do not see rank 0's files in run.out_dir={run.out_dir}: it must be on a "
+                    "filesystem every node shares (checkpoints are written by rank 0 and read by all)"
+                )
+            elif shared[0]:
+                print(f"run.out_dir {Path(run.out_dir).resolve()}: writable, the same directory on every rank")
+            problems += sorted({m for _, _, m in reports if m and m != mismatch})
+        distributed.all_agree(True, world)  # everyone has looked before rank 0 removes the file
+        if world.is_main and shared[0]:
+            (Path(run.out_dir) / shared[0]).unlink()
+    return problems if world.is_main else []
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        path, overrides, _ = parse_args(sys.argv[1:] if argv is None else argv)
+        run = distributed.accelerate_flags(config.load(path, overrides).run)
+        problems = diagnose(run)
+    except UsageError as e:
+        print(f"doctor: error: {e}", file=sys.stderr)
+        return 2
+    except distributed.PeerLost as e:
+        print(f"doctor: error: {e}", file=sys.stderr)
+        return 1
+    for p in problems:
+        print(f"doctor: PROBLEM: {p}", file=sys.stderr)
+    if not problems and distributed.detect_launch(launcher=run.launcher).rank == 0:
+        print("doctor: OK")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,96 @@
+"""python -m ddp.doctor: the report, and each broken setup it must catch with a non-zero exit."""
+
+import shutil
+import socket
+import subprocess
+import sys
+
+import pytest
+from conftest import BIN, REPO, clean_env, ok, torchrun
+
+from ddp import distributed
+
+
+def doctor(*args: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "ddp.doctor", *args], cwd=REPO, env=clean_env(**env), capture_output=True, text=True,
+        timeout=120,
+    )  # fmt: skip
+
+
+def test_a_single_process_setup_is_reported_and_ok(tmp_path):
+    proc = ok(doctor(f"run.out_dir={tmp_path / 'run'}"))
+    assert "rank 0/1  local_rank 0" in proc.stdout and "launcher none  device cpu" in proc.stdout
+    assert "versions:  python" in proc.stdout and "torch " in proc.stdout and "nccl" in proc.stdout
+    assert "GPUs: none visible" in proc.stdout and "TF32: matmul" in proc.stdout and "cudnn.benchmark" in proc.stdout
+    assert "rendezvous port 29500 (torchrun's default): " in proc.stdout
+    assert f"run.out_dir {tmp_path / 'run'}: writable" in proc.stdout
+    assert proc.stdout.rstrip().endswith("doctor: OK")
+    assert list((tmp_path / "run").iterdir()) == []  # its probe file is gone
+
+
+def test_half_set_launcher_variables_are_a_usage_error():
+    proc = doctor(WORLD_SIZE="2")
+    assert proc.returncode == 2
+    assert "doctor: error: WORLD_SIZE set but RANK, LOCAL_RANK, MASTER_ADDR, MASTER_PORT not" in proc.stderr
+
+
+def test_a_busy_rendezvous_port_is_a_problem(tmp_path):
+    with socket.socket() as busy:
+        busy.bind(("", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        proc = doctor(f"run.out_dir={tmp_path}", MASTER_PORT=str(port))
+    assert proc.returncode == 1
+    assert f"rendezvous port {port} (MASTER_ADDR/MASTER_PORT): IN USE" in proc.stdout
+    assert f"doctor: PROBLEM: port {port} (MASTER_ADDR/MASTER_PORT) is in use" in proc.stderr
+
+
+def test_an_out_dir_that_cannot_be_written_is_a_problem(tmp_path):
+    (tmp_path / "file").write_text("")
+    proc = doctor(f"run.out_dir={tmp_path / 'file' / 'run'}")
+    assert proc.returncode == 1
+    assert "doctor: PROBLEM: run.out_dir=" in proc.stderr and "is not writable" in proc.stderr
+
+
+def test_under_torchrun_every_rank_reports_and_an_all_reduce_runs(tmp_path):
+    proc = ok(torchrun(2, "-m", "ddp.doctor", f"run.out_dir={tmp_path}"))
+    assert "rank 0/2  local_rank 0" in proc.stdout and "rank 1/2  local_rank 1" in proc.stdout
+    assert "RANK=1" in proc.stdout and "launcher torchrun" in proc.stdout
+    assert "all_reduce over 2 ranks (gloo): 1 (expected 1)" in proc.stdout
+    assert "writable, the same directory on every rank" in proc.stdout and proc.stdout.count("doctor: OK") == 1
+
+
+def test_an_out_dir_that_differs_between_nodes_is_a_problem(tmp_path):
+    """Two torchrun agents as two nodes; the second sees its own (tmpfs) out_dir, as a node-local
+    disk would be: the doctor must say the directory is not shared."""
+    if shutil.which("unshare") is None or subprocess.run(["unshare", "--mount", "true"]).returncode != 0:
+        pytest.skip("needs `unshare --mount` (root, util-linux) to give one 'node' its own filesystem")
+    local = tmp_path / "run"
+    local.mkdir()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    rdzv = ["--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}"]
+    node = [str(BIN / "torchrun"), *rdzv, "-m", "ddp.doctor", f"run.out_dir={local}"]
+    host = subprocess.Popen([*node[:1], *node[1:5], "--rdzv_conf=is_host=true", *node[5:]], cwd=REPO,
+                            env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    other = subprocess.run(
+        ["unshare", "--mount", "bash", "-c", f'mount -t tmpfs none "{local}" && exec "$@"', "node1",
+         *node[:5], "--rdzv_conf=is_host=false", *node[5:]],
+        cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    out, err = host.communicate(timeout=120)
+    both = out + err + other.stdout + other.stderr
+    assert host.returncode != 0 or other.returncode != 0, both
+    assert "do not see rank 0's files in run.out_dir" in both and "a filesystem every node shares" in both
+
+
+@pytest.mark.parametrize(
+    "tasks_per_node, gpus, problem",
+    [("2", 2, None), ("4", 1, None), ("2(x2)", 4, "SLURM runs 2 task(s) on this node and each sees 4 GPUs")],
+)
+def test_slurm_tasks_must_match_the_gpus(tasks_per_node, gpus, problem):
+    env = {"SLURM_STEP_ID": "0", "SLURM_STEP_TASKS_PER_NODE": tasks_per_node, "SLURM_NODEID": "0"}
+    got = distributed.slurm_gpu_problem(gpus, env)
+    assert got == problem if problem is None else problem in got

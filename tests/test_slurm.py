@@ -1,0 +1,120 @@
+"""Real SLURM: a one-node cluster on this machine (slurm/cluster.sh: slurmctld, slurmd, munge), real
+sbatch / srun / scancel / scontrol requeue. CPU jobs with gloo."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import REPO, REPORT, TINY, TRAIN, clean_env, metrics, ok, require, torchrun
+
+CLUSTER = REPO / "slurm" / "cluster.sh"
+# Long enough (4 epochs x 64 steps, ~2 s an epoch) that a stop signal lands mid-run.
+PREEMPTIBLE = [*TINY, "data.synthetic_train=2048", "train.epochs=4", "run.save_every_steps=10"]
+
+
+@pytest.fixture(scope="module")
+def slurm() -> dict[str, str]:
+    """The environment in which sbatch/srun reach the local cluster (started if it is not running)."""
+    require("slurmctld", "apt-get install slurm-wlm slurmctld slurmd munge, or: bash slurm/cluster.sh install")
+    if os.geteuid() != 0:
+        pytest.fail("the local SLURM cluster needs root (slurmd starts jobs as their user): run the tests as root")
+    started = subprocess.run(["bash", str(CLUSTER), "start"], capture_output=True, text=True, timeout=120)
+    assert started.returncode == 0, f"slurm/cluster.sh start failed:\n{started.stdout}\n{started.stderr}"
+    conf = started.stdout.strip().splitlines()[-1].removeprefix("export SLURM_CONF=")
+    return clean_env(SLURM_CONF=conf)
+
+
+def submit(env: dict[str, str], out_root: Path, *args: str, sbatch_args: tuple[str, ...] = ()) -> str:
+    proc = subprocess.run(
+        ["sbatch", "--parsable", f"--output={out_root}/log-%j.out", *sbatch_args, "slurm/train.sh", *args],
+        cwd=REPO, env={**env, "OUT_ROOT": str(out_root)}, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.strip().split(";")[0]
+
+
+def job_field(env: dict[str, str], job: str, name: str) -> str:
+    shown = subprocess.run(["scontrol", "show", "job", job], env=env, capture_output=True, text=True).stdout
+    return next((w.split("=", 1)[1] for w in shown.split() if w.startswith(f"{name}=")), "")
+
+
+def wait_until_done(env: dict[str, str], job: str, timeout: float) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        state = job_field(env, job, "JobState")
+        if state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"):
+            return state
+        time.sleep(1)
+    subprocess.run(["scancel", job], env=env)
+    pytest.fail(f"job {job} still {job_field(env, job, 'JobState')} after {timeout} s (cancelled)")
+
+
+def test_sbatch_runs_torchrun_per_node_and_writes_metrics_and_a_checkpoint(slurm, tmp_path):
+    start = time.monotonic()
+    job = submit(slurm, tmp_path, *TINY)
+    state = wait_until_done(slurm, job, timeout=180)
+    log = (tmp_path / f"log-{job}.out").read_text()
+    assert state == "COMPLETED", log
+    out = tmp_path / f"slurm-{job}"  # out_dir per job id
+    assert [m["epoch"] for m in metrics(out)] == [1, 2] and metrics(out)[-1]["world_size"] == 2
+    assert (out / "checkpoints" / "last.pt").is_file()
+    assert "--rdzv_backend=c10d" in log and "launcher=torchrun" in log
+    version = subprocess.run(["sbatch", "--version"], env=slurm, capture_output=True, text=True).stdout.strip()
+    REPORT.append(f"sbatch slurm/train.sh ({version}, CPU, 2 ranks, 2 epochs): {state} "
+                  f"in {time.monotonic() - start:.1f} s from submit to done")  # fmt: skip
+
+
+def test_a_stop_signal_requeues_the_job_and_it_resumes_to_the_same_weights(slurm, tmp_path):
+    """What --signal=TERM@120 does before the time limit (and SLURM does on preemption): SIGTERM to
+    every process of the job. The job checkpoints, requeues itself, and finishes where an
+    uninterrupted run finishes, bitwise."""
+    start = time.monotonic()
+    job = submit(slurm, tmp_path, *PREEMPTIBLE)
+    out = tmp_path / f"slurm-{job}"
+    deadline = time.monotonic() + 120
+    while not list((out / "checkpoints").glob("step-*.pt")):  # a periodic checkpoint: training is under way
+        assert time.monotonic() < deadline, f"no checkpoint after 120 s, job {job_field(slurm, job, 'JobState')}"
+        time.sleep(0.2)
+    ok(subprocess.run(["scancel", "--signal=TERM", job], env=slurm, capture_output=True, text=True))
+    state = wait_until_done(slurm, job, timeout=240)
+    log = (tmp_path / f"log-{job}.out").read_text()
+    assert state == "COMPLETED", log
+    assert job_field(slurm, job, "Restarts") == "1", log
+    assert "stopping on SIGTERM: checkpoint" in log and f"scontrol requeue {job}: requeued" in log
+    assert "resumed from" in log and f"job {job} (restart 1)" in log
+    assert [m["epoch"] for m in metrics(out)] == [1, 2, 3, 4]  # each epoch once, the right number
+
+    reference = tmp_path / "uninterrupted"
+    ok(torchrun(2, str(TRAIN), *PREEMPTIBLE, f"run.out_dir={reference}"))
+    got = torch.load(out / "checkpoints" / "last.pt", weights_only=True)["model"]
+    want = torch.load(reference / "checkpoints" / "last.pt", weights_only=True)["model"]
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    resumed = next(line for line in log.splitlines() if line.startswith("resumed from"))
+    REPORT.append(f"SLURM stop signal + requeue: {resumed.split(':')[1].strip()}; finished bitwise equal to an "
+                  f"uninterrupted run; {time.monotonic() - start:.1f} s in all")  # fmt: skip
+
+
+def test_srun_starts_the_ranks_directly(slurm, tmp_path):
+    proc = subprocess.run(
+        ["srun", "--ntasks=2", "python", str(TRAIN), *TINY, "train.epochs=1", f"run.out_dir={tmp_path}"],
+        cwd=REPO, env=slurm, capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    ok(proc)
+    assert "launcher=slurm parallel=ddp world_size=2" in proc.stdout
+    assert metrics(tmp_path)[0]["world_size"] == 2
+
+
+def test_doctor_under_srun_checks_every_task(slurm, tmp_path):
+    proc = subprocess.run(
+        ["srun", "--ntasks=2", "python", "-m", "ddp.doctor", f"run.out_dir={tmp_path}"],
+        cwd=REPO, env=slurm, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    ok(proc)
+    assert "rank 0/2" in proc.stdout and "rank 1/2" in proc.stdout and "launcher slurm" in proc.stdout
+    assert "SLURM_PROCID=1" in proc.stdout and "the same directory on every rank" in proc.stdout
+    assert proc.stdout.count("doctor: OK") == 1

@@ -145,11 +145,11 @@ def diagnose(run: config.RunConfig) -> list[str]:
         if world.is_main:
             for r, _, _ in reports:
                 print_report(r)
-            expected = world.world_size * (world.world_size - 1) / 2
+            want, got = world.world_size * (world.world_size - 1) / 2, reduced.item()
             backend = dist.get_backend()
-            print(f"all_reduce over {world.world_size} ranks ({backend}): {reduced.item():g} (expected {expected:g})")
-            if reduced.item() != expected:
-                problems.append(f"all_reduce gave {reduced.item():g}, not {expected:g}: the {backend} backend is broken")
+            print(f"all_reduce over {world.world_size} ranks ({backend}): {got:g} (expected {want:g})")
+            if got != want:
+                problems.append(f"all_reduce gave {got:g}, not {want:g}: the {backend} backend is broken")
             if shared[1]:
                 problems.append(shared[1])
             blind = [r["rank"] for r, seen, _ in reports if not seen]

@@ -11,6 +11,7 @@ set -euo pipefail
 state=${SLURM_STATE:-/tmp/ddp-cifar-slurm}
 conf=$state/slurm.conf
 export SLURM_CONF=$conf
+export PATH="$PATH:/usr/sbin:/sbin"  # the daemons live there
 
 die() { echo "slurm/cluster.sh: $*" >&2; exit 1; }
 

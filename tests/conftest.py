@@ -51,7 +51,7 @@ def require(tool: str, install: str) -> str:
     """The path of a system tool the launcher tests need. Missing, the test fails and says how to
     install it (CI installs it in .ci/run); DDP_CIFAR_ALLOW_MISSING=1 turns that into a skip, for
     machines that cannot have it (no root, not Debian)."""
-    path = shutil.which(tool)
+    path = shutil.which(tool, path=f"{os.environ['PATH']}{os.pathsep}/usr/sbin{os.pathsep}/sbin")
     if path:
         return path
     reason = f"{tool} not found: {install} (.ci/run does this as root)"

@@ -30,14 +30,24 @@ def run_script(script: str, *args: str, env: dict | None = None, cwd: Path = REP
     )
 
 
-def in_parallel(commands: list[tuple[list[str], dict]], timeout: float = 300) -> list[subprocess.CompletedProcess]:
-    procs = [subprocess.Popen(c, cwd=REPO, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for c, e in commands]  # fmt: skip
-    out = []
+def on_two_machines(script: str, rank_var: str, out: Path, **env: str) -> list[subprocess.CompletedProcess]:
+    """`bash script` twice at once on loopback, as on two machines (rank_var 0 and 1); both must succeed."""
+    port = str(free_port())
+    procs = [
+        subprocess.Popen(
+            ["bash", script, *ONE_EPOCH, f"run.out_dir={out}"], cwd=REPO, text=True,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            env=clean_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, NPROC="1", **{rank_var: str(m)}, **env),
+        )
+        for m in (0, 1)
+    ]  # fmt: skip
+    done = []
     for p in procs:
-        stdout, stderr = p.communicate(timeout=timeout)
-        out.append(subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr))
-    return out
+        stdout, stderr = p.communicate(timeout=300)
+        assert p.returncode == 0, stderr
+        done.append(subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr))
+    assert metrics(out)[0]["world_size"] == 2
+    return done
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
@@ -59,19 +69,10 @@ def test_torchrun_launcher_defaults_to_2_cpu_processes_and_passes_arguments(tmp_
 
 
 def test_two_torchrun_agents_on_two_nodes_form_one_job(tmp_path):
-    """launch/multinode.sh twice on loopback, as on two machines: c10d rendezvous, 2 nodes x 1 process."""
-    port = str(free_port())
-    agents = [
-        (["bash", "launch/multinode.sh", *ONE_EPOCH, f"run.out_dir={tmp_path}"],
-         clean_env(NNODES="2", NODE_RANK=str(n), MASTER_ADDR="127.0.0.1", MASTER_PORT=port, NPROC="1"))
-        for n in (0, 1)
-    ]  # fmt: skip
-    done = in_parallel(agents)
-    for proc in done:
-        assert proc.returncode == 0, proc.stderr
+    """launch/multinode.sh on two "machines": c10d rendezvous, 2 nodes x 1 process."""
+    done = on_two_machines("launch/multinode.sh", "NODE_RANK", tmp_path, NNODES="2")
     assert "--nnodes=2 --nproc_per_node=1 --rdzv_backend=c10d" in done[0].stderr
     assert "launcher=torchrun parallel=ddp world_size=2" in done[0].stdout + done[1].stdout
-    assert metrics(tmp_path)[0]["world_size"] == 2
 
 
 def test_accelerate_launch_on_cpu_runs_2_processes_through_mpi(tmp_path):
@@ -106,17 +107,8 @@ def test_accelerate_script_on_cpu(tmp_path):
 
 
 def test_accelerate_multi_machine_config_on_two_machines(tmp_path):
-    """launch/accelerate/multi-machine.yaml through launch/accelerate.sh, twice on loopback."""
-    port = str(free_port())
+    """launch/accelerate/multi-machine.yaml through launch/accelerate.sh on two "machines"."""
     config = "launch/accelerate/multi-machine.yaml"
-    machines = [
-        (["bash", "launch/accelerate.sh", *ONE_EPOCH, f"run.out_dir={tmp_path}"],
-         clean_env(ACCELERATE_CONFIG=config, NUM_MACHINES="2", MACHINE_RANK=str(m), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=port, NPROC="1"))
-        for m in (0, 1)
-    ]  # fmt: skip
-    done = in_parallel(machines)
-    for proc in done:
-        assert proc.returncode == 0, proc.stderr
-    assert "launcher=accelerate parallel=ddp world_size=2" in done[0].stdout
-    assert metrics(tmp_path)[0]["world_size"] == 2
+    done = on_two_machines("launch/accelerate.sh", "MACHINE_RANK", tmp_path, ACCELERATE_CONFIG=config, NUM_MACHINES="2")
+    assert "--config_file launch/accelerate/multi-machine.yaml --num_machines 2" in done[0].stderr
+    assert "launcher=accelerate parallel=ddp world_size=2" in done[0].stdout + done[1].stdout

@@ -32,14 +32,19 @@ class DataConfig:
     path: str = opt("", "the .npz file for dataset=npz (x_train, y_train, x_test, y_test)")
     download: bool = opt(True, "download cifar10/cifar100 into data.root when missing")
     augment: bool = opt(True, "random crop (4-px padding) and horizontal flip while training")
-    workers: int = opt(2, "DataLoader worker processes per rank (0 = load in the main process)")
+    loader: str = opt(
+        "device",
+        "device = the split on the training device, batched augmentation there | torch = DataLoader workers",
+        ("device", "torch"),
+    )
+    workers: int = opt(2, "DataLoader worker processes per rank for loader=torch (0 = load in the main process)")
     synthetic_train: int = opt(2048, "train images for dataset=synthetic")
     synthetic_test: int = opt(512, "test images for dataset=synthetic")
 
 
 @dataclass
 class ModelConfig:
-    name: str = opt("resnet18", "architecture", ("tutorial", "small", "resnet18"))
+    name: str = opt("resnet18", "architecture", ("tutorial", "small", "fast", "resnet18"))
 
 
 @dataclass
@@ -48,6 +53,7 @@ class TrainConfig:
     batch_size: int = opt(256, "GLOBAL batch in images per step, split evenly across ranks")
     eval_batch_size: int = opt(1024, "GLOBAL evaluation batch, split across ranks")
     label_smoothing: float = opt(0.0, "label smoothing of the cross-entropy loss (0 = off)")
+    tta_flip: bool = opt(False, "evaluate on each test image and its mirror image, averaging the logits")
 
 
 @dataclass
@@ -83,6 +89,8 @@ class RunConfig:
     )
     timeout_s: int = opt(300, "seconds a collective may wait before the run fails instead of hanging")
     progress: bool = opt(True, "tqdm bar on rank 0 when stdout is a terminal")
+    tf32: bool = opt(False, "TensorFloat-32 for CUDA matmuls and cuDNN convolutions (faster, ~10-bit mantissa)")
+    cudnn_benchmark: bool = opt(False, "let cuDNN time its convolution algorithms for the fixed input shapes")
 
 
 @dataclass

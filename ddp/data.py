@@ -2,8 +2,12 @@
 
 Every dataset kind (cifar10/cifar100 through torchvision, an .npz file, synthetic) is read once into
 the same form: uint8 images (N, 3, 32, 32) and int64 labels, plus class names. Loaders yield uint8
-batches (augmented on the CPU side when training); `input_fn` converts and normalises them on the
-training device, so a batch crosses to the GPU at a quarter of its float size.
+batches; `input_fn` converts and normalises them on the training device. Two loaders:
+- device (data.loader=device, default): the split copied to the training device once; batches are
+  gathered and augmented there in one batched operation. No workers, no per-step copy.
+- torch (data.loader=torch): a DataLoader with worker processes augmenting image by image on the
+  CPU; a batch crosses to the GPU as uint8, a quarter of its float size.
+Both take the same images in the same order with the same crops and flips.
 
 Sharding: training uses a DistributedSampler (same permutation on every rank from (seed, epoch),
 each rank its slice) that can start mid-epoch, and augmentation drawn per image from a table of
@@ -220,12 +224,17 @@ def _leave_stopping_to_the_main_process(worker_id: int) -> None:
         signal.signal(sig, signal.SIG_IGN)
 
 
-def train_loader(split: Split, per_rank_batch: int, world: World, augment: bool, workers: int, seed: int) -> DataLoader:
+def train_loader(
+    split: Split, per_rank_batch: int, world: World, augment: bool, workers: int, seed: int, kind: str = "torch"
+) -> DataLoader | DeviceLoader:
     """Per-rank batches of uint8 images; call .sampler.set_position(epoch, step) before each epoch.
+    kind: "device" (DeviceLoader) or "torch" (a DataLoader with `workers` processes).
 
     drop_last everywhere: every rank takes the same number of equal steps, and N ranks x B/N see
     exactly the images one process x B sees.
     """
+    if kind == "device":
+        return DeviceLoader(split, per_rank_batch, world, seed if augment else None, seed)
     dataset = _Images(split, seed if augment else None)
     return DataLoader(
         dataset,
@@ -240,8 +249,12 @@ def train_loader(split: Split, per_rank_batch: int, world: World, augment: bool,
     )
 
 
-def eval_loader(split: Split, per_rank_batch: int, world: World, workers: int) -> DataLoader:
+def eval_loader(
+    split: Split, per_rank_batch: int, world: World, workers: int, kind: str = "torch"
+) -> DataLoader | DeviceEvalLoader:
     """This rank's images r, r + world_size, ...: a partition of the test set, no duplicates."""
+    if kind == "device":
+        return DeviceEvalLoader(split, per_rank_batch, world)
     shard = Subset(_Images(split, None), range(world.rank, len(split.labels), world.world_size))
     return DataLoader(
         shard,
@@ -251,6 +264,64 @@ def eval_loader(split: Split, per_rank_batch: int, world: World, workers: int) -
         pin_memory=world.device.type == "cuda",
         generator=torch.Generator(),  # leaves the global RNG alone
     )
+
+
+def augment_batch(images: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """augment() for a whole batch at once, on the batch's device: rows of `table` are each image's
+    (dy, dx, flip). One gather from the zero-padded batch; the same pixels augment() gives."""
+    n = len(images)
+    padded = F.pad(images, (4, 4, 4, 4)).permute(0, 2, 3, 1)  # (n, 40, 40, C): gather rows and columns
+    span = torch.arange(32, device=images.device)
+    dy, dx, flip = table[:, 0:1], table[:, 1:2], table[:, 2:3].bool()
+    rows = dy + span  # (n, 32)
+    cols = torch.where(flip, dx + 31 - span, dx + span)  # a flipped crop reads its columns backwards
+    out = padded[torch.arange(n, device=images.device)[:, None, None], rows[:, :, None], cols[:, None, :]]
+    return out.permute(0, 3, 1, 2).contiguous()
+
+
+class DeviceLoader:
+    """data.loader=device: the split lives on the training device as uint8, copied there once; each
+    step gathers its batch there and augments it with one batched gather. No worker processes and
+    no host-to-device copy per step.
+
+    Which images a step takes, and each image's crop and flip, are the torch loader's: the same
+    ResumableSampler order (permutation of (seed, epoch), each rank its slice, resumable at a global
+    step) and the same augmentation table. So switching loaders changes speed, not the run."""
+
+    def __init__(self, split: Split, per_rank_batch: int, world: World, augment_seed: int | None, seed: int) -> None:
+        self.images = split.images.to(world.device)
+        self.labels = split.labels.to(world.device)
+        self.per_rank_batch, self.augment_seed = per_rank_batch, augment_seed
+        self.sampler = ResumableSampler(_Images(split, None), world, per_rank_batch, seed)
+
+    def __len__(self) -> int:
+        return len(self.sampler) // self.per_rank_batch
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        order = torch.tensor([i for i, _ in self.sampler], dtype=torch.int64, device=self.images.device)
+        table = None
+        if self.augment_seed is not None:
+            table = augmentation_table(len(self.labels), self.augment_seed, self.sampler.epoch).to(self.images.device)
+        for k in range(len(self)):
+            picked = order[k * self.per_rank_batch : (k + 1) * self.per_rank_batch]
+            images = self.images[picked]
+            yield (augment_batch(images, table[picked]) if table is not None else images), self.labels[picked]
+
+
+class DeviceEvalLoader:
+    """Evaluation from the device-resident split: rank r's images r, r + world_size, ..., in batches."""
+
+    def __init__(self, split: Split, per_rank_batch: int, world: World) -> None:
+        shard = torch.arange(world.rank, len(split.labels), world.world_size)
+        self.images, self.labels = split.images[shard].to(world.device), split.labels[shard].to(world.device)
+        self.per_rank_batch = per_rank_batch
+
+    def __len__(self) -> int:
+        return -(-len(self.labels) // self.per_rank_batch)
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        for k in range(0, len(self.labels), self.per_rank_batch):
+            yield self.images[k : k + self.per_rank_batch], self.labels[k : k + self.per_rank_batch]
 
 
 def input_fn(data: Data, device: torch.device, channels_last: bool) -> Callable[[torch.Tensor], torch.Tensor]:

@@ -55,6 +55,45 @@ def small(num_classes: int = 10) -> nn.Module:
     )
 
 
+class _Scale(nn.Module):
+    def __init__(self, factor: float) -> None:
+        super().__init__()
+        self.factor = factor
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.factor
+
+
+def _fast_block(c_in: int, c_out: int) -> nn.Sequential:
+    return nn.Sequential(
+        nn.Conv2d(c_in, c_out, 3, padding=1, bias=False),
+        nn.MaxPool2d(2),  # pool before BN: BN and GELU then run on a quarter of the pixels
+        nn.BatchNorm2d(c_out),
+        nn.GELU(),
+        nn.Conv2d(c_out, c_out, 3, padding=1, bias=False),
+        nn.BatchNorm2d(c_out),
+        nn.GELU(),
+    )
+
+
+def fast(num_classes: int = 10) -> nn.Module:
+    """The layout of the fast CIFAR-10 speed-run nets (airbench): a 2x2 stem, three blocks of two
+    3x3 convs with BatchNorm and GELU at 64-256-256 channels (32 -> 16 -> 8 -> 4 px), global max-pool,
+    a linear head. ~2M parameters; made for large batches, bf16 and channels_last on a GPU."""
+    return nn.Sequential(
+        nn.Conv2d(3, 24, 2, padding=1, bias=False),  # 33x33
+        nn.BatchNorm2d(24),
+        nn.GELU(),
+        _fast_block(24, 64),  # 16x16
+        _fast_block(64, 256),  # 8x8
+        _fast_block(256, 256),  # 4x4
+        nn.AdaptiveMaxPool2d(1),
+        nn.Flatten(),
+        nn.Linear(256, num_classes, bias=False),
+        _Scale(1 / 8),  # max-pooled GELU features are large: small initial logits let a high LR start
+    )
+
+
 def resnet18(num_classes: int = 10) -> nn.Module:
     """torchvision's ResNet-18 adapted to 32x32: a 3x3 stride-1 stem and no max-pool, so the
     first stage sees 32x32 instead of ImageNet's 8x8 (the usual CIFAR variant, ~11M parameters)."""
@@ -64,7 +103,12 @@ def resnet18(num_classes: int = 10) -> nn.Module:
     return net
 
 
-MODELS: dict[str, Callable[[int], nn.Module]] = {"tutorial": TutorialNet, "small": small, "resnet18": resnet18}
+MODELS: dict[str, Callable[[int], nn.Module]] = {
+    "tutorial": TutorialNet,
+    "small": small,
+    "fast": fast,
+    "resnet18": resnet18,
+}
 
 
 def build(name: str, num_classes: int) -> nn.Module:

@@ -12,6 +12,7 @@ and process groups belong to distributed.py, data to data.py, files to checkpoin
 from __future__ import annotations
 
 import math
+import os
 import random
 import signal
 import subprocess
@@ -141,8 +142,10 @@ def evaluate(
     num_classes: int,
     world: World,
     amp: torch.dtype | None,
+    tta_flip: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(correct, total) per class over the whole test set, summed over ranks: each image once."""
+    """(correct, total) per class over the whole test set, summed over ranks: each image once.
+    tta_flip: predict from the sum of the logits of each image and of its mirror image."""
     module.eval()
     correct = torch.zeros(num_classes, dtype=torch.int64, device=world.device)
     total = torch.zeros_like(correct)
@@ -150,12 +153,26 @@ def evaluate(
         x = to_input(images)
         y = labels.to(world.device, non_blocking=True)
         with torch.autocast(world.device.type, dtype=amp, enabled=amp is not None):
-            predicted = module(x).argmax(dim=1)
+            logits = module(x)
+            if tta_flip:
+                logits = logits + module(x.flip(-1))
+            predicted = logits.argmax(dim=1)
         total.index_add_(0, y, torch.ones_like(y))
         correct.index_add_(0, y, (predicted == y).long())  # no boolean indexing: no sync per batch
     distributed.all_reduce_sum(correct, world)
     distributed.all_reduce_sum(total, world)
     return correct.cpu(), total.cpu()
+
+
+def seconds_since_process_start() -> float | None:
+    """How long this process has existed (Linux /proc), Python's and torch's imports included: the
+    startup_s metric, time from process start to the end of the first training step."""
+    try:
+        start_ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])  # field 22
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def seed_everything(seed: int) -> None:
@@ -227,6 +244,9 @@ def run(
 ) -> dict[str, Any] | None:
     """Train up to cfg.train.epochs inside an initialised World; the last epoch's metrics."""
     seed_everything(cfg.run.seed)
+    # TF32: CUDA matmuls and cuDNN convolutions in TensorFloat-32 (both switches, so one key decides).
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = cfg.run.tf32
+    torch.backends.cudnn.benchmark = cfg.run.cudnn_benchmark
     data = datasets.load(cfg.data, world)
     n_train = len(data.train.labels)
     steps_per_epoch = n_train // cfg.train.batch_size
@@ -259,10 +279,10 @@ def run(
     start_run_dir(cfg, world, done)
 
     train_dl = datasets.train_loader(
-        data.train, per_rank_batch, world, cfg.data.augment, cfg.data.workers, cfg.run.seed
+        data.train, per_rank_batch, world, cfg.data.augment, cfg.data.workers, cfg.run.seed, cfg.data.loader
     )
     eval_dl = datasets.eval_loader(
-        data.test, max(1, cfg.train.eval_batch_size // world.world_size), world, cfg.data.workers
+        data.test, max(1, cfg.train.eval_batch_size // world.world_size), world, cfg.data.workers, cfg.data.loader
     )
     criterion = nn.CrossEntropyLoss(label_smoothing=cfg.train.label_smoothing)
     to_input = datasets.input_fn(data, world.device, cfg.run.channels_last)
@@ -272,7 +292,8 @@ def run(
             f"{cfg.model.name} ({params / 1e6:.2f}M params) on {cfg.data.dataset} "
             f"({n_train} train / {len(data.test.labels)} test, {data.num_classes} classes); "
             f"launcher={world.launcher} parallel={world.parallel} world_size={world.world_size} device={world.device} "
-            f"global batch {cfg.train.batch_size} ({per_rank_batch} per rank), amp={cfg.run.amp}"
+            f"global batch {cfg.train.batch_size} ({per_rank_batch} per rank), amp={cfg.run.amp}; "
+            f"loader={cfg.data.loader} tf32={cfg.run.tf32} cudnn_benchmark={cfg.run.cudnn_benchmark}"
         )
 
     def save(metrics: dict[str, Any] | None) -> Path | None:
@@ -305,6 +326,8 @@ def run(
             cfg.run.keep_last,
         )
 
+    # Process start to the end of its first step: reported once, with this process's first epoch.
+    startup_s, first_step_done = None, False
     with preemption.StopRequest(stop_signals) as stop:
         for epoch in range(done + 1, cfg.train.epochs + 1):
             started, images_before = time.perf_counter(), totals[1].item()
@@ -314,6 +337,8 @@ def run(
                 cfg.run.progress, f"epoch {epoch}",
             ):  # fmt: skip
                 step, global_step = step + 1, global_step + 1
+                if not first_step_done:
+                    startup_s, first_step_done = seconds_since_process_start(), True
                 faults.maybe_kill("step", global_step, world.rank, cfg.run.out_dir)
                 stopping = distributed.any_rank(stop.requested, world)
                 periodic = cfg.run.save_every_steps and global_step % cfg.run.save_every_steps == 0
@@ -323,7 +348,9 @@ def run(
                         finish_stop(stop.received, saved, world)
             train_seconds = elapsed(started, world.device)
             distributed.sync_buffers(model, world)
-            correct, total = evaluate(distributed.for_eval(wrapped), eval_dl, to_input, data.num_classes, world, amp)
+            correct, total = evaluate(
+                distributed.for_eval(wrapped), eval_dl, to_input, data.num_classes, world, amp, cfg.train.tta_flip
+            )
             summed = distributed.all_reduce_sum(totals.clone(), world).tolist()
             last = {
                 "epoch": epoch,
@@ -339,6 +366,8 @@ def run(
                 "parallel": world.parallel,
                 "device": str(world.device),
             }
+            if startup_s is not None:
+                last["startup_s"], startup_s = startup_s, None
             if world.is_main:
                 logs.say(logs.epoch_line(last, cfg.train.epochs))
                 logs.append(cfg.run.out_dir, last)

@@ -266,46 +266,63 @@ def eval_loader(
     )
 
 
-def augment_batch(images: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """augment() for a whole batch at once, on the batch's device: rows of `table` are each image's
-    (dy, dx, flip). One gather from the zero-padded batch; the same pixels augment() gives."""
-    n = len(images)
-    padded = F.pad(images, (4, 4, 4, 4)).permute(0, 2, 3, 1)  # (n, 40, 40, C): gather rows and columns
-    span = torch.arange(32, device=images.device)
+def crop_flip(padded_hwc: torch.Tensor, index: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """augment() for a batch, as one gather: images `index` of a split zero-padded by 4 px and stored
+    (N, 40, 40, C), each cropped at its (dy, dx) and flipped per its table row. Returns (B, C, 32, 32)
+    in channels_last memory (the gather writes pixels with their channels together)."""
+    n, height, width, channels = padded_hwc.shape
+    span = torch.arange(32, device=padded_hwc.device)
     dy, dx, flip = table[:, 0:1], table[:, 1:2], table[:, 2:3].bool()
-    rows = dy + span  # (n, 32)
+    rows = dy + span  # (B, 32)
     cols = torch.where(flip, dx + 31 - span, dx + span)  # a flipped crop reads its columns backwards
-    out = padded[torch.arange(n, device=images.device)[:, None, None], rows[:, :, None], cols[:, None, :]]
-    return out.permute(0, 3, 1, 2).contiguous()
+    # One index_select of whole pixels (rows of C bytes) by flat position: 4x faster on a CPU than
+    # indexing with three broadcast index tensors (measured).
+    pixel = (index[:, None, None] * height + rows[:, :, None]) * width + cols[:, None, :]
+    pixels = padded_hwc.view(n * height * width, channels).index_select(0, pixel.view(-1))
+    return pixels.view(len(index), 32, 32, channels).permute(0, 3, 1, 2)
+
+
+def pad_hwc(images: torch.Tensor) -> torch.Tensor:
+    """(N, C, 32, 32) -> zero-padded by 4 px, (N, 40, 40, C): crop_flip's source."""
+    return F.pad(images, (4, 4, 4, 4)).permute(0, 2, 3, 1).contiguous()
+
+
+def augment_batch(images: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """augment() for a batch of images with their table rows (dy, dx, flip)."""
+    return crop_flip(pad_hwc(images), torch.arange(len(images), device=images.device), table)
 
 
 class DeviceLoader:
-    """data.loader=device: the split lives on the training device as uint8, copied there once; each
-    step gathers its batch there and augments it with one batched gather. No worker processes and
-    no host-to-device copy per step.
+    """data.loader=device: the split lives on the training device as uint8, copied there once
+    (zero-padded for cropping when augmenting: 1.6x the bytes, 240 MB for CIFAR's 50k); each step
+    gathers its batch there, cropped and flipped, in one indexing operation. No worker processes
+    and no host-to-device copy per step.
 
     Which images a step takes, and each image's crop and flip, are the torch loader's: the same
     ResumableSampler order (permutation of (seed, epoch), each rank its slice, resumable at a global
     step) and the same augmentation table. So switching loaders changes speed, not the run."""
 
     def __init__(self, split: Split, per_rank_batch: int, world: World, augment_seed: int | None, seed: int) -> None:
-        self.images = split.images.to(world.device)
+        self.augment_seed = augment_seed
+        source = pad_hwc(split.images) if augment_seed is not None else split.images
+        self.images = source.to(world.device)  # padded (N, 40, 40, C) when augmenting, else (N, C, 32, 32)
         self.labels = split.labels.to(world.device)
-        self.per_rank_batch, self.augment_seed = per_rank_batch, augment_seed
+        self.per_rank_batch = per_rank_batch
         self.sampler = ResumableSampler(_Images(split, None), world, per_rank_batch, seed)
 
     def __len__(self) -> int:
         return len(self.sampler) // self.per_rank_batch
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        order = torch.tensor([i for i, _ in self.sampler], dtype=torch.int64, device=self.images.device)
+        device = self.images.device
+        order = torch.tensor([i for i, _ in self.sampler], dtype=torch.int64, device=device)
         table = None
         if self.augment_seed is not None:
-            table = augmentation_table(len(self.labels), self.augment_seed, self.sampler.epoch).to(self.images.device)
+            table = augmentation_table(len(self.labels), self.augment_seed, self.sampler.epoch).to(device)
         for k in range(len(self)):
             picked = order[k * self.per_rank_batch : (k + 1) * self.per_rank_batch]
-            images = self.images[picked]
-            yield (augment_batch(images, table[picked]) if table is not None else images), self.labels[picked]
+            images = crop_flip(self.images, picked, table[picked]) if table is not None else self.images[picked]
+            yield images, self.labels[picked]
 
 
 class DeviceEvalLoader:
@@ -330,9 +347,20 @@ def input_fn(data: Data, device: torch.device, channels_last: bool) -> Callable[
     mean = torch.tensor(data.mean, device=device).view(1, 3, 1, 1)
     std = torch.tensor(data.std, device=device).view(1, 3, 1, 1)
     layout = torch.channels_last if channels_last else torch.contiguous_format
+    # (x / 255 - mean) / std as x * scale + shift, with scale and shift laid out like the batch at
+    # full image size: broadcasting only over the batch keeps the loops simple (5x faster on a CPU
+    # for channels_last than per-channel (1, 3, 1, 1) constants, measured).
+    constants: dict[torch.Size, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def to_input(images: torch.Tensor) -> torch.Tensor:
-        x = images.to(device, non_blocking=True).float().div_(255).sub_(mean).div_(std)
-        return x.contiguous(memory_format=layout)
+        x = images.to(device, non_blocking=True).contiguous(memory_format=layout)  # uint8: the cheap copy
+        size = x.shape[1:]
+        if size not in constants:
+            full = (1, *size)
+            constants[size] = tuple(
+                c.expand(full).contiguous(memory_format=layout) for c in (1 / (255 * std), -mean / std)
+            )
+        scale, shift = constants[size]
+        return x.float().mul_(scale).add_(shift)  # float32 keeps x's memory format
 
     return to_input

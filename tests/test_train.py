@@ -4,7 +4,7 @@ import pytest
 import torch
 from conftest import TINY, metrics
 
-from ddp import models, train
+from ddp import distributed, models, train
 
 
 def test_learns_the_real_cifar10_subset(subset, tmp_path):
@@ -19,9 +19,10 @@ def test_learns_the_real_cifar10_subset(subset, tmp_path):
 
 @pytest.mark.parametrize(
     "switches",
-    [["run.amp=bf16"], ["run.channels_last=true"], ["run.compile=true", "model.name=tutorial"]],
-    ids=["bf16", "channels_last", "compile"],
-)
+    [["run.amp=bf16"], ["run.channels_last=true"], ["run.compile=true", "model.name=tutorial"],
+     ["run.tf32=true", "run.cudnn_benchmark=true", "train.tta_flip=true", "data.loader=torch"]],
+    ids=["bf16", "channels_last", "compile", "tf32-benchmark-tta-torchloader"],
+)  # fmt: skip
 def test_speed_switches_train_and_save_a_plain_model(switches, tmp_path):
     last = train.main([f"run.out_dir={tmp_path}", *TINY, "train.epochs=1", *switches])
     assert last["test_images"] == 101 and last["train_loss"] == last["train_loss"]  # not NaN
@@ -51,3 +52,33 @@ def test_resume_from_a_named_checkpoint_into_a_new_out_dir(tmp_path):
     )
     assert last["epoch"] == 2
     assert [r["epoch"] for r in metrics(tmp_path / "b")] == [2]
+
+
+def test_gpu_switches_are_set_and_logged_and_startup_is_reported_once(tmp_path, capsys):
+    args = [f"run.out_dir={tmp_path}", *TINY, "run.tf32=true", "run.cudnn_benchmark=true"]
+    train.main(args)
+    assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32 and torch.backends.cudnn.benchmark
+    assert "loader=device tf32=True cudnn_benchmark=True" in capsys.readouterr().out
+    first, second = metrics(tmp_path)
+    assert 0 < first["startup_s"] < 120 and "startup_s" not in second  # once per process, its first epoch
+    train.main([*args, "run.tf32=false", "run.cudnn_benchmark=false", "train.epochs=3"])
+    assert not (
+        torch.backends.cuda.matmul.allow_tf32 or torch.backends.cudnn.allow_tf32 or torch.backends.cudnn.benchmark
+    )
+
+
+def test_flip_test_time_augmentation_adds_the_logits_of_the_mirror_image():
+    class LeftMinusRight(torch.nn.Module):  # logit of class 1: left half minus right half; a mirror negates it
+        def forward(self, x):
+            score = x[..., :16].mean(dim=(1, 2, 3)) - x[..., 16:].mean(dim=(1, 2, 3))
+            return torch.stack([torch.zeros_like(score), score], dim=1)
+
+    images = torch.zeros(4, 3, 32, 32, dtype=torch.uint8)
+    images[:2, :, :, :16] = 200  # class 1 alone; with its mirror the logits tie and argmax takes class 0
+    labels = torch.tensor([0, 0, 1, 1])
+    world = distributed.World(0, 0, 1, torch.device("cpu"), "none")
+    loader = [(images, labels)]
+    to_input = lambda x: x.float()  # noqa: E731
+    plain_correct, total = train.evaluate(LeftMinusRight(), loader, to_input, 2, world, None)
+    tta_correct, _ = train.evaluate(LeftMinusRight(), loader, to_input, 2, world, None, tta_flip=True)
+    assert total.tolist() == [2, 2] and plain_correct.tolist() == [0, 0] and tta_correct.tolist() == [2, 0]

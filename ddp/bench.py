@@ -255,17 +255,27 @@ def data_path(sizes: dict, devices: list[torch.device]) -> list[dict]:
 def _ddp_worker(
     rank: int, world_size: int, port: int, name: str, global_batch: int, sizes: dict, threads: int, out: Any
 ) -> None:
+    """Seconds per DDP step on rank 0; at world size 1 also the bare model's, in the same process with
+    the same threads, measured alternately (bare, DDP, bare, DDP) so that drift hits both alike."""
     torch.set_num_threads(threads)
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     world = World(rank, rank, world_size, device, "ddp", "bench", f"tcp://127.0.0.1:{port}")
+    timing = (device, sizes["warmup"], sizes["steps"], sizes["repeats"])
     with distributed.setup(world, 120):
-        model = distributed.wrap(build(name, device), world)
         fixed = next(iter(device_loader(synthetic_split(global_batch), global_batch // world_size, device)))
-        step = training_step(model, device, lambda: fixed, normaliser(device, True))
-        s = seconds_per_call(step, device, sizes["warmup"], sizes["steps"], sizes["repeats"])
+        ddp = training_step(
+            distributed.wrap(build(name, device), world), device, lambda: fixed, normaliser(device, True)
+        )
+        bare = training_step(build(name, device), device, lambda: fixed, normaliser(device, True))
+        rounds = 2 if world_size == 1 else 1
+        times = {"ddp": [], "bare": []}
+        for _ in range(rounds):
+            if world_size == 1:
+                times["bare"].append(seconds_per_call(bare, *timing))
+            times["ddp"].append(seconds_per_call(ddp, *timing))
         if rank == 0:
-            out.put(s)
+            out.put({k: statistics.mean(v) if v else None for k, v in times.items()})
 
 
 def free_port() -> int:
@@ -274,8 +284,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def ddp_step_seconds(world_size: int, name: str, global_batch: int, sizes: dict) -> float:
-    """Seconds per step of `world_size` DDP processes on this machine (each with its share of the cores)."""
+def ddp_step_seconds(world_size: int, name: str, global_batch: int, sizes: dict) -> dict[str, float | None]:
+    """Seconds per step of `world_size` DDP processes on this machine (each with its share of the
+    cores): {"ddp": s, "bare": s at world size 1, else None}."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     threads = max(1, (os.cpu_count() or 1) // world_size) if not torch.cuda.is_available() else 1
@@ -298,10 +309,8 @@ def ddp_overhead(sizes: dict) -> list[dict]:
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     n = torch.cuda.device_count() if device.type == "cuda" else 2
     for name, batch in sizes["ddp"]:
-        fixed = next(iter(device_loader(synthetic_split(batch), batch, device)))
-        bare = training_step(build(name, device), device, lambda fixed=fixed: fixed, normaliser(device, True))
-        bare_s = seconds_per_call(bare, device, sizes["warmup"], sizes["steps"], sizes["repeats"])
-        one_s = ddp_step_seconds(1, name, batch, sizes)
+        one = ddp_step_seconds(1, name, batch, sizes)
+        bare_s, one_s = one["bare"], one["ddp"]
         row = {
             "device": device_name(device),
             "model": name,
@@ -311,7 +320,7 @@ def ddp_overhead(sizes: dict) -> list[dict]:
             "ddp1_overhead": one_s / bare_s - 1,
         }
         if n > 1:
-            row.update({"processes": n, "ddpN_step_s": ddp_step_seconds(n, name, batch, sizes)})
+            row.update({"processes": n, "ddpN_step_s": ddp_step_seconds(n, name, batch, sizes)["ddp"]})
             row["speedup_N_vs_1"] = one_s / row["ddpN_step_s"]
         rows.append(row)
         print(

@@ -1,6 +1,7 @@
 # make train: a short 2-process DDP run (one process per GPU where there are GPUs) on CIFAR-10.
 #   make train DATA=path/to/cifar-dir-or-file.npz   uses a local copy instead of downloading.
-# make test: the whole test suite (CPU, gloo). Both create .venv and install on first use.
+# make test: the whole test suite (CPU, gloo). make bench: speed on this machine (ddp.bench).
+# All create .venv and install on first use.
 SHELL := bash
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -15,7 +16,7 @@ ifneq ($(DATA),)
   endif
 endif
 
-.PHONY: install train test lint format clean
+.PHONY: install train test bench lint format clean
 install: $(STAMP)
 
 # --system-site-packages: a machine that already has torch + torchvision (a GPU VM with a torch that
@@ -34,6 +35,10 @@ train: $(STAMP)
 
 test: $(STAMP) lint
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# make bench [DATA=cifar10-subset.npz]: python -m ddp.bench on this machine, results in bench/results/.
+bench: $(STAMP)
+	$(PY) -m ddp.bench $(if $(DATA),--data $(DATA)) $(ARGS)
 
 lint: $(STAMP)
 	$(PY) -m ruff check ddp tests bench

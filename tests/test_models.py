@@ -33,5 +33,5 @@ def test_small_is_small():
 
 
 def test_unknown_model():
-    with pytest.raises(UsageError, match="model.name='vgg' is not one of tutorial, small, resnet18"):
+    with pytest.raises(UsageError, match="model.name='vgg' is not one of tutorial, small, fast, resnet18"):
         models.build("vgg", 10)

@@ -60,7 +60,7 @@ def test_gpu_switches_are_set_and_logged_and_startup_is_reported_once(tmp_path, 
     assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32 and torch.backends.cudnn.benchmark
     assert "loader=device tf32=True cudnn_benchmark=True" in capsys.readouterr().out
     first, second = metrics(tmp_path)
-    assert 0 < first["startup_s"] < 120 and "startup_s" not in second  # once per process, its first epoch
+    assert first["startup_s"] > 0 and "startup_s" not in second  # once per process (here pytest's), first epoch
     train.main([*args, "run.tf32=false", "run.cudnn_benchmark=false", "train.epochs=3"])
     assert not (
         torch.backends.cuda.matmul.allow_tf32 or torch.backends.cudnn.allow_tf32 or torch.backends.cudnn.benchmark

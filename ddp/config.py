@@ -193,6 +193,11 @@ def load(path: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -
         for section, values in _read_yaml(path).items():
             for key, value in values.items():
                 _set(cfg, f"{section}.{key}", value)
+    return override(cfg, overrides)
+
+
+def override(cfg: Config, overrides: list[str] | tuple[str, ...]) -> Config:
+    """`section.key=value` items applied to cfg in place (later items win); returns cfg."""
     for item in overrides:
         dotted, eq, value = item.partition("=")
         if not eq:

@@ -143,12 +143,12 @@ def evaluate(
     world: World,
     amp: torch.dtype | None,
     tta_flip: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(correct, total) per class over the whole test set, summed over ranks: each image once.
-    tta_flip: predict from the sum of the logits of each image and of its mirror image."""
+) -> torch.Tensor:
+    """The confusion matrix (true class x predicted class, counts) over the whole test set, summed
+    over ranks: each image once. Its diagonal is the correct count per class, its row sums the
+    images per class. tta_flip: predict from the sum of the logits of each image and its mirror."""
     module.eval()
-    correct = torch.zeros(num_classes, dtype=torch.int64, device=world.device)
-    total = torch.zeros_like(correct)
+    confusion = torch.zeros(num_classes * num_classes, dtype=torch.int64, device=world.device)
     for images, labels in loader:
         x = to_input(images)
         y = labels.to(world.device, non_blocking=True)
@@ -157,11 +157,9 @@ def evaluate(
             if tta_flip:
                 logits = logits + module(x.flip(-1))
             predicted = logits.argmax(dim=1)
-        total.index_add_(0, y, torch.ones_like(y))
-        correct.index_add_(0, y, (predicted == y).long())  # no boolean indexing: no sync per batch
-    distributed.all_reduce_sum(correct, world)
-    distributed.all_reduce_sum(total, world)
-    return correct.cpu(), total.cpu()
+        confusion.index_add_(0, y * num_classes + predicted, torch.ones_like(y))  # no sync per batch
+    distributed.all_reduce_sum(confusion, world)
+    return confusion.view(num_classes, num_classes).cpu()
 
 
 def seconds_since_process_start() -> float | None:
@@ -348,9 +346,10 @@ def run(
                         finish_stop(stop.received, saved, world)
             train_seconds = elapsed(started, world.device)
             distributed.sync_buffers(model, world)
-            correct, total = evaluate(
+            confusion = evaluate(
                 distributed.for_eval(wrapped), eval_dl, to_input, data.num_classes, world, amp, cfg.train.tta_flip
             )
+            correct, total = confusion.diag(), confusion.sum(dim=1)
             summed = distributed.all_reduce_sum(totals.clone(), world).tolist()
             last = {
                 "epoch": epoch,
@@ -359,6 +358,7 @@ def run(
                 "test_images": int(total.sum()),
                 "per_class_acc": [c / t if t else None for c, t in zip(correct.tolist(), total.tolist())],
                 "classes": data.classes,
+                "confusion": confusion.tolist(),  # rows: true class, columns: predicted
                 "lr": scheduler.get_last_lr()[0],
                 "images_per_s": (totals[1].item() - images_before) * world.world_size / train_seconds,
                 "seconds": elapsed(started, world.device),

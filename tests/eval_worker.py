@@ -24,7 +24,8 @@ def evaluate(path: str, out: str, overrides: list[str]) -> None:
         wrapped = distributed.wrap(model, world)
         loader = datasets.eval_loader(data.test, 16, world, workers=0)
         to_input = datasets.input_fn(data, world.device, channels_last=False)
-        correct, total = train.evaluate(distributed.for_eval(wrapped), loader, to_input, data.num_classes, world, None)
+        confusion = train.evaluate(distributed.for_eval(wrapped), loader, to_input, data.num_classes, world, None)
+        correct, total = confusion.diag(), confusion.sum(dim=1)
         if world.is_main:
             with open(out, "w") as f:
                 json.dump({"correct": correct.tolist(), "total": total.tolist(), "world_size": world.world_size}, f)

@@ -1,0 +1,101 @@
+"""Evaluate any checkpoint on any device:
+
+    python -m ddp.evaluate --checkpoint runs/quick/checkpoints/last.pt [--device cpu|cuda|cuda:N]
+                           [--json] [--batch-size 1024] [data.key=value ...]
+
+Prints the accuracy, a per-class table with class names (as the PyTorch CIFAR-10 tutorial prints
+it), the confusion matrix and images/s; --json prints the same as one JSON object. The model,
+dataset and normalisation come from the checkpoint (saved in any mode: plain, DataParallel, DDP,
+compiled); data.* overrides point at another copy of the data (e.g. data.path=... offline).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+import torch
+
+from ddp import checkpoint, config, distributed, models
+from ddp import data as datasets
+from ddp.config import RunConfig
+from ddp.errors import EXIT_USAGE, UsageError
+from ddp.train import evaluate
+
+
+def run(path: str, device: str, batch_size: int, overrides: list[str]) -> dict[str, Any]:
+    state = checkpoint.load(path)
+    cfg = config.from_dict(state["config"])
+    if bad := [o for o in overrides if not o.startswith("data.")]:
+        raise UsageError(f"{', '.join(bad)}: only data.* settings can change for evaluation (e.g. data.path=FILE)")
+    config.override(cfg, overrides)
+    world = distributed.resolve(RunConfig(device=device, parallel="none", launcher="none"))
+    data = datasets.load(cfg.data, world)
+    if norm := state.get("normalize"):  # the training split's statistics, as the model saw them
+        data.mean, data.std = tuple(norm["mean"]), tuple(norm["std"])
+    model = models.build(cfg.model.name, data.num_classes).to(world.device)
+    checkpoint.restore(state, model)
+    loader = datasets.eval_loader(data.test, batch_size, world, 0, "device")
+    to_input = datasets.input_fn(data, world.device, channels_last=False)
+    if world.device.type == "cuda":
+        torch.cuda.synchronize(world.device)
+    start = time.perf_counter()
+    confusion = evaluate(model, loader, to_input, data.num_classes, world, None, cfg.train.tta_flip)
+    seconds = time.perf_counter() - start
+    correct, total = confusion.diag(), confusion.sum(dim=1)
+    return {
+        "checkpoint": str(path),
+        "model": cfg.model.name,
+        "dataset": cfg.data.dataset,
+        "device": str(world.device),
+        "epoch": state["epoch"],
+        "test_images": int(total.sum()),
+        "accuracy": correct.sum().item() / max(1, total.sum().item()),
+        "classes": data.classes,
+        "per_class_accuracy": [c / t if t else None for c, t in zip(correct.tolist(), total.tolist())],
+        "confusion": confusion.tolist(),
+        "images_per_s": total.sum().item() / seconds,
+    }
+
+
+def table(r: dict[str, Any]) -> str:
+    lines = [
+        f"{r['checkpoint']}: {r['model']} after {r['epoch']} epoch(s), on {r['dataset']} ({r['test_images']} test "
+        f"images), {r['device']}, {r['images_per_s']:.0f} images/s",
+        f"Accuracy of the network on the {r['test_images']} test images: {100 * r['accuracy']:.1f} %",
+    ]
+    width = max(len(c) for c in r["classes"])
+    for name, acc in zip(r["classes"], r["per_class_accuracy"]):
+        lines.append(f"Accuracy for class: {name:{width}s} is " + (f"{100 * acc:.1f} %" if acc is not None else "n/a"))
+    if len(r["classes"]) <= 20:  # a 100 x 100 matrix is for --json
+        lines.append("Confusion matrix (rows: true class, columns: predicted):")
+        cell = max(5, *(len(str(v)) + 1 for row in r["confusion"] for v in row))
+        short = [c[: cell - 1] for c in r["classes"]]
+        lines.append(" " * (width + 1) + "".join(f"{c:>{cell}}" for c in short))
+        for name, row in zip(r["classes"], r["confusion"]):
+            lines.append(f"{name:{width}s} " + "".join(f"{v:>{cell}}" for v in row))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ddp.evaluate", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--checkpoint", required=True, help="a checkpoint written by ddp/train.py")
+    parser.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    parser.add_argument("--batch-size", type=int, default=1024)
+    parser.add_argument("--json", action="store_true", help="one JSON object instead of the tables")
+    parser.add_argument("overrides", nargs="*", help="data.key=value, e.g. data.path=cifar10-subset.npz")
+    args = parser.parse_args(argv)
+    try:
+        result = run(args.checkpoint, args.device, args.batch_size, args.overrides)
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    print(json.dumps(result) if args.json else table(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

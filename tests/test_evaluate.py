@@ -1,0 +1,64 @@
+"""python -m ddp.evaluate: any checkpoint, any device, the tutorial's per-class table, --json."""
+
+import json
+
+import pytest
+import torch
+from conftest import TINY, TRAIN, metrics, ok, python, torchrun
+
+
+@pytest.fixture(scope="module")
+def ddp_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ddp")
+    ok(torchrun(2, str(TRAIN), *TINY, f"run.out_dir={out}"))  # saved from DDP
+    return out
+
+
+def evaluate(*args: str):
+    return python("-m", "ddp.evaluate", *args)
+
+
+def test_json_agrees_with_the_runs_own_evaluation(ddp_run):
+    got = json.loads(ok(evaluate("--checkpoint", str(ddp_run / "checkpoints" / "last.pt"), "--json")).stdout)
+    last = metrics(ddp_run)[-1]
+    assert got["accuracy"] == pytest.approx(last["test_acc"]) and got["test_images"] == 101
+    assert got["per_class_accuracy"] == pytest.approx(last["per_class_acc"])
+    assert got["confusion"] == last["confusion"] and sum(map(sum, got["confusion"])) == 101
+    assert got["classes"] == [f"class{i}" for i in range(10)] and got["device"] == "cpu"
+    assert got["images_per_s"] > 0 and got["epoch"] == 2
+
+
+def test_the_table_reads_like_the_tutorials(ddp_run):
+    out = ok(evaluate("--checkpoint", str(ddp_run / "checkpoints" / "last.pt"), "--device", "cpu")).stdout
+    assert "Accuracy of the network on the 101 test images:" in out
+    assert "Accuracy for class: class0 is" in out and "Accuracy for class: class9 is" in out
+    assert "Confusion matrix (rows: true class, columns: predicted):" in out
+
+
+def test_data_overrides_evaluate_on_other_data(ddp_run):
+    got = json.loads(ok(evaluate("--checkpoint", str(ddp_run / "checkpoints" / "last.pt"), "--json",
+                                 "data.synthetic_test=37")).stdout)  # fmt: skip
+    assert got["test_images"] == 37
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--checkpoint", "/no/such.pt"], "error: checkpoint not found: /no/such.pt"),
+        (["--checkpoint", "CKPT", "optim.lr=1"], "only data.* settings can change for evaluation"),
+        (["--checkpoint", "CKPT", "--device", "gpu"], "run.device='gpu' is not a device"),
+    ],
+)
+def test_mistakes_are_one_line_and_exit_2(ddp_run, args, message):
+    args = [str(ddp_run / "checkpoints" / "last.pt") if a == "CKPT" else a for a in args]
+    proc = evaluate(*args)
+    assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none visible on this machine)")
+def test_a_cpu_checkpoint_evaluates_on_the_gpu(ddp_run):
+    env = {k: v for k, v in __import__("os").environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    proc = python("-m", "ddp.evaluate", "--checkpoint", str(ddp_run / "checkpoints" / "last.pt"), "--device", "cuda",
+                  "--json", env=env)  # fmt: skip
+    got = json.loads(ok(proc).stdout)
+    assert got["device"] == "cuda:0" and got["accuracy"] == pytest.approx(metrics(ddp_run)[-1]["test_acc"])

@@ -38,10 +38,16 @@ def append(out_dir: str, metrics: dict[str, Any]) -> None:
 
 
 def epoch_line(m: dict[str, Any], epochs: int) -> str:
-    return (
+    line = (
         f"epoch {m['epoch']}/{epochs}  loss {m['train_loss']:.4f}  test_acc {100 * m['test_acc']:.2f}%  "
         f"{m['images_per_s']:.0f} img/s  {m['seconds']:.1f} s"
     )
+    if "gpu_allocated_mb" in m:
+        line += (
+            f"  gpu {m['gpu_allocated_mb']:.0f} MB allocated / {m['gpu_reserved_mb']:.0f} MB reserved, "
+            f"peak {m['gpu_peak_mb']:.0f} MB"
+        )
+    return line
 
 
 def say(text: str) -> None:
@@ -49,7 +55,13 @@ def say(text: str) -> None:
 
 
 def bar(batches: Iterable, enabled: bool, desc: str) -> Iterable:
-    """A tqdm bar over `batches` when enabled and stdout is a terminal; else the batches as they are."""
+    """A tqdm bar over `batches` when enabled and stdout is a terminal; else the batches as they are
+    (so logs and pipes get only the epoch lines)."""
     if enabled and sys.stdout.isatty():
-        return tqdm(batches, desc=desc, leave=False, dynamic_ncols=True)
+        return tqdm(batches, desc=desc, leave=False, dynamic_ncols=True, mininterval=0.25, file=sys.stdout)
     return batches
+
+
+def show(shown: Any, loss: float, lr: float, images_per_s: float) -> None:
+    """The bar's live numbers: loss of the last step, learning rate, images/s over all ranks."""
+    shown.set_postfix_str(f"loss={loss:.4f} lr={lr:.3g} img/s={images_per_s:.0f}", refresh=False)

@@ -119,7 +119,9 @@ def train_steps(
     """This rank's steps over its shard; yields after each optimizer step so the caller can act at
     the step boundary. Adds (loss x images, images) of this rank into `totals` without a sync."""
     wrapped.train()
-    for images, labels in logs.bar(loader, world.is_main and progress, desc):
+    shown = logs.bar(loader, world.is_main and progress, desc)
+    started, seen, last_update = time.perf_counter(), 0, 0.0
+    for images, labels in shown:
         x = to_input(images)
         y = labels.to(world.device, non_blocking=True)
         with torch.autocast(world.device.type, dtype=amp, enabled=amp is not None):
@@ -131,6 +133,11 @@ def train_steps(
         scheduler.step()
         totals[0] += loss.detach().double() * len(y)
         totals[1] += len(y)
+        seen += len(y) * world.world_size
+        now = time.perf_counter()
+        if shown is not loader and now - last_update > 0.25:  # a few times a second: loss.item() syncs
+            last_update = now
+            logs.show(shown, loss=loss.item(), lr=scheduler.get_last_lr()[0], images_per_s=seen / (now - started))
         yield
 
 
@@ -329,6 +336,8 @@ def run(
     with preemption.StopRequest(stop_signals) as stop:
         for epoch in range(done + 1, cfg.train.epochs + 1):
             started, images_before = time.perf_counter(), totals[1].item()
+            if world.device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(world.device)  # the epoch's own peak
             train_dl.sampler.set_position(epoch, step)  # this epoch's permutation, from `step` on
             for _ in train_steps(
                 wrapped, train_dl, to_input, optimizer, scheduler, scaler, criterion, world, amp, totals,
@@ -366,6 +375,10 @@ def run(
                 "parallel": world.parallel,
                 "device": str(world.device),
             }
+            if world.device.type == "cuda":  # this rank's (rank 0's in the log): MB
+                last["gpu_allocated_mb"] = torch.cuda.memory_allocated(world.device) / 2**20
+                last["gpu_reserved_mb"] = torch.cuda.memory_reserved(world.device) / 2**20
+                last["gpu_peak_mb"] = torch.cuda.max_memory_allocated(world.device) / 2**20
             if startup_s is not None:
                 last["startup_s"], startup_s = startup_s, None
             if world.is_main:
@@ -413,19 +426,28 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         return run(cfg, world, per_rank_batch, amp, stop_signals)
 
 
+def debug_requested(argv: list[str]) -> bool:
+    """run.debug=true on the command line, read even when the config itself fails to load."""
+    values = [a.partition("=")[2].strip().lower() for a in argv if a.replace(" ", "").startswith("run.debug=")]
+    return bool(values) and values[-1] in ("true", "1", "yes", "on")
+
+
 def cli(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     try:
         main(argv)
-    except UsageError as e:
+    except (UsageError, distributed.PeerLost) as e:
+        if debug_requested(argv):
+            raise  # the traceback, for a bug report
+        if isinstance(e, distributed.PeerLost):
+            print(f"error: {e}", file=sys.stderr)
+            return EXIT_PEER_LOST
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE
     except preemption.Stopped as e:
         if str(e):
             print(str(e), file=sys.stderr)
         return preemption.EXIT_PREEMPTED
-    except distributed.PeerLost as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_PEER_LOST
     return 0
 
 

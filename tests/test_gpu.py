@@ -72,3 +72,15 @@ def test_device_loader_keeps_the_split_on_the_gpu_and_gives_the_cpu_batches():
     assert loader.images.device.type == "cuda"
     for (a, la), (b, lb) in zip(batches["cpu"], batches["cuda"]):
         assert b.device.type == "cuda" and torch.equal(a, b.cpu()) and torch.equal(la, lb.cpu())
+
+
+@needs_gpu
+def test_gpu_memory_is_logged_per_epoch(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, str(TRAIN), *TINY, "run.device=cuda", f"run.out_dir={tmp_path}"],
+        env=gpu_env(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    ok(proc)
+    for m in metrics(tmp_path):
+        assert 0 < m["gpu_allocated_mb"] <= m["gpu_reserved_mb"] and m["gpu_peak_mb"] >= m["gpu_allocated_mb"]
+    assert "MB allocated /" in proc.stdout and "MB reserved, peak" in proc.stdout

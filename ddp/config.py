@@ -89,6 +89,7 @@ class RunConfig:
     )
     timeout_s: int = opt(300, "seconds a collective may wait before the run fails instead of hanging")
     progress: bool = opt(True, "tqdm bar on rank 0 when stdout is a terminal")
+    tensorboard: bool = opt(False, "TensorBoard scalars in out_dir/tensorboard (pip install 'ddp-cifar[tensorboard]')")
     debug: bool = opt(False, "show the Python traceback of errors instead of one line (for bug reports)")
     tf32: bool = opt(False, "TensorFloat-32 for CUDA matmuls and cuDNN convolutions (faster, ~10-bit mantissa)")
     cudnn_benchmark: bool = opt(False, "let cuDNN time its convolution algorithms for the fixed input shapes")

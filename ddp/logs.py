@@ -1,5 +1,6 @@
 """What a run shows and leaves behind, on rank 0 only: the epoch line, metrics.jsonl, config.yaml,
-the progress bar. Callers guard with `if world.is_main`; nothing here talks to other ranks."""
+the progress bar, TensorBoard scalars. Callers guard with `if world.is_main`; nothing here talks to
+other ranks."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
+
+from ddp.errors import UsageError
 
 
 def start(out_dir: str, config_yaml: str, resumed_epoch: int) -> None:
@@ -65,3 +68,41 @@ def bar(batches: Iterable, enabled: bool, desc: str) -> Iterable:
 def show(shown: Any, loss: float, lr: float, images_per_s: float) -> None:
     """The bar's live numbers: loss of the last step, learning rate, images/s over all ranks."""
     shown.set_postfix_str(f"loss={loss:.4f} lr={lr:.3g} img/s={images_per_s:.0f}", refresh=False)
+
+
+def check_tensorboard() -> None:
+    """run.tensorboard needs the tensorboard package: say so before any rank starts waiting."""
+    try:
+        import tensorboard  # noqa: F401
+    except ImportError:
+        raise UsageError(
+            "run.tensorboard=true needs the tensorboard package: pip install 'ddp-cifar[tensorboard]' "
+            "(or run.tensorboard=false)"
+        ) from None
+
+
+class Board:
+    """run.tensorboard=true: one point per epoch for each scalar, in out_dir/tensorboard
+    (`tensorboard --logdir runs`)."""
+
+    def __init__(self, out_dir: str) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(str(Path(out_dir) / "tensorboard"))
+
+    def epoch(self, m: dict[str, Any]) -> None:
+        step, add = m["epoch"], self.writer.add_scalar
+        add("train/loss", m["train_loss"], step)
+        add("train/lr", m["lr"], step)
+        add("train/images_per_s", m["images_per_s"], step)
+        add("test/accuracy", m["test_acc"], step)
+        for name, acc in zip(m["classes"], m["per_class_acc"]):
+            if acc is not None:
+                add(f"test_per_class/{name}", acc, step)
+        for key in ("gpu_allocated_mb", "gpu_reserved_mb", "gpu_peak_mb"):
+            if key in m:
+                add(f"gpu/{key}", m[key], step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()

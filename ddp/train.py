@@ -11,6 +11,7 @@ and process groups belong to distributed.py, data to data.py, files to checkpoin
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import random
@@ -333,7 +334,8 @@ def run(
 
     # Process start to the end of its first step: reported once, with this process's first epoch.
     startup_s, first_step_done = None, False
-    with preemption.StopRequest(stop_signals) as stop:
+    board = logs.Board(cfg.run.out_dir) if cfg.run.tensorboard and world.is_main else None
+    with contextlib.closing(board) if board else contextlib.nullcontext(), preemption.StopRequest(stop_signals) as stop:
         for epoch in range(done + 1, cfg.train.epochs + 1):
             started, images_before = time.perf_counter(), totals[1].item()
             if world.device.type == "cuda":
@@ -384,6 +386,8 @@ def run(
             if world.is_main:
                 logs.say(logs.epoch_line(last, cfg.train.epochs))
                 logs.append(cfg.run.out_dir, last)
+                if board:
+                    board.epoch(last)
             saved = save(last)
             done, step = epoch, 0
             totals.zero_()
@@ -422,6 +426,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     amp = autocast_dtype(cfg.run.amp, world.device)
     check_resume_setting(cfg.run.resume, cfg.run.out_dir)
     stop_signals = preemption.parse_signals(cfg.run.stop_signal)
+    if cfg.run.tensorboard:
+        logs.check_tensorboard()
     with distributed.setup(world, cfg.run.timeout_s):
         return run(cfg, world, per_rank_batch, amp, stop_signals)
 

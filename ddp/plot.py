@@ -1,0 +1,112 @@
+"""Charts from runs: python -m ddp.plot RUN_DIR [RUN_DIR ...] [--out DIR]
+
+Reads each run's metrics.jsonl and writes PNGs (headless, matplotlib's Agg backend) into --out
+(default: the first RUN_DIR):
+- curves.png: train loss and test accuracy per epoch, one line per run (e.g. 1 vs 2 vs 4 processes);
+- per_class.png: per-class test accuracy of each run's last epoch, bars with class names;
+- confusion-<run>.png: the confusion matrix of each run's last evaluation.
+matplotlib is an optional extra: pip install 'ddp-cifar[plot]'.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from ddp.errors import EXIT_USAGE, UsageError
+
+DPI = 100  # figure sizes below are in inches: PNG pixels = inches x DPI
+
+
+def read_run(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        raise UsageError(f"{run_dir}: no metrics.jsonl (is it a run.out_dir of ddp/train.py?)")
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if not rows:
+        raise UsageError(f"{path} is empty: the run has not finished an epoch yet")
+    return rows
+
+
+def label(run_dir: Path, rows: list[dict[str, Any]]) -> str:
+    return f"{run_dir.name} ({rows[-1].get('world_size', 1)} proc)"
+
+
+def plot(run_dirs: list[Path], out: Path) -> list[Path]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise UsageError("ddp.plot needs matplotlib: pip install 'ddp-cifar[plot]'") from None
+    runs = [(d, read_run(d)) for d in run_dirs]
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+
+    fig, (loss_ax, acc_ax) = plt.subplots(1, 2, figsize=(10, 4), dpi=DPI)
+    for d, rows in runs:
+        epochs = [r["epoch"] for r in rows]
+        loss_ax.plot(epochs, [r["train_loss"] for r in rows], marker="o", label=label(d, rows))
+        acc_ax.plot(epochs, [100 * r["test_acc"] for r in rows], marker="o", label=label(d, rows))
+    loss_ax.set(title="train loss", xlabel="epoch", ylabel="loss")
+    acc_ax.set(title="test accuracy", xlabel="epoch", ylabel="%")
+    acc_ax.legend(fontsize="small")
+    written.append(_save(fig, out / "curves.png", plt))
+
+    classes = runs[0][1][-1]["classes"]
+    fig, ax = plt.subplots(figsize=(10, 4), dpi=DPI)
+    width = 0.8 / len(runs)
+    for i, (d, rows) in enumerate(runs):
+        accs = [100 * (a or 0) for a in rows[-1]["per_class_acc"]]
+        ax.bar([c + (i - (len(runs) - 1) / 2) * width for c in range(len(accs))], accs, width, label=label(d, rows))
+    ax.set_xticks(range(len(classes)), classes, rotation=45 if len(classes) <= 20 else 90, fontsize="small")
+    ax.set(title="per-class test accuracy, last epoch", ylabel="%", ylim=(0, 100))
+    ax.legend(fontsize="small")
+    written.append(_save(fig, out / "per_class.png", plt))
+
+    for d, rows in runs:
+        last = rows[-1]
+        if "confusion" not in last:
+            continue  # metrics from before ddp-cifar kept the confusion matrix
+        fig, ax = plt.subplots(figsize=(7, 6), dpi=DPI)
+        image = ax.imshow(last["confusion"], cmap="Blues")
+        fig.colorbar(image, ax=ax)
+        n = len(last["classes"])
+        if n <= 20:
+            ax.set_xticks(range(n), last["classes"], rotation=45, fontsize="small")
+            ax.set_yticks(range(n), last["classes"], fontsize="small")
+            for t in range(n):
+                for p in range(n):
+                    ax.text(p, t, last["confusion"][t][p], ha="center", va="center", fontsize="x-small")
+        ax.set(title=f"confusion, epoch {last['epoch']} ({d.name})", xlabel="predicted", ylabel="true")
+        written.append(_save(fig, out / f"confusion-{d.name}.png", plt))
+    return written
+
+
+def _save(fig: Any, path: Path, plt: Any) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=DPI)  # no bbox_inches="tight": the PNG keeps the figure's size
+    plt.close(fig)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ddp.plot", description=__doc__.split("\n\n")[0])
+    parser.add_argument("run_dirs", nargs="+", type=Path, help="run.out_dir of one or more runs")
+    parser.add_argument("--out", type=Path, help="where the PNGs go (default: the first run dir)")
+    args = parser.parse_args(argv)
+    try:
+        for path in plot(args.run_dirs, args.out or args.run_dirs[0]):
+            print(path)
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

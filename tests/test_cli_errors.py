@@ -36,6 +36,19 @@ def assert_usage_error(proc, *fragments: str) -> None:
         (["--bogus"], ["unknown option --bogus"]),
         (["run.stop_signal=SIGFOO"], ["run.stop_signal: 'SIGFOO' is not a signal that can be caught"]),
         (["run.stop_signal=KILL"], ["run.stop_signal: 'KILL' is not a signal that can be caught"]),
+        (["optim.lrr=1"], ["did you mean 'optim.lr'?"]),
+        (["optimizer.lr=1"], ["unknown section 'optimizer'", "did you mean 'optim'?"]),
+        (["optim.lr=fast"], ["optim.lr: expected float, got 'fast'"]),
+        (["run.compile=maybe"], ["run.compile: expected bool, got 'maybe'"]),
+        (["model.name=vgg"], ["model.name: 'vgg' is not one of tutorial, small, fast, resnet18"]),
+        (["optim.lr"], ["'optim.lr': overrides are section.key=value, e.g. optim.lr=0.1"]),
+        (["--config"], ["--config needs a file: --config configs/quick.yaml"]),
+        (["train.batch_size=0"], ["train.batch_size=0 must be a positive multiple of world_size=1"]),
+        ([*TINY, "train.batch_size=4096"], ["train.batch_size=4096 exceeds the 256 training images"]),
+        (["run.resume=/no/such.pt"], ["run.resume=/no/such.pt: no such checkpoint file (use auto, never or a path)"]),
+        (["run.launcher=torchrun"], ["run.launcher=torchrun but none of its variables are set: start with torchrun"]),
+        (["run.launcher=slurm"], ["run.launcher=slurm but SLURM_PROCID, SLURM_LOCALID, SLURM_NTASKS not set"]),
+        (["run.launcher=mpi"], ["run.launcher: 'mpi' is not one of auto, torchrun, accelerate, slurm, none"]),
     ],
 )
 def test_bad_input_exits_2_with_one_line(args, fragments, tmp_path):
@@ -93,3 +106,35 @@ def test_resume_from_an_older_file_of_the_same_out_dir_is_refused(tmp_path, caps
     assert train.cli([f"run.out_dir={tmp_path}", *TINY, f"run.resume={older}"]) == 2
     assert "holds newer checkpoints" in capsys.readouterr().err
     assert train.cli([f"run.out_dir={tmp_path}", *TINY, f"run.resume={checkpoint.last_path(tmp_path)}"]) == 0
+
+
+@pytest.mark.parametrize(
+    "text, fragments",
+    [
+        ("optim:\n  lr: [0.1\nrun:\n  seed: 1\n", ["invalid YAML", "line 3"]),  # the unclosed list
+        ("lr: 0.1\n", ["expected sections of keys, e.g. 'optim:"]),
+        ("optim:\n  lr: 0.1\n  momentun: 0.9\n", ["unknown key 'optim.momentun'", "did you mean 'optim.momentum'?"]),
+    ],
+    ids=["yaml-syntax", "yaml-not-sections", "yaml-typo"],
+)
+def test_mistakes_in_a_config_file(text, fragments, tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    assert_usage_error(python(str(TRAIN), "--config", str(path), f"run.out_dir={tmp_path}"), *fragments)
+
+
+@pytest.mark.parametrize(
+    "env, args, fragments",
+    [
+        ({"WORLD_SIZE": "2"}, [], ["WORLD_SIZE set but RANK, LOCAL_RANK, MASTER_ADDR, MASTER_PORT not"]),
+        ({"RANK": "x", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1"}, [],
+         ["RANK, LOCAL_RANK, WORLD_SIZE must be integers"]),
+        ({"ACCELERATE_USE_CPU": "True"}, ["run.device=cuda:0"], ["accelerate launch --cpu but run.device=cuda:0"]),
+        ({"ACCELERATE_USE_CPU": "True", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}, [],
+         ["accelerate started 1 process for --num_processes > 1", "--mpirun_hostfile"]),
+    ],
+    ids=["world-size-alone", "rank-not-a-number", "accelerate-cpu-vs-cuda", "accelerate-cpu-without-mpi"],
+)  # fmt: skip
+def test_launcher_variables_set_inconsistently(env, args, fragments, tmp_path):
+    proc = python(str(TRAIN), f"run.out_dir={tmp_path}", *args, env=clean_env(**env), timeout=60)
+    assert_usage_error(proc, *fragments)

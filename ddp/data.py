@@ -249,13 +249,19 @@ def train_loader(
     )
 
 
+def eval_shard(n: int, world: World) -> torch.Tensor:
+    """The test images rank r evaluates: r, r + world_size, ... Together the ranks take every image
+    exactly once, with no padding duplicates, for any world size."""
+    return torch.arange(world.rank, n, world.world_size)
+
+
 def eval_loader(
     split: Split, per_rank_batch: int, world: World, workers: int, kind: str = "torch"
 ) -> DataLoader | DeviceEvalLoader:
     """This rank's images r, r + world_size, ...: a partition of the test set, no duplicates."""
     if kind == "device":
         return DeviceEvalLoader(split, per_rank_batch, world)
-    shard = Subset(_Images(split, None), range(world.rank, len(split.labels), world.world_size))
+    shard = Subset(_Images(split, None), eval_shard(len(split.labels), world).tolist())
     return DataLoader(
         shard,
         batch_size=per_rank_batch,
@@ -329,7 +335,7 @@ class DeviceEvalLoader:
     """Evaluation from the device-resident split: rank r's images r, r + world_size, ..., in batches."""
 
     def __init__(self, split: Split, per_rank_batch: int, world: World) -> None:
-        shard = torch.arange(world.rank, len(split.labels), world.world_size)
+        shard = eval_shard(len(split.labels), world)
         self.images, self.labels = split.images[shard].to(world.device), split.labels[shard].to(world.device)
         self.per_rank_batch = per_rank_batch
 

@@ -23,7 +23,7 @@ from ddp import checkpoint, config, distributed, models
 from ddp import data as datasets
 from ddp.config import RunConfig
 from ddp.errors import EXIT_USAGE, UsageError
-from ddp.train import evaluate
+from ddp.train import accuracy_per_class, evaluate
 
 
 def run(path: str, device: str, batch_size: int, overrides: list[str]) -> dict[str, Any]:
@@ -45,19 +45,18 @@ def run(path: str, device: str, batch_size: int, overrides: list[str]) -> dict[s
     start = time.perf_counter()
     confusion = evaluate(model, loader, to_input, data.num_classes, world, None, cfg.train.tta_flip)
     seconds = time.perf_counter() - start
-    correct, total = confusion.diag(), confusion.sum(dim=1)
     return {
         "checkpoint": str(path),
         "model": cfg.model.name,
         "dataset": cfg.data.dataset,
         "device": str(world.device),
         "epoch": state["epoch"],
-        "test_images": int(total.sum()),
-        "accuracy": correct.sum().item() / max(1, total.sum().item()),
+        "test_images": int(confusion.sum()),
+        "accuracy": confusion.diag().sum().item() / max(1, confusion.sum().item()),
         "classes": data.classes,
-        "per_class_accuracy": [c / t if t else None for c, t in zip(correct.tolist(), total.tolist())],
+        "per_class_accuracy": accuracy_per_class(confusion),
         "confusion": confusion.tolist(),
-        "images_per_s": total.sum().item() / seconds,
+        "images_per_s": confusion.sum().item() / seconds,
     }
 
 

@@ -170,6 +170,12 @@ def evaluate(
     return confusion.view(num_classes, num_classes).cpu()
 
 
+def accuracy_per_class(confusion: torch.Tensor) -> list[float | None]:
+    """Each class's accuracy from a confusion matrix (None for a class with no test images)."""
+    correct, total = confusion.diag().tolist(), confusion.sum(dim=1).tolist()
+    return [c / t if t else None for c, t in zip(correct, total)]
+
+
 def seconds_since_process_start() -> float | None:
     """How long this process has existed (Linux /proc), Python's and torch's imports included: the
     startup_s metric, time from process start to the end of the first training step."""
@@ -360,14 +366,13 @@ def run(
             confusion = evaluate(
                 distributed.for_eval(wrapped), eval_dl, to_input, data.num_classes, world, amp, cfg.train.tta_flip
             )
-            correct, total = confusion.diag(), confusion.sum(dim=1)
             summed = distributed.all_reduce_sum(totals.clone(), world).tolist()
             last = {
                 "epoch": epoch,
                 "train_loss": summed[0] / summed[1],
-                "test_acc": correct.sum().item() / total.sum().item(),
-                "test_images": int(total.sum()),
-                "per_class_acc": [c / t if t else None for c, t in zip(correct.tolist(), total.tolist())],
+                "test_acc": confusion.diag().sum().item() / confusion.sum().item(),
+                "test_images": int(confusion.sum()),
+                "per_class_acc": accuracy_per_class(confusion),
                 "classes": data.classes,
                 "confusion": confusion.tolist(),  # rows: true class, columns: predicted
                 "lr": scheduler.get_last_lr()[0],
@@ -433,9 +438,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
 
 
 def debug_requested(argv: list[str]) -> bool:
-    """run.debug=true on the command line, read even when the config itself fails to load."""
-    values = [a.partition("=")[2].strip().lower() for a in argv if a.replace(" ", "").startswith("run.debug=")]
-    return bool(values) and values[-1] in ("true", "1", "yes", "on")
+    """run.debug from the config (file and overrides), or from the command line alone when the
+    config itself is what failed to load."""
+    try:
+        path, overrides, _ = parse_args(argv)
+        return config.load(path, overrides).run.debug
+    except UsageError:
+        values = [a.partition("=")[2].strip().lower() for a in argv if a.replace(" ", "").startswith("run.debug=")]
+        return bool(values) and values[-1] in ("true", "1", "yes", "on")
 
 
 def cli(argv: list[str] | None = None) -> int:
@@ -445,11 +455,8 @@ def cli(argv: list[str] | None = None) -> int:
     except (UsageError, distributed.PeerLost) as e:
         if debug_requested(argv):
             raise  # the traceback, for a bug report
-        if isinstance(e, distributed.PeerLost):
-            print(f"error: {e}", file=sys.stderr)
-            return EXIT_PEER_LOST
         print(f"error: {e}", file=sys.stderr)
-        return EXIT_USAGE
+        return EXIT_PEER_LOST if isinstance(e, distributed.PeerLost) else EXIT_USAGE
     except preemption.Stopped as e:
         if str(e):
             print(str(e), file=sys.stderr)

@@ -62,6 +62,10 @@ def test_run_debug_shows_the_traceback_instead_of_one_line(tmp_path):
     assert plain.returncode == 2 and "Traceback" not in plain.stderr
     assert debug.returncode != 0 and "Traceback (most recent call last)" in debug.stderr
     assert "UsageError: run.device='gpu' is not a device" in debug.stderr
+    in_file = tmp_path / "debug.yaml"
+    in_file.write_text("run:\n  debug: true\n")
+    from_yaml = python(str(TRAIN), "--config", str(in_file), "run.device=gpu", f"run.out_dir={tmp_path}")
+    assert "Traceback (most recent call last)" in from_yaml.stderr  # a config file can ask for it too
     broken = python(str(TRAIN), "optim.lrr=1", "run.debug=true")  # even when the config cannot load
     assert "Traceback" in broken.stderr and "unknown key 'optim.lrr'" in broken.stderr
 

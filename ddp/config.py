@@ -120,6 +120,12 @@ _TRUE = {"true", "1", "yes", "on"}
 _FALSE = {"false", "0", "no", "off"}
 
 
+def parse_bool(text: str) -> bool | None:
+    """A command-line boolean (true/false, 1/0, yes/no, on/off, any case), or None if it is none."""
+    text = text.strip().lower()
+    return text in _TRUE if text in _TRUE | _FALSE else None
+
+
 def _coerce(key: str, value: Any, f: dataclasses.Field) -> Any:
     """`value` (a YAML scalar or a CLI string) as the type of field `f`, or UsageError."""
     kind = type(f.default)
@@ -127,10 +133,10 @@ def _coerce(key: str, value: Any, f: dataclasses.Field) -> Any:
         if kind is bool:
             if isinstance(value, bool):
                 return value
-            text = str(value).strip().lower()
-            if text in _TRUE | _FALSE:
-                return text in _TRUE
-            raise ValueError
+            parsed = parse_bool(str(value))
+            if parsed is None:
+                raise ValueError
+            return parsed
         if kind is int:
             if isinstance(value, bool) or isinstance(value, float):
                 raise ValueError

@@ -444,8 +444,8 @@ def debug_requested(argv: list[str]) -> bool:
         path, overrides, _ = parse_args(argv)
         return config.load(path, overrides).run.debug
     except UsageError:
-        values = [a.partition("=")[2].strip().lower() for a in argv if a.replace(" ", "").startswith("run.debug=")]
-        return bool(values) and values[-1] in ("true", "1", "yes", "on")
+        values = [a.partition("=")[2] for a in argv if a.replace(" ", "").startswith("run.debug=")]
+        return bool(values) and config.parse_bool(values[-1]) is True
 
 
 def cli(argv: list[str] | None = None) -> int:

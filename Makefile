@@ -1,6 +1,6 @@
 # make train: a short 2-process DDP run (one process per GPU where there are GPUs) on CIFAR-10.
 #   make train DATA=path/to/cifar-dir-or-file.npz   uses a local copy instead of downloading.
-# make test: the whole test suite (CPU, gloo). make bench: speed on this machine (ddp.bench).
+# make test: the whole test suite (CPU, gloo). make bench: speed on this machine (python -m bench).
 # All create .venv and install on first use.
 SHELL := bash
 VENV ?= .venv
@@ -36,9 +36,9 @@ train: $(STAMP)
 test: $(STAMP) lint
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
-# make bench [DATA=cifar10-subset.npz]: python -m ddp.bench on this machine, results in bench/results/.
+# make bench [DATA=cifar10-subset.npz]: python -m bench on this machine, results in bench/results/.
 bench: $(STAMP)
-	$(PY) -m ddp.bench $(if $(DATA),--data $(DATA)) $(ARGS)
+	$(PY) -m bench $(if $(DATA),--data $(DATA)) $(ARGS)
 
 lint: $(STAMP)
 	$(PY) -m ruff check ddp tests bench

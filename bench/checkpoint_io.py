@@ -18,8 +18,7 @@ from pathlib import Path
 
 import torch
 
-from ddp import checkpoint, config, models
-from ddp.train import make_optimizer
+from ddp import checkpoint, config, models, optim
 
 
 def main() -> None:
@@ -31,20 +30,18 @@ def main() -> None:
     torch.manual_seed(0)
     model = models.build("resnet18", 10)
     cfg = config.Config()
-    optimizer, scheduler = make_optimizer(model, cfg.optim, 1000, 100)
+    optimizer, scheduler = optim.make_optimizer(model, cfg.optim, 1000, 100)
     model(torch.randn(8, 3, 32, 32)).sum().backward()
     optimizer.step()  # momentum buffers exist, as in any checkpoint after step 1
-    state = {
-        "format": checkpoint.FORMAT, "epoch": 1, "step": 0, "global_step": 100, "model": model.state_dict(),
-        "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "scaler": None,
-        "ranks": [{"rng": checkpoint.rng_state(torch.device("cpu")), "partial": None}], "global_batch": 256,
-        "world_size": 1, "train_images": 50000, "config": config.to_dict(cfg), "metrics": None, "versions": {},
-    }  # fmt: skip
+    trained = checkpoint.Trained(model, optimizer, scheduler, torch.amp.GradScaler("cpu", enabled=False))
+    info = checkpoint.RunInfo(config.to_dict(cfg), 1, 50000, {"mean": [0.5] * 3, "std": [0.25] * 3})
+    ranks = [checkpoint.rank_state(torch.device("cpu"), None)]
     saves, loads = [], []
     with tempfile.TemporaryDirectory() as out_dir:
         for i in range(args.repeats + 1):
             started = time.perf_counter()
-            path = checkpoint.save({**state, "global_step": 100 + i}, out_dir, keep_last=2)
+            state = checkpoint.build_state(trained, checkpoint.Position(1, 0, 100 + i), ranks, info, None)
+            path = checkpoint.save(state, out_dir, keep_last=2)
             saved = time.perf_counter()
             checkpoint.load(path)
             loaded = time.perf_counter()

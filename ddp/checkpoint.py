@@ -1,19 +1,12 @@
-"""Checkpoints: the only module that calls torch.save / torch.load.
+"""Checkpoints: what one holds (`build_state`: the schema), when one is taken (`Checkpointer.due`: at
+each epoch's end after its evaluation, every run.save_every_steps steps, when a stop is requested),
+resuming from one (`Checkpointer.resume`), and the files. The only torch.save / torch.load.
 
-A checkpoint is everything an exact continuation needs, as tensors and plain types only, so it loads
-with weights_only=True and never runs code:
-
-    format, epoch (completed epochs), step (global batches done in epoch + 1; 0 at an epoch end),
-    global_step, model (the raw module's state_dict: no "module." / "_orig_mod." prefix), optimizer,
-    scheduler, scaler, ranks (one entry per rank: its RNG states - python, numpy, torch, cuda - and
-    the running loss sum and image count of an unfinished epoch), global_batch, world_size,
-    train_images, normalize, config, metrics (of the last finished epoch), versions, checksum
-    (sha256 of all the rest)
-
-Files: checkpoints/step-<global_step>.pt, the newest `run.keep_last` of them kept, and last.pt, a
-hard link to the newest. Each is written by rank 0 to a temporary file in the same directory,
-fsynced, then renamed, so a final name never holds a partial file. On resume the newest file whose
-checksum holds wins; a bad newer one is reported and skipped.
+A checkpoint holds everything an exact continuation needs, as tensors and plain types only, so it
+loads with weights_only=True and never runs code. Files: checkpoints/step-<global_step>.pt (the
+newest run.keep_last kept) and last.pt, a hard link to the newest; rank 0 writes a temporary file,
+fsyncs and renames it, so a final name never holds a partial file; each holds a sha256 of its
+content. On resume the newest file whose checksum holds wins; a bad newer one is skipped.
 
     python -m ddp.checkpoint inspect PATH       epoch, step, world size, metrics, size, checksum
     python -m ddp.checkpoint export PATH OUT    the model weights alone, for inference
@@ -24,27 +17,190 @@ from __future__ import annotations
 import hashlib
 import io
 import os
-import random
-import re
 import shutil
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
+from torch import nn
 from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 
-from ddp import faults
-from ddp.errors import EXIT_USAGE, UsageError
+from ddp import __version__ as ddp_version
+from ddp import distributed, faults, rng
+from ddp.cli import command
+from ddp.config import RunConfig
+from ddp.distributed import World
+from ddp.errors import EXIT_FAILURE, EXIT_OK, CorruptCheckpoint, UsageError
+from ddp.metrics import EpochLoss
 
 FORMAT = 2
-_STEP_FILE = re.compile(r"^step-(\d+)\.pt$")
+_STEP_FILES = "step-" + "[0-9]" * 9 + ".pt"  # step-<global_step, 9 digits>.pt: by name is by step
 
 
-class CorruptCheckpoint(UsageError):
-    """A file that is not a whole, unaltered checkpoint (truncated, bit-flipped, or not ours)."""
+@dataclass
+class Trained:
+    """What training changes and a checkpoint keeps."""
+
+    model: nn.Module  # the raw module (never the DDP or compiled wrapper): its keys load anywhere
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    scaler: torch.amp.GradScaler  # enabled for fp16 only
+
+
+@dataclass
+class Position:
+    """Where a run is."""
+
+    epochs_done: int = 0  # epochs finished
+    step_in_epoch: int = 0  # global batches done in the next epoch
+    global_step: int = 0  # optimizer steps since the start
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    """What a checkpoint records about the run besides the weights, to refuse a wrong continuation."""
+
+    config: dict[str, dict[str, Any]]  # config.to_dict(cfg)
+    world_size: int
+    train_images: int
+    normalize: dict[str, list[float]]  # the training split's per-channel mean and std, as the model saw them
+
+
+def build_state(
+    trained: Trained, position: Position, ranks: list[dict[str, Any]], info: RunInfo, metrics: dict | None
+) -> dict[str, Any]:
+    """The checkpoint of `trained` at `position`; `ranks` is every rank's rank_state, in rank order."""
+    return {
+        "format": FORMAT,
+        "epoch": position.epochs_done,  # completed epochs
+        "step": position.step_in_epoch,  # global batches done in epoch + 1; 0 at an epoch's end
+        "global_step": position.global_step,
+        "model": trained.model.state_dict(),  # the raw module's: no "module." / "_orig_mod." prefix
+        "optimizer": trained.optimizer.state_dict(),
+        "scheduler": trained.scheduler.state_dict(),
+        "scaler": trained.scaler.state_dict() if trained.scaler.is_enabled() else None,
+        "ranks": ranks,  # per rank: RNG states, and an unfinished epoch's loss sums
+        "global_batch": info.config["train"]["batch_size"],
+        "world_size": info.world_size,
+        "train_images": info.train_images,
+        "normalize": info.normalize,
+        "config": info.config,
+        "metrics": metrics,  # of the last finished epoch
+        "versions": {"torch": str(torch.__version__), "ddp_cifar": ddp_version},
+    }
+
+
+def rank_state(device: torch.device, epoch_loss: EpochLoss | None) -> dict[str, Any]:
+    """This rank's part of a checkpoint: its RNG states, an unfinished epoch's loss sums (or None)."""
+    return {"rng": rng.get_state(device), "partial": epoch_loss.sums.cpu() if epoch_loss is not None else None}
+
+
+def load_weights(state: dict[str, Any], model: nn.Module) -> None:
+    """A checkpoint's weights into a plain model on any device, also when they were saved from a
+    DataParallel/DDP ("module.") or compiled ("_orig_mod.") wrapper."""
+    weights = dict(state["model"])
+    for prefix in ("module.", "_orig_mod.", "module."):
+        consume_prefix_in_state_dict_if_present(weights, prefix)
+    model.load_state_dict(weights)
+
+
+def restore(state: dict[str, Any], trained: Trained) -> None:
+    """Load a checkpoint into objects built for this run's device: the weights, then optimizer,
+    scheduler and scaler (optimizer state follows the parameters' device). Before compile and wrap."""
+    load_weights(state, trained.model)
+    trained.optimizer.load_state_dict(state["optimizer"])
+    trained.scheduler.load_state_dict(state["scheduler"])
+    if state["scaler"] is not None and trained.scaler.is_enabled():
+        trained.scaler.load_state_dict(state["scaler"])
+
+
+def restore_rank(state: dict[str, Any], world: World, epoch_loss: EpochLoss) -> bool:
+    """This rank's RNG states (same world size only; data order and augmentation need none) and
+    loss sums (all on rank 0 if the world size changed). Returns whether the world size is the same."""
+    ranks = state["ranks"]
+    same_world = len(ranks) == world.world_size
+    if same_world:
+        rng.set_state(ranks[world.rank]["rng"], world.device)
+    partials = [r["partial"] for r in ranks if r["partial"] is not None]
+    if partials:
+        epoch_loss.sums.copy_(partials[world.rank] if same_world else sum(partials) * world.is_main)
+    return same_world
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """What resume found: the file, the position and metrics it holds, the world size it was saved at."""
+
+    path: Path
+    position: Position
+    metrics: dict[str, Any] | None  # of the last finished epoch
+    saved_world_size: int
+    same_world: bool  # RNG states restored (they are per rank)
+
+
+class Checkpointer:
+    """One run's checkpoints in run.out_dir: resume from there (or run.resume), save when due.
+    Every rank calls resume and save at the same points (they gather and compare); rank 0 writes."""
+
+    def __init__(self, run: RunConfig, world: World, trained: Trained, info: RunInfo) -> None:
+        self.run, self.world, self.trained, self.info = run, world, trained, info
+
+    def resume(self, epoch_loss: EpochLoss) -> Resumed | None:
+        """Restore the newest valid checkpoint (run.resume=auto) or the named one into `trained`
+        and `epoch_loss`; None when there is none (or run.resume=never)."""
+        if self.run.resume == "never":
+            return None
+        if self.run.resume == "auto":
+            path, state, warnings = newest_valid(self.run.out_dir)
+        else:
+            path, state, warnings = Path(self.run.resume), load(self.run.resume), []
+        for warning in warnings if self.world.is_main else []:
+            print(warning, file=sys.stderr, flush=True)
+        if not distributed.same_on_all_ranks(state["global_step"] if state else -1, self.world):
+            raise UsageError(f"ranks found different checkpoints in {self.run.out_dir}: is it on a shared filesystem?")
+        if state is None:
+            return None
+        check_compatible(state, self.info, path)
+        restore(state, self.trained)
+        same_world = restore_rank(state, self.world, epoch_loss)
+        position = Position(state["epoch"], state["step"], state["global_step"])
+        return Resumed(path, position, state["metrics"], state["world_size"], same_world)
+
+    def due(self, position: Position, steps_per_epoch: int, stopping: bool) -> bool:
+        """Whether to save after the step that led to `position` (mid-epoch: the epoch's last step
+        is saved at the epoch's end, after its evaluation)."""
+        every = self.run.save_every_steps
+        periodic = every > 0 and position.global_step % every == 0
+        return position.step_in_epoch < steps_per_epoch and (stopping or periodic)
+
+    def save(self, position: Position, epoch_loss: EpochLoss, metrics: dict[str, Any] | None) -> Path | None:
+        """Every rank calls this at the same boundary (it gathers their RNG states); rank 0 writes and
+        gets the file's path, the others None."""
+        mid_epoch = position.step_in_epoch > 0
+        ranks = distributed.gather_objects(rank_state(self.world.device, epoch_loss if mid_epoch else None), self.world)
+        if not self.world.is_main:
+            return None
+        state = build_state(self.trained, position, ranks, self.info, metrics)
+        return save(state, self.run.out_dir, self.run.keep_last)
+
+
+def check_compatible(state: dict[str, Any], info: RunInfo, path: str | Path) -> None:
+    """Refuse to continue a run of another model, dataset or batch in this one."""
+    for section, key in (("model", "name"), ("data", "dataset"), ("train", "batch_size")):
+        old, new = state["config"][section][key], info.config[section][key]
+        if old != new:
+            raise UsageError(
+                f"{path} was trained with {section}.{key}={old} but this run has {section}.{key}={new}; "
+                "set it back to continue, or start a new run.out_dir"
+            )
+    if state["train_images"] != info.train_images:
+        raise UsageError(
+            f"{path} was trained on {state['train_images']} training images, this data has {info.train_images}; "
+            "the data order cannot continue: use the same data, or start a new run.out_dir"
+        )
 
 
 def directory(out_dir: str | Path) -> Path:
@@ -119,14 +275,7 @@ def _point_last_at(path: Path) -> None:
 
 def step_files(out_dir: str | Path) -> list[Path]:
     """This run's numbered checkpoints, newest first."""
-    d = directory(out_dir)
-    found = [(int(m.group(1)), p) for p in d.glob("step-*.pt") if (m := _STEP_FILE.match(p.name))]
-    return [p for _, p in sorted(found, reverse=True)]
-
-
-def existing(out_dir: str | Path) -> list[Path]:
-    """The checkpoints a run in out_dir would resume from, newest first (a format-1 dir: last.pt)."""
-    return step_files(out_dir) or [p for p in [last_path(out_dir)] if p.is_file()]
+    return sorted(directory(out_dir).glob(_STEP_FILES), reverse=True)
 
 
 def save(state: dict[str, Any], out_dir: str | Path, keep_last: int) -> Path:
@@ -157,19 +306,20 @@ def load(path: str | Path) -> dict[str, Any]:
     except Exception as e:  # truncated, not a checkpoint, or a pickle that wants to run code
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CorruptCheckpoint(f"{path} is not a loadable checkpoint ({type(e).__name__}: {first})") from None
-    if not isinstance(state, dict) or "model" not in state or "epoch" not in state:
-        raise CorruptCheckpoint(f"{path} is not a ddp-cifar checkpoint (no model/epoch entries)")
-    if "checksum" in state:
-        stored = state.pop("checksum")
-        if digest(state) != stored:
-            raise CorruptCheckpoint(f"{path} fails its checksum (the file was altered or damaged)")
-        state["checksum"] = stored
+    if not isinstance(state, dict) or not {"model", "epoch", "checksum"} <= state.keys():
+        raise CorruptCheckpoint(f"{path} is not a ddp-cifar checkpoint (no model/epoch/checksum entries)")
+    stored = state.pop("checksum")
+    if digest(state) != stored:
+        raise CorruptCheckpoint(f"{path} fails its checksum (the file was altered or damaged)")
+    if state.get("format") != FORMAT:
+        raise UsageError(f"{path} has checkpoint format {state.get('format')}; this ddp-cifar reads format {FORMAT}")
+    state["checksum"] = stored
     return state
 
 
 def newest_valid(out_dir: str | Path) -> tuple[Path | None, dict[str, Any] | None, list[str]]:
     """(path, state, warnings) of the newest checkpoint in out_dir that loads and checks out."""
-    candidates = existing(out_dir)
+    candidates = step_files(out_dir)
     warnings = []
     for path in candidates:
         try:
@@ -181,81 +331,14 @@ def newest_valid(out_dir: str | Path) -> tuple[Path | None, dict[str, Any] | Non
     return None, None, warnings
 
 
-def rng_state(device: torch.device) -> dict[str, Any]:
-    """This process's random number generators, as weights_only-loadable values."""
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
-    return {
-        "python": random.getstate(),
-        "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached],
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
-    }
-
-
-def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    kind, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
-    torch.set_rng_state(state["torch"])
-    if device.type == "cuda" and state["cuda"] is not None:
-        torch.cuda.set_rng_state(state["cuda"], device)
-
-
-def check_compatible(state: dict[str, Any], config: dict[str, Any], train_images: int, path: str | Path) -> None:
-    """Refuse to continue a run of another model, dataset or batch in this one."""
-    saved = state.get("config", {})
-    for section, key in (("model", "name"), ("data", "dataset"), ("train", "batch_size")):
-        old, new = saved.get(section, {}).get(key), config[section][key]
-        if old is not None and old != new:
-            raise UsageError(
-                f"{path} was trained with {section}.{key}={old} but this run has {section}.{key}={new}; "
-                "set it back to continue, or start a new run.out_dir"
-            )
-    if state.get("train_images", train_images) != train_images:
-        raise UsageError(
-            f"{path} was trained on {state['train_images']} training images, this data has {train_images}; "
-            "the data order cannot continue: use the same data, or start a new run.out_dir"
-        )
-
-
-def restore(state: dict[str, Any], model: torch.nn.Module, *stateful: Any) -> None:
-    """Load a checkpoint into objects built for this run's device: the model (accepting state
-    dicts saved from a DataParallel/DDP/compiled wrapper too), then optimizer, scheduler, scaler
-    (optimizer state follows the parameters' device)."""
-    weights = dict(state["model"])
-    for prefix in ("module.", "_orig_mod.", "module."):
-        consume_prefix_in_state_dict_if_present(weights, prefix)
-    model.load_state_dict(weights)
-    for obj, key in zip(stateful, ("optimizer", "scheduler", "scaler")):
-        if state.get(key) is not None and not (key == "scaler" and not obj.is_enabled()):
-            obj.load_state_dict(state[key])
-
-
-def restore_rank(state: dict[str, Any], rank: int, world_size: int, device: torch.device, totals: torch.Tensor) -> bool:
-    """This rank's share of `ranks`: its RNG states (same world size only: data order and
-    augmentation need none) and the unfinished epoch's loss sums into `totals` (all on rank 0 if
-    the world size changed, so the epoch's mean loss stays right). Returns whether it was the same."""
-    ranks = state.get("ranks") or []
-    same_world = len(ranks) == world_size
-    if same_world:
-        set_rng_state(ranks[rank]["rng"], device)
-    partials = [r["partial"] for r in ranks if r["partial"] is not None]
-    if partials:
-        totals.copy_(partials[rank] if same_world else sum(partials) * (rank == 0))
-    return same_world
-
-
 def export(path: str | Path, out: str | Path) -> None:
     """The model alone, with what inference needs to rebuild it: name, classes, normalisation."""
     state = load(path)
-    config = state.get("config", {})
-    metrics = state.get("metrics") or {}
     weights = {
         "format": "ddp-cifar-weights/1",
-        "model_name": config.get("model", {}).get("name"),
-        "classes": metrics.get("classes"),
-        "normalize": state.get("normalize"),
+        "model_name": state["config"]["model"]["name"],
+        "classes": (state["metrics"] or {}).get("classes"),
+        "normalize": state["normalize"],
         "model": state["model"],
     }
     out = Path(out)
@@ -263,49 +346,39 @@ def export(path: str | Path, out: str | Path) -> None:
     _atomic_write(weights, out)
 
 
-def describe(path: str | Path) -> str:
-    size = Path(path).stat().st_size
+def describe(path: str | Path) -> tuple[str, bool]:
+    """What `inspect` prints about a checkpoint file, and whether it is whole."""
+    size = f"{path}: {Path(path).stat().st_size / 1e6:.1f} MB, checksum"
     try:
         state = load(path)
     except CorruptCheckpoint as e:
-        return f"{path}: {size / 1e6:.1f} MB, checksum FAILED: {e}"
-    metrics = state.get("metrics") or {}
+        return f"{size} FAILED: {e}", False
+    config, metrics = state["config"], state["metrics"]
     lines = [
-        f"{path}: {size / 1e6:.1f} MB, checksum "
-        + ("ok" if "checksum" in state else "absent (format 1: only loadability checked)"),
-        f"  epoch {state['epoch']} done, step {state.get('step', 0)} of the next, global step "
-        f"{state.get('global_step', '?')}",
-        f"  world_size {state.get('world_size')}, global batch {state.get('global_batch', '?')}, "
-        f"model {state.get('config', {}).get('model', {}).get('name')}, "
-        f"dataset {state.get('config', {}).get('data', {}).get('dataset')}",
-        f"  versions {state.get('versions')}",
+        f"{size} ok",
+        f"  epoch {state['epoch']} done, step {state['step']} of the next, global step {state['global_step']}",
+        f"  world_size {state['world_size']}, global batch {state['global_batch']}, "
+        f"model {config['model']['name']}, dataset {config['data']['dataset']}",
+        f"  versions {state['versions']}",
     ]
     if metrics:
-        lines.append(
-            f"  last epoch: test_acc {metrics.get('test_acc', 0):.4f}, train_loss {metrics.get('train_loss', 0):.4f}"
-        )
-    return "\n".join(lines)
+        lines.append(f"  last epoch: test_acc {metrics['test_acc']:.4f}, train_loss {metrics['train_loss']:.4f}")
+    return "\n".join(lines), True
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    usage = "usage: python -m ddp.checkpoint inspect PATH | export PATH OUT"
-    try:
-        if len(args) == 2 and args[0] == "inspect":
-            if not Path(args[1]).is_file():
-                raise UsageError(f"checkpoint not found: {args[1]}")
-            text = describe(args[1])
-            print(text)
-            return 1 if "checksum FAILED" in text else 0
-        if len(args) == 3 and args[0] == "export":
-            export(args[1], args[2])
-            print(f"wrote {args[2]} (model weights only)")
-            return 0
-        raise UsageError(usage)
-    except UsageError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_USAGE
+def main(argv: list[str]) -> int:
+    if len(argv) == 2 and argv[0] == "inspect" and Path(argv[1]).is_file():
+        text, whole = describe(argv[1])
+        print(text)
+        return EXIT_OK if whole else EXIT_FAILURE
+    if len(argv) == 2 and argv[0] == "inspect":
+        raise UsageError(f"checkpoint not found: {argv[1]}")
+    if len(argv) == 3 and argv[0] == "export":
+        export(argv[1], argv[2])
+        print(f"wrote {argv[2]} (model weights only)")
+        return EXIT_OK
+    raise UsageError("usage: python -m ddp.checkpoint inspect PATH | export PATH OUT")
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(command(main))

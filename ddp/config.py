@@ -18,6 +18,7 @@ from typing import Any
 import yaml
 
 from ddp.errors import UsageError
+from ddp.models import MODELS
 
 
 def opt(default: Any, help: str, choices: tuple[str, ...] = ()) -> Any:
@@ -44,7 +45,7 @@ class DataConfig:
 
 @dataclass
 class ModelConfig:
-    name: str = opt("resnet18", "architecture", ("tutorial", "small", "fast", "resnet18"))
+    name: str = opt("resnet18", "architecture", tuple(MODELS))
 
 
 @dataclass

@@ -293,11 +293,6 @@ def pad_hwc(images: torch.Tensor) -> torch.Tensor:
     return F.pad(images, (4, 4, 4, 4)).permute(0, 2, 3, 1).contiguous()
 
 
-def augment_batch(images: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """augment() for a batch of images with their table rows (dy, dx, flip)."""
-    return crop_flip(pad_hwc(images), torch.arange(len(images), device=images.device), table)
-
-
 class DeviceLoader:
     """data.loader=device: the split lives on the training device as uint8, copied there once
     (zero-padded for cropping when augmenting: 1.6x the bytes, 240 MB for CIFAR's 50k); each step

@@ -23,10 +23,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ddp import config, distributed
+from ddp import config, distributed, launchers, metrics
+from ddp.cli import command, parse_args
 from ddp.distributed import World
-from ddp.errors import UsageError
-from ddp.train import parse_args
+from ddp.errors import EXIT_FAILURE, EXIT_OK
 
 
 def versions() -> dict[str, str]:
@@ -45,14 +45,14 @@ def versions() -> dict[str, str]:
 def gpus() -> list[dict[str, Any]]:
     out = []
     for i in range(torch.cuda.device_count()):
-        props = torch.cuda.get_device_properties(i)
+        memory = metrics.gpu_memory_mb(i)
         out.append(
             {
                 "index": i,
-                "name": props.name,
-                "total_gib": props.total_memory / 2**30,
-                "allocated_gib": torch.cuda.memory_allocated(i) / 2**30,
-                "reserved_gib": torch.cuda.memory_reserved(i) / 2**30,
+                "name": torch.cuda.get_device_properties(i).name,
+                "total_gib": torch.cuda.get_device_properties(i).total_memory / 2**30,
+                "allocated_gib": memory["allocated"] / 2**10,
+                "reserved_gib": memory["reserved"] / 2**10,
             }
         )
     return out
@@ -87,7 +87,7 @@ def report(world: World, out_dir: str) -> dict[str, Any]:
         "world_size": world.world_size,
         "launcher": world.launcher,
         "device": str(world.device),
-        "variables": distributed.launch_variables(),
+        "variables": launchers.launch_variables(),
         "versions": versions(),
         "gpus": gpus(),
         "tf32": {
@@ -120,11 +120,11 @@ def diagnose(run: config.RunConfig) -> list[str]:
     """Problems found on this rank and, under a launcher, across ranks; prints the report."""
     world = distributed.resolve(run)
     problems = []
-    if mismatch := distributed.slurm_gpu_problem(torch.cuda.device_count()):
+    if mismatch := launchers.slurm_gpu_problem(torch.cuda.device_count()):
         problems.append(mismatch)
     if world.parallel != "ddp":
         print_report(report(world, run.out_dir))
-        addr, port, source = distributed.planned_rendezvous()
+        addr, port, source = launchers.planned_rendezvous()
         free = port_free(addr, port)
         print(f"rendezvous port {port} ({source}): " + ("free" if free else "IN USE"))
         if not free:
@@ -135,7 +135,7 @@ def diagnose(run: config.RunConfig) -> list[str]:
             (Path(run.out_dir) / token).unlink()
             print(f"run.out_dir {Path(run.out_dir).resolve()}: writable")
         return problems
-    with distributed.setup(world, run.timeout_s):
+    with distributed.setup(world, run.timeout_s) as world:
         token, problem = check_out_dir(run.out_dir) if world.is_main else (None, None)
         shared = distributed.gather_objects((token, problem), world)[0]
         # Every rank looks for rank 0's file: missing means another filesystem (not shared across nodes).
@@ -167,23 +167,23 @@ def diagnose(run: config.RunConfig) -> list[str]:
     return problems if world.is_main else []
 
 
-def main(argv: list[str] | None = None) -> int:
-    try:
-        path, overrides, _ = parse_args(sys.argv[1:] if argv is None else argv)
-        run = distributed.accelerate_flags(config.load(path, overrides).run)
-        problems = diagnose(run)
-    except UsageError as e:
-        print(f"doctor: error: {e}", file=sys.stderr)
-        return 2
-    except distributed.PeerLost as e:
-        print(f"doctor: error: {e}", file=sys.stderr)
-        return 1
+USAGE = """usage: python -m ddp.doctor [--config FILE.yaml] [section.key=value ...]
+       torchrun --nproc_per_node=N -m ddp.doctor [the same arguments]   (or under srun, accelerate launch)
+
+Checks the setup that ddp/train.py with the same arguments would use. Keys:
+"""
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv, USAGE)
+    run = launchers.accelerate_flags(config.load(args.config, args.overrides).run)
+    problems = diagnose(run)
     for p in problems:
         print(f"doctor: PROBLEM: {p}", file=sys.stderr)
-    if not problems and distributed.detect_launch(launcher=run.launcher).rank == 0:
+    if not problems and launchers.detect_launch(launcher=run.launcher).rank == 0:
         print("doctor: OK")
-    return 1 if problems else 0
+    return EXIT_FAILURE if problems else EXIT_OK
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(command(main, prog="doctor"))

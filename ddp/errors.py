@@ -1,12 +1,40 @@
-"""The one exception type for mistakes a user can fix: a bad config, device, path or launch.
+"""How a run can end: every exit code, and the exceptions that stand for the non-zero ones.
 
-The command line turns it into a single line on stderr and exit code 2 (see train.cli); everything
-else is a bug and keeps its traceback.
+    0   EXIT_OK       done
+    1   EXIT_FAILURE  a failure: a lost rank (PeerLost) or a bug (any other exception, with its traceback)
+    2   EXIT_USAGE    a mistake the user can fix (UsageError): a bad config, device, path, file or launch
+    75  EXIT_STOPPED  stopped on a signal after a checkpoint (Stopped): run the same command to resume
+
+cli.command turns them into one line on stderr and the exit code; nothing else defines an exit code.
 """
+
+EXIT_OK = 0
+EXIT_FAILURE = 1
+EXIT_USAGE = 2  # as argparse and most Unix tools use
+EXIT_STOPPED = 75  # EX_TEMPFAIL (sysexits.h): try again later, and it continues
 
 
 class UsageError(Exception):
     """A user mistake; the message names what to change."""
 
 
-EXIT_USAGE = 2  # exit code for a UsageError, as argparse and most Unix tools use
+class CorruptCheckpoint(UsageError):
+    """A file that is not a whole, unaltered checkpoint (truncated, bit-flipped, or not ours)."""
+
+
+class PeerLost(Exception):
+    """A collective failed: another rank died, hung past run.timeout_s, or the network broke.
+    The launcher (torchrun --max-restarts, a SLURM requeue) may restart the job."""
+
+
+class Stopped(Exception):
+    """The loop stopped on a signal after writing its checkpoint; the message (rank 0's) says so."""
+
+
+def exit_code(error: BaseException) -> int:
+    """The exit code of a run that ended with `error`."""
+    if isinstance(error, UsageError):
+        return EXIT_USAGE
+    if isinstance(error, Stopped):
+        return EXIT_STOPPED
+    return EXIT_FAILURE

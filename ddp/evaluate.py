@@ -17,13 +17,11 @@ import sys
 import time
 from typing import Any
 
-import torch
-
-from ddp import checkpoint, config, distributed, models
+from ddp import checkpoint, config, distributed, metrics, models
 from ddp import data as datasets
+from ddp.cli import command
 from ddp.config import RunConfig
-from ddp.errors import EXIT_USAGE, UsageError
-from ddp.train import accuracy_per_class, evaluate
+from ddp.errors import UsageError
 
 
 def run(path: str, device: str, batch_size: int, overrides: list[str]) -> dict[str, Any]:
@@ -34,17 +32,16 @@ def run(path: str, device: str, batch_size: int, overrides: list[str]) -> dict[s
     config.override(cfg, overrides)
     world = distributed.resolve(RunConfig(device=device, parallel="none", launcher="none"))
     data = datasets.load(cfg.data, world)
-    if norm := state.get("normalize"):  # the training split's statistics, as the model saw them
-        data.mean, data.std = tuple(norm["mean"]), tuple(norm["std"])
+    norm = state["normalize"]  # the training split's statistics, as the model saw them
+    data.mean, data.std = tuple(norm["mean"]), tuple(norm["std"])
     model = models.build(cfg.model.name, data.num_classes).to(world.device)
-    checkpoint.restore(state, model)
+    checkpoint.load_weights(state, model)
     loader = datasets.eval_loader(data.test, batch_size, world, 0, "device")
     to_input = datasets.input_fn(data, world.device, channels_last=False)
-    if world.device.type == "cuda":
-        torch.cuda.synchronize(world.device)
+    metrics.synchronize(world.device)
     start = time.perf_counter()
-    confusion = evaluate(model, loader, to_input, data.num_classes, world, None, cfg.train.tta_flip)
-    seconds = time.perf_counter() - start
+    confusion = metrics.evaluate(model, loader, to_input, data.num_classes, world, None, cfg.train.tta_flip)
+    seconds = metrics.elapsed(start, world.device)
     return {
         "checkpoint": str(path),
         "model": cfg.model.name,
@@ -52,9 +49,9 @@ def run(path: str, device: str, batch_size: int, overrides: list[str]) -> dict[s
         "device": str(world.device),
         "epoch": state["epoch"],
         "test_images": int(confusion.sum()),
-        "accuracy": confusion.diag().sum().item() / max(1, confusion.sum().item()),
+        "accuracy": metrics.accuracy(confusion),
         "classes": data.classes,
-        "per_class_accuracy": accuracy_per_class(confusion),
+        "per_class_accuracy": metrics.accuracy_per_class(confusion),
         "confusion": confusion.tolist(),
         "images_per_s": confusion.sum().item() / seconds,
     }
@@ -79,7 +76,7 @@ def table(r: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="python -m ddp.evaluate", description=__doc__.split("\n\n")[0])
     parser.add_argument("--checkpoint", required=True, help="a checkpoint written by ddp/train.py")
     parser.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
@@ -87,14 +84,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="one JSON object instead of the tables")
     parser.add_argument("overrides", nargs="*", help="data.key=value, e.g. data.path=cifar10-subset.npz")
     args = parser.parse_args(argv)
-    try:
-        result = run(args.checkpoint, args.device, args.batch_size, args.overrides)
-    except UsageError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_USAGE
+    result = run(args.checkpoint, args.device, args.batch_size, args.overrides)
     print(json.dumps(result) if args.json else table(result))
-    return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(command(main))

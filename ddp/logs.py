@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Iterable
+import time
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+import torch
 from tqdm import tqdm
 
 from ddp.errors import UsageError
@@ -57,17 +59,40 @@ def say(text: str) -> None:
     print(text, flush=True)
 
 
-def bar(batches: Iterable, enabled: bool, desc: str) -> Iterable:
-    """A tqdm bar over `batches` when enabled and stdout is a terminal; else the batches as they are
-    (so logs and pipes get only the epoch lines)."""
-    if enabled and sys.stdout.isatty():
-        return tqdm(batches, desc=desc, leave=False, dynamic_ncols=True, mininterval=0.25, file=sys.stdout)
-    return batches
+def record_epoch(m: dict[str, Any], epochs: int, out_dir: str, board: Board | None) -> None:
+    """An epoch's record everywhere it goes: the epoch line, metrics.jsonl, TensorBoard."""
+    say(epoch_line(m, epochs))
+    append(out_dir, m)
+    if board:
+        board.epoch(m)
 
 
-def show(shown: Any, loss: float, lr: float, images_per_s: float) -> None:
-    """The bar's live numbers: loss of the last step, learning rate, images/s over all ranks."""
-    shown.set_postfix_str(f"loss={loss:.4f} lr={lr:.3g} img/s={images_per_s:.0f}", refresh=False)
+class Progress:
+    """An epoch's batches, shown as a tqdm bar when `enabled` (rank 0) and stdout is a terminal,
+    else passed through as they are (logs and pipes get only the epoch lines). The bar shows the
+    last step's loss, the lr and images/s over all ranks, a few times a second: reading the loss
+    waits for the device."""
+
+    def __init__(self, batches: Iterable, enabled: bool, desc: str, world_size: int) -> None:
+        self.bar = None
+        if enabled and sys.stdout.isatty():
+            self.bar = tqdm(batches, desc=desc, leave=False, dynamic_ncols=True, mininterval=0.25, file=sys.stdout)
+        self.batches = self.bar if self.bar is not None else batches
+        self.world_size = world_size
+        self.started = self.last_shown = time.perf_counter()
+        self.images = 0  # over all ranks
+
+    def __iter__(self) -> Iterator:
+        return iter(self.batches)
+
+    def update(self, loss: torch.Tensor, lr: float, images: int) -> None:
+        """After a step that took `images` on this rank."""
+        self.images += images * self.world_size
+        now = time.perf_counter()
+        if self.bar is not None and now - self.last_shown > 0.25:
+            self.last_shown = now
+            rate = self.images / (now - self.started)
+            self.bar.set_postfix_str(f"loss={loss.item():.4f} lr={lr:.3g} img/s={rate:.0f}", refresh=False)
 
 
 def check_tensorboard() -> None:

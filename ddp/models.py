@@ -1,4 +1,5 @@
-"""CIFAR models by name: MODELS = {"name": builder(num_classes) -> nn.Module}. Inputs are 3x32x32.
+"""CIFAR models by name: MODELS = {"name": builder(num_classes) -> nn.Module}, the one list of models
+(model.name's choices come from it). Inputs are 3x32x32.
 
 Models only compute logits; devices, memory format, compile and wrapping belong to train.py and
 distributed.py.
@@ -9,7 +10,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torchvision
 from torch import nn
 
 from ddp.errors import UsageError
@@ -97,6 +97,8 @@ def fast(num_classes: int = 10) -> nn.Module:
 def resnet18(num_classes: int = 10) -> nn.Module:
     """torchvision's ResNet-18 adapted to 32x32: a 3x3 stride-1 stem and no max-pool, so the
     first stage sees 32x32 instead of ImageNet's 8x8 (the usual CIFAR variant, ~11M parameters)."""
+    import torchvision  # here, not at the top: 1-2 s of every start that does not build a ResNet
+
     net = torchvision.models.resnet18(num_classes=num_classes)
     net.conv1 = nn.Conv2d(3, 64, 3, stride=1, padding=1, bias=False)
     net.maxpool = nn.Identity()

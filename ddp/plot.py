@@ -16,7 +16,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ddp.errors import EXIT_USAGE, UsageError
+from ddp.cli import command
+from ddp.errors import UsageError
 
 DPI = 100  # figure sizes below are in inches: PNG pixels = inches x DPI
 
@@ -94,19 +95,14 @@ def _save(fig: Any, path: Path, plt: Any) -> Path:
     return path
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="python -m ddp.plot", description=__doc__.split("\n\n")[0])
     parser.add_argument("run_dirs", nargs="+", type=Path, help="run.out_dir of one or more runs")
     parser.add_argument("--out", type=Path, help="where the PNGs go (default: the first run dir)")
     args = parser.parse_args(argv)
-    try:
-        for path in plot(args.run_dirs, args.out or args.run_dirs[0]):
-            print(path)
-    except UsageError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_USAGE
-    return 0
+    for path in plot(args.run_dirs, args.out or args.run_dirs[0]):
+        print(path)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(command(main))

@@ -1,6 +1,6 @@
 """Stopping on request: a signal (SLURM's warning before a time limit or preemption, `kill`, Ctrl-C)
 only sets a flag; train.py reads it at the next step boundary, all ranks agree (one all-reduce),
-rank 0 saves, and the run ends with EXIT_PREEMPTED. Running the same command again resumes.
+rank 0 saves, and the run ends with errors.Stopped (exit 75). Running the same command again resumes.
 
 A second Ctrl-C (SIGINT) while a stop is pending interrupts at once, as Ctrl-C usually does.
 """
@@ -10,13 +10,7 @@ from __future__ import annotations
 import signal
 from types import FrameType, TracebackType
 
-from ddp.errors import UsageError
-
-EXIT_PREEMPTED = 75  # EX_TEMPFAIL (sysexits.h): stopped with a checkpoint; run the same command to resume
-
-
-class Stopped(Exception):
-    """Raised by the loop after the stop checkpoint is written; the command line exits 75."""
+from ddp.errors import Stopped, UsageError
 
 
 def parse_signals(names: str) -> list[signal.Signals]:

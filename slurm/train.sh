@@ -10,7 +10,7 @@
 # Submit from the repository root (the job runs there); every argument goes to ddp/train.py:
 #   sbatch slurm/train.sh --config configs/quick.yaml
 #   sbatch --nodes=4 --gpus-per-node=4 --time=12:00:00 slurm/train.sh --config configs/resnet18.yaml
-# - Rendezvous: c10d on the first node of the job, port derived from the job id (ddp/distributed.py:
+# - Rendezvous: c10d on the first node of the job, port derived from the job id (ddp/launchers.py:
 #   slurm_rendezvous), so concurrent jobs do not collide.
 # - Processes per node: NPROC, else the GPUs SLURM allocated on the node (SLURM_GPUS_ON_NODE), else
 #   the GPUs torch sees, else 2 CPU processes (gloo).
@@ -29,7 +29,7 @@ fi
 cd "$root"
 job=${SLURM_ARRAY_JOB_ID:+${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}}
 job=${job:-${SLURM_JOB_ID:?not inside a SLURM job: submit with sbatch slurm/train.sh}}
-read -r addr port < <(python -c 'from ddp.distributed import slurm_rendezvous; print(*slurm_rendezvous())')
+read -r addr port < <(python -c 'from ddp.launchers import slurm_rendezvous; print(*slurm_rendezvous())')
 nproc=${NPROC:-${SLURM_GPUS_ON_NODE:-0}}
 if [ "$nproc" = 0 ]; then
   nproc=$(python -c 'import torch; print(torch.cuda.device_count() or 2)')

@@ -1,4 +1,4 @@
-"""python -m ddp.bench --quick: the same code as the full bench, small sizes (CPU, under a minute)."""
+"""python -m bench --quick: the same code as the full bench, small sizes (CPU, under a minute)."""
 
 import json
 import subprocess
@@ -9,7 +9,7 @@ from conftest import REPO, clean_env
 
 def test_quick_bench_writes_json_and_a_markdown_table(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "ddp.bench", "--quick", "--out", str(tmp_path)],
+        [sys.executable, "-m", "bench", "--quick", "--out", str(tmp_path)],
         cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr

@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import REPO, TINY, TRAIN, clean_env, metrics, ok, python
 
-from ddp import checkpoint, models, train
+from ddp import checkpoint, config, models, optim, train
 
 RUN = [*TINY, "train.epochs=2", "run.save_every_steps=3", "run.keep_last=2"]
 
@@ -105,8 +105,9 @@ def test_weights_saved_from_a_wrapper_load_into_a_plain_model(run_dir, prefix):
     state = checkpoint.load(checkpoint.last_path(run_dir))
     state["model"] = {prefix + k: v for k, v in state["model"].items()}
     model = models.build("small", 10)
-    optimizer, scheduler = train.make_optimizer(model, train.config.OptimConfig(), 16, 8)
-    checkpoint.restore(state, model, optimizer, scheduler, torch.amp.GradScaler("cpu", enabled=False))
+    optimizer, scheduler = optim.make_optimizer(model, config.OptimConfig(), 16, 8)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    checkpoint.restore(state, checkpoint.Trained(model, optimizer, scheduler, scaler))
     assert torch.equal(
         model.state_dict()["0.0.weight"], checkpoint.load(checkpoint.last_path(run_dir))["model"]["0.0.weight"]
     )

@@ -240,7 +240,7 @@ def test_input_fn_normalises_on_the_device():
 def test_batched_augmentation_is_the_per_image_one():
     images = torch.randint(0, 256, (500, 3, 32, 32), generator=torch.Generator().manual_seed(1), dtype=torch.uint8)
     table = data.augmentation_table(500, seed=2, epoch=1)
-    batched = data.augment_batch(images, table)
+    batched = data.crop_flip(data.pad_hwc(images), torch.arange(len(images)), table)
     assert batched.dtype == torch.uint8 and batched.shape == images.shape
     for i in range(500):
         assert torch.equal(batched[i], data.augment(images[i], *table[i].tolist())), i

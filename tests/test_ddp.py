@@ -7,9 +7,10 @@ import pytest
 import torch
 from conftest import REPO, TINY, TRAIN, metrics, ok, python, torchrun
 
-from ddp import config, models, train
+from ddp import config, models
 from ddp import data as datasets
 from ddp.distributed import World
+from ddp.metrics import evaluate
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +48,7 @@ def test_ddp_checkpoint_loads_on_cpu_into_a_plain_model(ddp_run):
     cpu = World(0, 0, 1, torch.device("cpu"), "none")
     d = datasets.load(cfg.data, cpu)
     to_input = datasets.input_fn(d, cpu.device, channels_last=False)
-    confusion = train.evaluate(model, datasets.eval_loader(d.test, 50, cpu, 0), to_input, 10, cpu, None)
+    confusion = evaluate(model, datasets.eval_loader(d.test, 50, cpu, 0), to_input, 10, cpu, None)
     correct, total = confusion.diag(), confusion.sum(dim=1)
     assert correct.sum().item() / total.sum().item() == metrics(out)[-1]["test_acc"]
 

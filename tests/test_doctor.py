@@ -8,7 +8,7 @@ import sys
 import pytest
 from conftest import BIN, REPO, clean_env, ok, torchrun
 
-from ddp import distributed
+from ddp import launchers
 
 
 def doctor(*args: str, **env: str) -> subprocess.CompletedProcess:
@@ -92,5 +92,5 @@ def test_an_out_dir_that_differs_between_nodes_is_a_problem(tmp_path):
 )
 def test_slurm_tasks_must_match_the_gpus(tasks_per_node, gpus, problem):
     env = {"SLURM_STEP_ID": "0", "SLURM_STEP_TASKS_PER_NODE": tasks_per_node, "SLURM_NODEID": "0"}
-    got = distributed.slurm_gpu_problem(gpus, env)
+    got = launchers.slurm_gpu_problem(gpus, env)
     assert got == problem if problem is None else problem in got

@@ -4,7 +4,7 @@ import pytest
 import torch
 from conftest import TINY, metrics
 
-from ddp import distributed, models, train
+from ddp import models, train
 
 
 def test_learns_the_real_cifar10_subset(subset, tmp_path):
@@ -32,19 +32,6 @@ def test_speed_switches_train_and_save_a_plain_model(switches, tmp_path):
     models.build(name, 10).load_state_dict(state["model"])
 
 
-def test_schedule_warms_up_then_decays_to_zero():
-    net = torch.nn.Linear(2, 2)
-    cfg = train.config.OptimConfig(lr=1.0, warmup_epochs=1)
-    optimizer, scheduler = train.make_optimizer(net, cfg, total_steps=40, steps_per_epoch=10)
-    lrs = []
-    for _ in range(40):
-        lrs.append(scheduler.get_last_lr()[0])
-        optimizer.step()
-        scheduler.step()
-    assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
-    assert all(a >= b for a, b in zip(lrs[9:], lrs[10:])) and lrs[-1] < 0.01
-
-
 def test_resume_from_a_named_checkpoint_into_a_new_out_dir(tmp_path):
     train.main([f"run.out_dir={tmp_path / 'a'}", *TINY, "train.epochs=1"])
     last = train.main(
@@ -65,21 +52,3 @@ def test_gpu_switches_are_set_and_logged_and_startup_is_reported_once(tmp_path, 
     assert not (
         torch.backends.cuda.matmul.allow_tf32 or torch.backends.cudnn.allow_tf32 or torch.backends.cudnn.benchmark
     )
-
-
-def test_flip_test_time_augmentation_adds_the_logits_of_the_mirror_image():
-    class LeftMinusRight(torch.nn.Module):  # logit of class 1: left half minus right half; a mirror negates it
-        def forward(self, x):
-            score = x[..., :16].mean(dim=(1, 2, 3)) - x[..., 16:].mean(dim=(1, 2, 3))
-            return torch.stack([torch.zeros_like(score), score], dim=1)
-
-    images = torch.zeros(4, 3, 32, 32, dtype=torch.uint8)
-    images[:2, :, :, :16] = 200  # class 1 alone; with its mirror the logits tie and argmax takes class 0
-    labels = torch.tensor([0, 0, 1, 1])
-    world = distributed.World(0, 0, 1, torch.device("cpu"), "none")
-    loader = [(images, labels)]
-    to_input = lambda x: x.float()  # noqa: E731
-    plain = train.evaluate(LeftMinusRight(), loader, to_input, 2, world, None)
-    tta = train.evaluate(LeftMinusRight(), loader, to_input, 2, world, None, tta_flip=True)
-    assert plain.tolist() == [[0, 2], [2, 0]]  # rows: true class; bright-left says 1, blank ties to 0
-    assert tta.tolist() == [[2, 0], [2, 0]]  # the mirrored logits cancel: ties go to class 0

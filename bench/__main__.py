@@ -1,0 +1,108 @@
+"""python -m bench [--quick] [--out bench/results] [--data PATH.npz]   (make bench [DATA=...])
+
+Speed on whatever devices are here (the CPU, and the GPU when there is one), written as JSON and a
+Markdown table under --out, named after the machine:
+- training images/s per model x batch size x device, through ddp/train.py's own job and step: with
+  our data path, with one pre-made batch repeated (the data path's ceiling), and with the plain
+  tutorial pipeline (torchvision transforms on PIL images in DataLoader workers, the same model and
+  optimiser): ratios, not only numbers;
+- the data path alone: the device-resident loader against torchvision's DataLoader with 0, 2 and N
+  workers;
+- DDP overhead: DDP at world size 1 against the bare model, and 1 against N processes at the same
+  global batch (gloo on CPU, nccl on GPUs);
+- time from process start to the first training step, and peak memory;
+- on a GPU, model-FLOPs utilisation against the bf16 matmul rate measured in the same run;
+- with --data (the real subset) and without --quick: time-to-accuracy of configs/fast.yaml against
+  the tutorial pipeline on the CPU.
+--quick is the same code with small sizes (under a minute on a CPU; the test suite runs it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench import harness
+from bench.report import markdown
+
+SIZES = {
+    "full": {
+        "images": 8192, "warmup": 2, "steps": 5, "repeats": 5, "baseline_workers": 2, "data_batch": 512,
+        "data_images": 8192, "ddp": [("small", 256), ("fast", 256)],
+        "train": [("tutorial", 128), ("small", 128), ("small", 512), ("fast", 256), ("fast", 1024), ("resnet18", 256)],
+        "gpu_only": [("fast", 1024), ("resnet18", 256)],  # minutes per row on a 2-core CPU
+    },
+    "quick": {
+        "images": 1024, "warmup": 1, "steps": 3, "repeats": 3, "baseline_workers": 0, "data_batch": 256,
+        "data_images": 1024, "train": [("small", 128)], "ddp": [("small", 64)], "gpu_only": [],
+    },
+}  # fmt: skip
+
+
+def machine() -> dict:
+    cpu = platform.processor()
+    try:
+        cpu = next(
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        )
+    except (OSError, StopIteration):
+        pass
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
+        "date": time.strftime("%Y-%m-%d"),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="small sizes: under a minute on a CPU")
+    parser.add_argument("--out", default=str(harness.REPO / "bench" / "results"), help="where the JSON and .md go")
+    parser.add_argument("--data", help="the real CIFAR-10 subset (.npz) for the time-to-accuracy check")
+    parser.add_argument("--tutorial-epochs", type=int, default=10)
+    args = parser.parse_args(argv)
+    sizes = SIZES["quick" if args.quick else "full"]
+    devices = [torch.device("cpu")] + ([torch.device("cuda", 0)] if torch.cuda.is_available() else [])
+    result: dict[str, Any] = {
+        "machine": machine(),
+        "quick": args.quick,
+        "sizes": sizes,
+        "command": "python -m bench " + " ".join(argv if argv is not None else sys.argv[1:]),
+    }
+    print("training throughput", flush=True)
+    result["train"] = harness.train_throughput(sizes, devices)
+    print("data path", flush=True)
+    result["data_path"] = harness.data_path(sizes, devices)
+    print("DDP overhead", flush=True)
+    result["ddp"] = harness.ddp_overhead(sizes)
+    with tempfile.TemporaryDirectory() as tmp:
+        result["startup"] = harness.startup(Path(tmp) / "startup")
+        if args.data and not args.quick:
+            print("time to accuracy", flush=True)
+            npz = Path(args.data).resolve()
+            result["time_to_accuracy"] = harness.time_to_accuracy(npz, Path(tmp), args.tutorial_epochs)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = ("quick-" if args.quick else "") + "-".join((result["machine"]["gpus"][:1] or ["cpu"])[0].lower().split())
+    (out / f"{stem}.json").write_text(json.dumps(result, indent=1))
+    (out / f"{stem}.md").write_text(markdown(result))
+    print(f"wrote {out / stem}.md and .json")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

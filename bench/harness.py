@@ -1,0 +1,371 @@
+"""The measurements of `python -m bench`, each timed through ddp's own code: the training job that
+ddp/train.py builds (train.build) and its step (train.train_step), the device-resident loader, the
+DDP wrap, and ddp/train.py itself as a process. The peer is the tutorial pipeline (torchvision
+transforms on PIL images in DataLoader workers) driving the same step.
+
+Timing: warm-up calls first, the device synchronised around each timed window, median of repeats.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+from PIL import Image
+from torch import nn
+from torchvision import transforms
+
+from ddp import config, distributed, metrics, models, train
+from ddp import data as datasets
+from ddp.config import DataConfig
+from ddp.distributed import World
+
+REPO = Path(__file__).resolve().parent.parent
+CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+def seconds_per_call(fn: Callable[[], Any], device: torch.device, warmup: int, calls: int, repeats: int) -> float:
+    """Median over `repeats` windows of `calls` calls, after `warmup` calls; device synchronised."""
+    for _ in range(warmup):
+        fn()
+    metrics.synchronize(device)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        times.append(metrics.elapsed(start, device) / calls)
+    return statistics.median(times)
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """GPU: the peak allocation since the last reset; CPU: the process's peak RSS so far."""
+    if device.type == "cuda":
+        return metrics.gpu_memory_mb(device)["peak"]
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+
+
+def job(name: str, global_batch: int, images: int, world: World) -> train.Job:
+    """ddp/train.py's job for model `name` on `images` synthetic images, built by train.build: SGD,
+    label smoothing 0.1, channels_last, and bf16 autocast on a GPU."""
+    amp = "bf16" if world.device.type == "cuda" else "off"
+    settings = [
+        f"model.name={name}",
+        f"train.batch_size={global_batch}",
+        "data.dataset=synthetic",
+        f"data.synthetic_train={images}",
+        "data.synthetic_test=8",
+        "optim.lr=0.01",
+        "train.label_smoothing=0.1",
+        "run.channels_last=true",
+        f"run.amp={amp}",
+        "run.resume=never",  # build() then reads and writes nothing in run.out_dir
+    ]
+    cfg = config.load(None, settings)
+    built, _ = train.build(cfg, world, world.split(global_batch, "batch"), train.autocast_dtype(amp, world.device))
+    built.train_loader.sampler.set_position(1, 0)
+    return built
+
+
+def cycle(loader: Any) -> Callable[[], Batch]:
+    """next() over a loader, epoch after epoch."""
+    state = {"it": iter(loader), "epoch": 1}
+
+    def next_batch() -> Batch:
+        try:
+            return next(state["it"])
+        except StopIteration:
+            state["epoch"] += 1
+            if hasattr(loader.sampler, "set_position"):
+                loader.sampler.set_position(state["epoch"], 0)
+            state["it"] = iter(loader)
+            return next(state["it"])
+
+    return next_batch
+
+
+def stepping(trained: train.Job, batches: Callable[[], Batch]) -> Callable[[], None]:
+    """One call: the next batch through train.train_step."""
+    return lambda: train.train_step(trained, *batches())
+
+
+class PILImages(torch.utils.data.Dataset):
+    """What torchvision.datasets.CIFAR10 does per item: a PIL image from HWC uint8, then transforms."""
+
+    def __init__(self, split: datasets.Split, transform: Callable) -> None:
+        self.images = split.images.permute(0, 2, 3, 1).numpy()
+        self.labels = split.labels.tolist()
+        self.transform = transform
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        return self.transform(Image.fromarray(self.images[i])), self.labels[i]
+
+
+def tutorial_loader(split: datasets.Split, batch: int, workers: int) -> torch.utils.data.DataLoader:
+    """The usual pipeline: torchvision RandomCrop + flip + ToTensor + Normalize on PIL images in
+    DataLoader workers."""
+    steps = [transforms.RandomCrop(32, padding=4), transforms.RandomHorizontalFlip(), transforms.ToTensor()]
+    transform = transforms.Compose([*steps, transforms.Normalize(CIFAR_MEAN, CIFAR_STD)])
+    return torch.utils.data.DataLoader(
+        PILImages(split, transform),
+        batch_size=batch,
+        shuffle=True,
+        drop_last=True,
+        num_workers=workers,
+        persistent_workers=workers > 0,
+    )
+
+
+def to_device(device: torch.device) -> Callable[[torch.Tensor], torch.Tensor]:
+    """to_input for batches the tutorial pipeline has already normalised: the copy to the device."""
+    return lambda x: x.to(device, non_blocking=True).contiguous(memory_format=torch.channels_last)
+
+
+def train_throughput(sizes: dict, devices: list[torch.device]) -> list[dict]:
+    """img/s with our data path, with one pre-made batch repeated, and with the tutorial pipeline."""
+    rows = []
+    for device in devices:
+        for name, batch in sizes["train"]:
+            if device.type == "cpu" and [name, batch] in [list(p) for p in sizes["gpu_only"]]:
+                continue
+            row: dict[str, Any] = {"device": device_name(device), "model": name, "batch": batch}
+            timing = (device, sizes["warmup"], sizes["steps"], sizes["repeats"])
+            ours = job(name, batch, sizes["images"], World(0, 0, 1, device, "none"))
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            row["ours_img_s"] = batch / seconds_per_call(stepping(ours, cycle(ours.train_loader)), *timing)
+            row["peak_mb"] = peak_memory_mb(device)
+            fixed = next(iter(ours.train_loader))
+            row["one_batch_img_s"] = batch / seconds_per_call(stepping(ours, lambda fixed=fixed: fixed), *timing)
+            loader = tutorial_loader(ours.data.train, batch, sizes["baseline_workers"])
+            theirs = stepping(replace(ours, to_input=to_device(device)), cycle(loader))
+            row["tutorial_pipeline_img_s"] = batch / seconds_per_call(theirs, *timing)
+            del loader
+            if device.type == "cuda":
+                row.update(mfu(ours.trained.model, batch, row["ours_img_s"], device))
+            rows.append(row)
+            print(f"  train {row['device']} {name} batch {batch}: {row['ours_img_s']:.0f} img/s", flush=True)
+    return rows
+
+
+_PEAK_BF16: dict[str, float] = {}
+
+
+def mfu(model: nn.Module, batch: int, img_s: float, device: torch.device) -> dict[str, float]:
+    """Model-FLOPs utilisation: counted training FLOPs per image x img/s over the measured bf16 peak."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    x = torch.randn(batch, 3, 32, 32, device=device).contiguous(memory_format=torch.channels_last)
+    counter = FlopCounterMode(display=False)
+    with counter, torch.autocast("cuda", dtype=torch.bfloat16):
+        model(x).float().sum().backward()
+    flops_per_image = counter.get_total_flops() / batch
+    if str(device) not in _PEAK_BF16:
+        a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+        s = seconds_per_call(lambda: a @ a, device, warmup=3, calls=10, repeats=5)
+        _PEAK_BF16[str(device)] = 2 * 8192**3 / s
+    peak = _PEAK_BF16[str(device)]
+    return {
+        "gflops_per_image": flops_per_image / 1e9,
+        "peak_bf16_tflops": peak / 1e12,
+        "mfu": flops_per_image * img_s / peak,
+    }
+
+
+def synthetic_split(n: int, seed: int = 0) -> datasets.Split:
+    g = torch.Generator().manual_seed(seed)
+    images = torch.randint(0, 256, (n, 3, 32, 32), generator=g, dtype=torch.uint8)
+    return datasets.Split(images, torch.randint(0, 10, (n,), generator=g))
+
+
+def data_path(sizes: dict, devices: list[torch.device]) -> list[dict]:
+    """Images/s of the loaders alone, each delivering normalised float batches on the device."""
+    rows = []
+    split = synthetic_split(sizes["images"])
+    batch, calls = sizes["data_batch"], sizes["data_images"] // sizes["data_batch"]
+    stats = datasets.Data(split, split, [], CIFAR_MEAN, CIFAR_STD)
+    for device in devices:
+        world = World(0, 0, 1, device, "none")
+        loader = datasets.train_loader(split, batch, world, True, 0, 0, "device")
+        loader.sampler.set_position(1, 0)
+        to_input, ours = datasets.input_fn(stats, device, True), cycle(loader)
+        s = seconds_per_call(lambda: to_input(ours()[0]), device, 2, calls, sizes["repeats"])  # noqa: B023
+        rows.append({"device": device_name(device), "loader": "device-resident (ours)", "img_s": batch / s})
+        for workers in sorted({0, 2, os.cpu_count() or 1}):
+            loader = tutorial_loader(split, batch, workers)
+            theirs = cycle(loader)
+            fetch = lambda: theirs()[0].to(device, non_blocking=True)  # noqa: B023, E731 (called right here)
+            s = seconds_per_call(fetch, device, 2, calls, sizes["repeats"])
+            loader_name = f"torchvision DataLoader, {workers} workers"
+            rows.append({"device": device_name(device), "loader": loader_name, "img_s": batch / s})
+            del loader
+        print(f"  data path {device_name(device)}: " + ", ".join(f"{r['img_s']:.0f}" for r in rows[-4:]), flush=True)
+    return rows
+
+
+def _ddp_worker(
+    rank: int, world_size: int, port: int, name: str, global_batch: int, sizes: dict, threads: int, out: Any
+) -> None:
+    """Seconds per DDP step on rank 0; at world size 1 also the bare model's, in the same process with
+    the same threads, measured alternately (bare, DDP, bare, DDP) so that drift hits both alike."""
+    torch.set_num_threads(threads)
+    device = torch.device("cuda", rank) if torch.cuda.is_available() else torch.device("cpu")
+    world = World(rank, rank, world_size, device, "ddp", "bench", f"tcp://127.0.0.1:{port}")
+    timing = (device, sizes["warmup"], sizes["steps"], sizes["repeats"])
+    with distributed.setup(world, 120) as world:
+        _time_ddp(world, name, global_batch, timing, out)
+
+
+def _time_ddp(world: World, name: str, global_batch: int, timing: tuple, out: Any) -> None:
+    """Inside the process group, so that the DDP objects die before it does (distributed.setup)."""
+    ddp = job(name, global_batch, global_batch, world)
+    fixed = next(iter(ddp.train_loader))
+    times = {"ddp": [], "bare": []}
+    bare = (
+        job(name, global_batch, global_batch, World(0, 0, 1, world.device, "none")) if world.world_size == 1 else None
+    )
+    for _ in range(2 if bare else 1):
+        if bare:
+            times["bare"].append(seconds_per_call(stepping(bare, lambda: fixed), *timing))
+        times["ddp"].append(seconds_per_call(stepping(ddp, lambda: fixed), *timing))
+    if world.is_main:
+        out.put({k: statistics.mean(v) if v else None for k, v in times.items()})
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ddp_step_seconds(world_size: int, name: str, global_batch: int, sizes: dict) -> dict[str, float | None]:
+    """Seconds per step of `world_size` DDP processes on this machine (each with its share of the
+    cores): {"ddp": s, "bare": s at world size 1, else None}."""
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    threads = max(1, (os.cpu_count() or 1) // world_size) if not torch.cuda.is_available() else 1
+    port = free_port()
+    procs = [
+        ctx.Process(target=_ddp_worker, args=(r, world_size, port, name, global_batch, sizes, threads, out))
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=600)
+    if any(p.exitcode != 0 for p in procs):
+        raise RuntimeError(f"a DDP benchmark process failed: exit codes {[p.exitcode for p in procs]}")
+    return out.get(timeout=10)
+
+
+def ddp_overhead(sizes: dict) -> list[dict]:
+    rows = []
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    n = torch.cuda.device_count() if device.type == "cuda" else 2
+    for name, batch in sizes["ddp"]:
+        one = ddp_step_seconds(1, name, batch, sizes)
+        bare_s, one_s = one["bare"], one["ddp"]
+        row = {
+            "device": device_name(device),
+            "model": name,
+            "global_batch": batch,
+            "bare_step_s": bare_s,
+            "ddp1_step_s": one_s,
+            "ddp1_overhead": one_s / bare_s - 1,
+        }
+        if n > 1:
+            row.update({"processes": n, "ddpN_step_s": ddp_step_seconds(n, name, batch, sizes)["ddp"]})
+            row["speedup_N_vs_1"] = one_s / row["ddpN_step_s"]
+        rows.append(row)
+        print(f"  ddp {name} batch {batch}: world size 1 costs {row['ddp1_overhead']:+.1%} over the bare model")
+    return rows
+
+
+def train_py(*args: str, timeout: float) -> None:
+    """python ddp/train.py ARGS as a process of its own, its output captured (raised on failure)."""
+    command = [sys.executable, str(REPO / "ddp" / "train.py"), *args]
+    subprocess.run(command, check=True, capture_output=True, timeout=timeout)
+
+
+def startup(out_dir: Path) -> dict:
+    """Process start to the end of the first training step of ddp/train.py (its startup_s metric)."""
+    smoke = str(REPO / "configs" / "smoke.yaml")
+    train_py("--config", smoke, "train.epochs=1", f"run.out_dir={out_dir}", "run.progress=false", timeout=300)
+    first = json.loads((out_dir / "metrics.jsonl").read_text().splitlines()[0])
+    return {
+        "command": "python ddp/train.py --config configs/smoke.yaml (CPU, one process)",
+        "startup_s": first["startup_s"],
+    }
+
+
+def time_to_accuracy(npz: Path, out_dir: Path, tutorial_epochs: int) -> dict:
+    """On the CPU: configs/fast.yaml through ddp/train.py against the PyTorch tutorial's pipeline
+    (ToTensor + Normalize(0.5) on PIL images, batch 4, 2 workers, the tutorial net, SGD 0.001/0.9)."""
+    start = time.perf_counter()
+    recipe = ["--config", str(REPO / "configs" / "fast.yaml"), "run.amp=off", "run.device=cpu", "run.progress=false"]
+    train_py(*recipe, "data.dataset=npz", f"data.path={npz}", f"run.out_dir={out_dir / 'fast'}", timeout=3600)
+    total = time.perf_counter() - start
+    ours, elapsed = [], 0.0
+    for line in (out_dir / "fast" / "metrics.jsonl").read_text().splitlines():
+        m = json.loads(line)
+        elapsed += m["seconds"]
+        ours.append({"epoch": m["epoch"], "seconds": elapsed, "test_acc": m["test_acc"]})
+    theirs = tutorial_run(npz, tutorial_epochs)
+    target = max(t["test_acc"] for t in theirs)
+    reached = next((o["seconds"] for o in ours if o["test_acc"] >= target), None)
+    return {
+        "data": str(npz),
+        "fast_recipe": ours,
+        "fast_recipe_wall_s": total,
+        "tutorial_pipeline": theirs,
+        "tutorial_best_acc": target,
+        "fast_seconds_to_tutorial_best": reached,
+        "tutorial_seconds_to_its_best": next(t["seconds"] for t in theirs if t["test_acc"] >= target),
+    }
+
+
+def tutorial_run(npz: Path, epochs: int) -> list[dict]:
+    """The PyTorch CIFAR-10 tutorial's training, as written there, on the same data: accuracy and
+    cumulative seconds per epoch."""
+    data = datasets.load(DataConfig(dataset="npz", path=str(npz)), World(0, 0, 1, torch.device("cpu"), "none"))
+    torch.manual_seed(0)
+    net = models.build("tutorial", 10)
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.001, momentum=0.9)
+    transform = transforms.Compose([transforms.ToTensor(), transforms.Normalize((0.5,) * 3, (0.5,) * 3)])
+    loader = torch.utils.data.DataLoader(PILImages(data.train, transform), batch_size=4, shuffle=True, num_workers=2)
+    test_loader = torch.utils.data.DataLoader(PILImages(data.test, transform), batch_size=256, num_workers=2)
+    theirs, elapsed = [], 0.0
+    for epoch in range(1, epochs + 1):
+        start = time.perf_counter()
+        net.train()
+        for x, y in loader:
+            optimizer.zero_grad()
+            nn.functional.cross_entropy(net(x), y).backward()
+            optimizer.step()
+        net.eval()
+        with torch.no_grad():
+            correct = sum(int((net(x).argmax(1) == y).sum()) for x, y in test_loader)
+        elapsed += time.perf_counter() - start
+        theirs.append({"epoch": epoch, "seconds": elapsed, "test_acc": correct / len(data.test.labels)})
+        print(f"  tutorial pipeline epoch {epoch}: {theirs[-1]['test_acc']:.1%} at {elapsed:.0f} s", flush=True)
+    return theirs

@@ -1,0 +1,252 @@
+"""Who started this process: the launcher's environment variables, read here and nowhere else.
+
+Pure functions of an environment (os.environ unless one is given, so tests can ask about any launch
+on any machine); nothing here touches a device or the network. The process group is distributed.py's.
+
+Launchers, in this order unless run.launcher names one (detect_launch):
+- torchrun (and `accelerate launch --multi_gpu`, which runs torchrun): RANK, LOCAL_RANK, WORLD_SIZE,
+  MASTER_ADDR, MASTER_PORT; the rendezvous is torchrun's (env://).
+- accelerate's CPU mode (`--cpu --num_processes N --mpirun_hostfile F`): mpirun's rank variables plus
+  MASTER_ADDR/MASTER_PORT.
+- SLURM, inside `srun` (SLURM_STEP_ID set): SLURM_PROCID, SLURM_LOCALID, SLURM_NTASKS; rank 0 is on the
+  step's first node, the port is derived from the job id (slurm_port).
+- otherwise one process.
+Also here: SLURM's rendezvous address (for slurm/train.sh), requeueing a SLURM job, accelerate's
+--cpu / --mixed_precision flags, and what ddp.doctor reports about a launch.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+
+from ddp.config import RunConfig
+from ddp.errors import UsageError
+
+Env = Mapping[str, str]
+TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+_SLURM_VARS = ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS")
+# (rank, local rank, world size, processes on this node) as mpirun sets them: Open MPI, MPICH/Intel MPI.
+_MPI_VARS = (
+    ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE"),
+    ("PMI_RANK", "MPI_LOCALRANKID", "PMI_SIZE", "MPI_LOCALNRANKS"),
+)
+
+
+@dataclass(frozen=True)
+class Launch:
+    """What the launcher's variables say about this process, before devices are considered."""
+
+    launcher: str  # torchrun | accelerate | slurm | none
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int = 1  # processes on this node
+    init_method: str | None = None  # tcp://host:port when the launcher leaves the rendezvous to us
+
+
+def _ints(env: Env, names: tuple[str, ...]) -> list[int]:
+    try:
+        return [int(env[v]) for v in names]
+    except ValueError:
+        raise UsageError(f"{', '.join(names)} must be integers, got {[env[v] for v in names]}") from None
+
+
+def _checked(launcher: str, rank: int, local_rank: int, world_size: int, **rest: int | str | None) -> Launch:
+    if not 0 <= rank < world_size or local_rank < 0:
+        raise UsageError(f"{launcher}: rank {rank} must be in [0, world_size={world_size}) and local rank >= 0")
+    return Launch(launcher, rank, local_rank, world_size, **rest)
+
+
+def _torchrun(env: Env, name: str) -> Launch | None:
+    """torchrun's variables (also what `accelerate launch --multi_gpu` sets), or None if none is set."""
+    present = [v for v in TORCHRUN_VARS if v in env]
+    if not {"RANK", "LOCAL_RANK", "WORLD_SIZE"} & set(present):
+        return None  # MASTER_ADDR/PORT alone are a rendezvous address (SLURM scripts, accelerate --cpu)
+    missing = [v for v in TORCHRUN_VARS if v not in env]
+    if missing:
+        raise UsageError(
+            f"{', '.join(present)} set but {', '.join(missing)} not: launch with "
+            "torchrun (which sets them all), or unset them for a single process"
+        )
+    rank, local_rank, world_size = _ints(env, ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
+    local_world_size = int(env.get("LOCAL_WORLD_SIZE", world_size))
+    return _checked(name, rank, local_rank, world_size, local_world_size=local_world_size)
+
+
+def _accelerate_mpi(env: Env) -> Launch | None:
+    """`accelerate launch --cpu --num_processes N --mpirun_hostfile F`: mpirun starts the processes
+    (MPI's rank variables) and accelerate adds MASTER_ADDR/MASTER_PORT for the process group."""
+    for names in _MPI_VARS:
+        if names[0] in env:
+            rank, local_rank, world_size = _ints(env, names[:3])
+            master = f"tcp://{env.get('MASTER_ADDR', '127.0.0.1')}:{env.get('MASTER_PORT', '29500')}"
+            local = int(env.get(names[3], world_size))
+            return _checked("accelerate", rank, local_rank, world_size, local_world_size=local, init_method=master)
+    if "MASTER_ADDR" in env:
+        raise UsageError(
+            "accelerate started 1 process for --num_processes > 1: with --cpu it starts several only "
+            "through MPI (add --mpirun_hostfile FILE); bash launch/accelerate.sh does this for you"
+        )
+    return None
+
+
+def first_host(nodelist: str) -> str:
+    """The first host of a SLURM node list: 'gpu[07-09,12],cpu3' -> 'gpu07'."""
+    first, depth = "", 0
+    for ch in nodelist:  # the first comma-separated entry outside brackets
+        if ch == "," and depth == 0:
+            break
+        depth += {"[": 1, "]": -1}.get(ch, 0)
+        first += ch
+    # In each bracket group keep the first number of the first range, zero padding included.
+    return re.sub(r"\[([^],-]+)[^]]*\]", r"\1", first)
+
+
+def slurm_port(job_id: str) -> int:
+    """The rendezvous port of a SLURM job: the same on every node, different for concurrent jobs,
+    below Linux's ephemeral range (32768+) so no outgoing connection holds it."""
+    return 10000 + int(job_id) % 20000
+
+
+def slurm_rendezvous(env: Env = os.environ) -> tuple[str, int]:
+    """(address, port) of rank 0 in a SLURM job: MASTER_ADDR/MASTER_PORT if set, else the first node
+    of the step (or job) and slurm_port(job id). slurm/train.sh asks this for torchrun's rendezvous."""
+    nodes = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
+    if "MASTER_ADDR" not in env and not nodes or "MASTER_PORT" not in env and "SLURM_JOB_ID" not in env:
+        raise UsageError(
+            "not inside a SLURM job (no SLURM_JOB_NODELIST / SLURM_JOB_ID): set MASTER_ADDR and MASTER_PORT"
+        )
+    addr = env.get("MASTER_ADDR") or first_host(nodes)
+    port = int(env["MASTER_PORT"]) if "MASTER_PORT" in env else slurm_port(env["SLURM_JOB_ID"])
+    return addr, port
+
+
+def _tasks_on_this_node(env: Env) -> int:
+    """From SLURM_STEP_TASKS_PER_NODE ('2(x3),1': two tasks on each of 3 nodes, then one)."""
+    counts = []
+    for part in env.get("SLURM_STEP_TASKS_PER_NODE", env.get("SLURM_TASKS_PER_NODE", "1")).split(","):
+        m = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part)
+        counts += [int(m.group(1))] * int(m.group(2) or 1) if m else []
+    node = int(env.get("SLURM_NODEID", "0"))
+    return counts[node] if node < len(counts) else 1
+
+
+def _slurm(env: Env, forced: bool) -> Launch | None:
+    """`srun python ddp/train.py`: one task per process, ranks from SLURM. Only inside a job step
+    (SLURM_STEP_ID): the batch script itself also has SLURM_PROCID=0 and the job's SLURM_NTASKS."""
+    if not forced and ("SLURM_STEP_ID" not in env or int(env.get("SLURM_NTASKS", "1")) < 2):
+        return None
+    missing = [v for v in _SLURM_VARS if v not in env]
+    if missing:
+        raise UsageError(f"run.launcher=slurm but {', '.join(missing)} not set: start the processes with srun")
+    rank, local_rank, world_size = _ints(env, _SLURM_VARS)
+    addr, port = slurm_rendezvous(env)
+    return _checked(
+        "slurm",
+        rank,
+        local_rank,
+        world_size,
+        local_world_size=_tasks_on_this_node(env),
+        init_method=f"tcp://{addr}:{port}",
+    )
+
+
+def detect_launch(env: Env = os.environ, launcher: str = "auto") -> Launch:
+    """Who started this process. auto: torchrun/accelerate variables, then SLURM (inside srun),
+    then a single process; run.launcher names one and reads only its variables."""
+    if launcher == "none":
+        return Launch("none", 0, 0, 1)
+    accelerate = any(k.startswith("ACCELERATE_") for k in env)
+    found = None
+    if launcher in ("auto", "torchrun", "accelerate"):
+        found = _torchrun(env, "accelerate" if accelerate else "torchrun")
+        if found is None and accelerate and launcher != "torchrun":
+            found = _accelerate_mpi(env)
+        if found is None and launcher != "auto":
+            raise UsageError(
+                f"run.launcher={launcher} but none of its variables are set: start with "
+                + ("torchrun ... ddp/train.py" if launcher == "torchrun" else "accelerate launch ddp/train.py")
+            )
+        if found and launcher == "accelerate" and found.launcher != "accelerate":
+            raise UsageError(
+                "run.launcher=accelerate but no ACCELERATE_* variable is set: start with accelerate launch"
+            )
+    if found is None and launcher in ("auto", "slurm"):
+        found = _slurm(env, forced=launcher == "slurm")
+    return found or Launch("none", 0, 0, 1)
+
+
+def agent_store(env: Env = os.environ) -> tuple[str, int, str] | None:
+    """(address, port, restart attempt) of torchrun's agent store when its workers are meant to use
+    it (TORCHELASTIC_USE_AGENT_STORE), else None."""
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    return env["MASTER_ADDR"], int(env["MASTER_PORT"]), env.get("TORCHELASTIC_RESTART_COUNT", "0")
+
+
+def accelerate_flags(run: RunConfig, env: Env = os.environ) -> RunConfig:
+    """run with `accelerate launch --cpu / --mixed_precision` applied: they choose what the config
+    left at its default; a config that says otherwise is an error, not a silent pick."""
+    changes = {}
+    if env.get("ACCELERATE_USE_CPU", "").lower() == "true" and run.device != "cpu":
+        if run.device != "auto":
+            raise UsageError(f"accelerate launch --cpu but run.device={run.device}: drop one of them")
+        changes["device"] = "cpu"
+    precision = env.get("ACCELERATE_MIXED_PRECISION", "no").lower()
+    if precision in ("bf16", "fp16") and run.amp != precision:
+        if run.amp != "off":
+            raise UsageError(f"accelerate launch --mixed_precision {precision} but run.amp={run.amp}: drop one of them")
+        changes["amp"] = precision
+    return replace(run, **changes)
+
+
+def requeue_command(env: Env = os.environ) -> list[str] | None:
+    """`scontrol requeue JOB` for the SLURM job this process runs in (an array task as
+    ARRAYJOB_TASK), or None outside SLURM."""
+    if "SLURM_JOB_ID" not in env:
+        return None
+    if "SLURM_ARRAY_JOB_ID" in env and "SLURM_ARRAY_TASK_ID" in env:
+        job = f"{env['SLURM_ARRAY_JOB_ID']}_{env['SLURM_ARRAY_TASK_ID']}"
+    else:
+        job = env["SLURM_JOB_ID"]
+    return ["scontrol", "requeue", job]
+
+
+# What ddp.doctor reports about a launch, before and during one.
+
+
+def launch_variables(env: Env = os.environ) -> dict[str, str]:
+    """The launcher variables that are set."""
+    names = (*TORCHRUN_VARS, "LOCAL_WORLD_SIZE", "CUDA_VISIBLE_DEVICES", "TORCHELASTIC_RESTART_COUNT")
+    prefixes = ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS", "SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_NODEID",
+                "SLURM_JOB_NODELIST", "SLURM_STEP_TASKS_PER_NODE", "SLURM_GPUS", "ACCELERATE_", "OMPI_COMM_WORLD_",
+                "PMI_RANK", "PMI_SIZE")  # fmt: skip
+    return {k: v for k, v in sorted(env.items()) if k in names or k.startswith(prefixes)}
+
+
+def planned_rendezvous(env: Env = os.environ) -> tuple[str, int, str]:
+    """(address, port, where from) that a launch from here would use: MASTER_ADDR/MASTER_PORT, a
+    SLURM job's derived port, else torchrun's default 29500."""
+    if "SLURM_JOB_ID" in env and (env.get("SLURM_JOB_NODELIST") or "MASTER_ADDR" in env):
+        addr, port = slurm_rendezvous(env)
+        return addr, port, "SLURM job" if "MASTER_PORT" not in env else "MASTER_ADDR/MASTER_PORT"
+    if "MASTER_PORT" in env:
+        return env.get("MASTER_ADDR", "127.0.0.1"), int(env["MASTER_PORT"]), "MASTER_ADDR/MASTER_PORT"
+    return "127.0.0.1", 29500, "torchrun's default"
+
+
+def slurm_gpu_problem(cuda_count: int, env: Env = os.environ) -> str | None:
+    """Why SLURM's tasks and this node's GPUs do not pair up one to one, or None if they do (or
+    there are no GPUs, or no srun step)."""
+    if "SLURM_STEP_ID" not in env or cuda_count <= 1 or "RANK" in env:
+        return None  # one GPU per task (or none) pairs up; torchrun under srun starts its own processes
+    tasks = _tasks_on_this_node(env)
+    if tasks == cuda_count:
+        return None
+    return (
+        f"SLURM runs {tasks} task(s) on this node and each sees {cuda_count} GPUs: use --ntasks-per-node="
+        f"{cuda_count}, or --gpus-per-task=1 so that each task gets its own GPU"
+    )

@@ -1,0 +1,145 @@
+"""What a run measures, shared by train.py, `python -m ddp.evaluate`, the doctor and the benchmark:
+the epoch's training loss over all ranks, exact distributed evaluation (the confusion matrix, each
+test image once) and per-class accuracy, one epoch's record for metrics.jsonl, time on a device
+(waiting for its queued work) and GPU memory. Writing and printing them is logs.py's.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ddp import distributed
+from ddp.distributed import World
+
+
+class EpochLoss:
+    """This rank's running sums for the epoch's mean training loss, kept on the training device so
+    that adding a step's loss needs no sync: loss x images, and images."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.sums = torch.zeros(2, dtype=torch.float64, device=device)  # (loss x images, images)
+
+    def add(self, loss: torch.Tensor, images: int) -> None:
+        self.sums[0] += loss.detach().double() * images
+        self.sums[1] += images
+
+    def images(self) -> int:
+        """Images this rank has added (a sync on a GPU: call it once an epoch)."""
+        return int(self.sums[1].item())
+
+    def mean_over_ranks(self, world: World) -> float:
+        """The mean loss per image over every rank's images; every rank calls it."""
+        loss_sum, images = distributed.all_reduce_sum(self.sums.clone(), world).tolist()
+        return loss_sum / images
+
+    def reset(self) -> None:
+        self.sums.zero_()
+
+
+@torch.no_grad()
+def evaluate(
+    module: nn.Module,
+    loader: Iterable[tuple[torch.Tensor, torch.Tensor]],
+    to_input: Callable[[torch.Tensor], torch.Tensor],
+    num_classes: int,
+    world: World,
+    amp: torch.dtype | None,
+    tta_flip: bool = False,
+) -> torch.Tensor:
+    """The confusion matrix (true class x predicted class, counts) over the whole test set, summed
+    over ranks: each image once. Its diagonal is the correct count per class, its row sums the
+    images per class. tta_flip: predict from the sum of the logits of each image and its mirror."""
+    module.eval()
+    confusion = torch.zeros(num_classes * num_classes, dtype=torch.int64, device=world.device)
+    for images, labels in loader:
+        x = to_input(images)
+        y = labels.to(world.device, non_blocking=True)
+        with torch.autocast(world.device.type, dtype=amp, enabled=amp is not None):
+            logits = module(x)
+            if tta_flip:
+                logits = logits + module(x.flip(-1))
+            predicted = logits.argmax(dim=1)
+        confusion.index_add_(0, y * num_classes + predicted, torch.ones_like(y))  # no sync per batch
+    distributed.all_reduce_sum(confusion, world)
+    return confusion.view(num_classes, num_classes).cpu()
+
+
+def accuracy(confusion: torch.Tensor) -> float:
+    return confusion.diag().sum().item() / max(1, confusion.sum().item())
+
+
+def accuracy_per_class(confusion: torch.Tensor) -> list[float | None]:
+    """Each class's accuracy from a confusion matrix (None for a class with no test images)."""
+    correct, total = confusion.diag().tolist(), confusion.sum(dim=1).tolist()
+    return [c / t if t else None for c, t in zip(correct, total)]
+
+
+def epoch_record(
+    epoch: int, train_loss: float, confusion: torch.Tensor, classes: list[str], world: World, **timing: float
+) -> dict[str, Any]:
+    """One line of metrics.jsonl: the epoch's loss and evaluation, `timing` (lr, images_per_s,
+    seconds, startup_s), the layout of the run, and on a GPU its memory in MB (this rank's)."""
+    record = {
+        "epoch": epoch,
+        "train_loss": train_loss,
+        "test_acc": accuracy(confusion),
+        "test_images": int(confusion.sum()),
+        "per_class_acc": accuracy_per_class(confusion),
+        "classes": classes,
+        "confusion": confusion.tolist(),  # rows: true class, columns: predicted
+        **timing,
+        "world_size": world.world_size,
+        "parallel": world.parallel,
+        "device": str(world.device),
+    }
+    if world.device.type == "cuda":
+        record.update({f"gpu_{k}_mb": v for k, v in gpu_memory_mb(world.device).items()})
+    return record
+
+
+def epoch_start(device: torch.device) -> float:
+    """The clock (time.perf_counter()) at an epoch's start; on a GPU the peak-memory count starts
+    again too, so that each epoch reports its own peak."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    return time.perf_counter()
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the work queued on `device`, so that a clock read after it times the work."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def elapsed(since: float, device: torch.device) -> float:
+    """Seconds from `since` (time.perf_counter()) to the end of the work queued on `device`."""
+    synchronize(device)
+    return time.perf_counter() - since
+
+
+def gpu_memory_mb(device: torch.device | int) -> dict[str, float]:
+    """torch's CUDA memory on a device, in MB: allocated now, reserved by its cache, and the peak
+    allocation since the last torch.cuda.reset_peak_memory_stats."""
+    return {
+        "allocated": torch.cuda.memory_allocated(device) / 2**20,
+        "reserved": torch.cuda.memory_reserved(device) / 2**20,
+        "peak": torch.cuda.max_memory_allocated(device) / 2**20,
+    }
+
+
+def seconds_since_process_start() -> float | None:
+    """How long this process has existed (Linux /proc), Python's and torch's imports included: the
+    startup_s metric, time from process start to the end of the first training step."""
+    try:
+        start_ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])  # field 22
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None

@@ -1,0 +1,77 @@
+"""Launcher detection (ddp/launchers.py), as pure functions of an environment: torchrun, accelerate
+(torchrun and MPI), SLURM (srun and the batch script), a single process, and forced launchers."""
+
+import pytest
+from launch_envs import OPEN_MPI, SRUN, TORCHRUN
+
+from ddp import launchers
+from ddp.config import RunConfig
+from ddp.errors import UsageError
+
+
+def test_half_set_launcher_variables_are_an_error():
+    with pytest.raises(UsageError, match="WORLD_SIZE set but RANK, LOCAL_RANK, MASTER_ADDR, MASTER_PORT not"):
+        launchers.detect_launch({"WORLD_SIZE": "2"})
+    assert launchers.detect_launch({}) == launchers.Launch("none", 0, 0, 1)
+
+
+@pytest.mark.parametrize(
+    "nodelist, first",
+    [("vm", "vm"), ("a,b", "a"), ("gpu[07-09,12],cpu3", "gpu07"), ("n[3,1]", "n3"), ("r[1-2]-n[01-04]", "r1-n01")],
+)
+def test_first_host_of_a_slurm_nodelist(nodelist, first):
+    assert launchers.first_host(nodelist) == first
+
+
+def test_the_batch_script_itself_and_one_task_are_a_single_process():
+    batch = {k: v for k, v in SRUN.items() if k != "SLURM_STEP_ID"}  # sbatch -n4 script, before srun
+    assert launchers.detect_launch(batch).launcher == "none"
+    assert launchers.detect_launch({**SRUN, "SLURM_NTASKS": "1", "SLURM_PROCID": "0"}).launcher == "none"
+    assert launchers.detect_launch(batch, "slurm").rank == 3  # unless run.launcher=slurm says so
+
+
+def test_slurm_ports_differ_between_jobs_and_stay_below_the_ephemeral_range():
+    ports = {launchers.slurm_port(str(job)) for job in range(100_000, 100_050)}
+    assert len(ports) == 50 and all(10000 <= p < 32768 for p in ports)
+
+
+def test_torchrun_variables_come_before_slurm():
+    env = {**SRUN, **TORCHRUN}  # torchrun started by srun, one per node (slurm/train.sh)
+    launch = launchers.detect_launch(env)
+    assert (launch.launcher, launch.rank, launch.init_method) == ("torchrun", 1, None)
+    assert launchers.detect_launch(env, "slurm").rank == 3
+    assert launchers.detect_launch(env, "none").world_size == 1
+
+
+def test_accelerate_under_torchrun_and_under_mpi():
+    launch = launchers.detect_launch({**TORCHRUN, "ACCELERATE_MIXED_PRECISION": "no"})
+    assert (launch.launcher, launch.rank, launch.world_size) == ("accelerate", 1, 2)
+    launch = launchers.detect_launch(OPEN_MPI)
+    assert launch == launchers.Launch("accelerate", 1, 1, 2, 2, "tcp://127.0.0.1:29500")
+    one = {k: v for k, v in OPEN_MPI.items() if not k.startswith("OMPI")}  # --cpu --num_processes 2, no MPI
+    with pytest.raises(UsageError, match="accelerate started 1 process for --num_processes > 1.*--mpirun_hostfile"):
+        launchers.detect_launch(one)
+    assert launchers.detect_launch({"ACCELERATE_USE_CPU": "True"}).launcher == "none"  # --num_processes 1
+
+
+@pytest.mark.parametrize(
+    "launcher, env, message",
+    [
+        ("torchrun", {}, "run.launcher=torchrun but none of its variables are set"),
+        ("accelerate", TORCHRUN, "run.launcher=accelerate but no ACCELERATE_"),
+        ("slurm", {"SLURM_JOB_ID": "1"}, "run.launcher=slurm but SLURM_PROCID, SLURM_LOCALID, SLURM_NTASKS not set"),
+    ],
+)
+def test_a_forced_launcher_must_have_its_variables(launcher, env, message):
+    with pytest.raises(UsageError, match=message):
+        launchers.detect_launch(env, launcher)
+
+
+def test_accelerate_flags_fill_what_the_config_left_at_its_default():
+    run = launchers.accelerate_flags(RunConfig(), {"ACCELERATE_USE_CPU": "True", "ACCELERATE_MIXED_PRECISION": "bf16"})
+    assert (run.device, run.amp) == ("cpu", "bf16")
+    assert launchers.accelerate_flags(RunConfig(amp="bf16"), {"ACCELERATE_MIXED_PRECISION": "no"}).amp == "bf16"
+    with pytest.raises(UsageError, match="accelerate launch --cpu but run.device=cuda:1"):
+        launchers.accelerate_flags(RunConfig(device="cuda:1"), {"ACCELERATE_USE_CPU": "True"})
+    with pytest.raises(UsageError, match="--mixed_precision fp16 but run.amp=bf16"):
+        launchers.accelerate_flags(RunConfig(amp="bf16"), {"ACCELERATE_MIXED_PRECISION": "fp16"})

@@ -1,0 +1,23 @@
+"""Evaluation (ddp/metrics.py): the confusion matrix, test-time augmentation."""
+
+import torch
+
+from ddp import distributed, metrics
+
+
+def test_flip_test_time_augmentation_adds_the_logits_of_the_mirror_image():
+    class LeftMinusRight(torch.nn.Module):  # logit of class 1: left half minus right half; a mirror negates it
+        def forward(self, x):
+            score = x[..., :16].mean(dim=(1, 2, 3)) - x[..., 16:].mean(dim=(1, 2, 3))
+            return torch.stack([torch.zeros_like(score), score], dim=1)
+
+    images = torch.zeros(4, 3, 32, 32, dtype=torch.uint8)
+    images[:2, :, :, :16] = 200  # class 1 alone; with its mirror the logits tie and argmax takes class 0
+    labels = torch.tensor([0, 0, 1, 1])
+    world = distributed.World(0, 0, 1, torch.device("cpu"), "none")
+    loader = [(images, labels)]
+    to_input = lambda x: x.float()  # noqa: E731
+    plain = metrics.evaluate(LeftMinusRight(), loader, to_input, 2, world, None)
+    tta = metrics.evaluate(LeftMinusRight(), loader, to_input, 2, world, None, tta_flip=True)
+    assert plain.tolist() == [[0, 2], [2, 0]]  # rows: true class; bright-left says 1, blank ties to 0
+    assert tta.tolist() == [[2, 0], [2, 0]]  # the mirrored logits cancel: ties go to class 0

@@ -116,3 +116,12 @@ def test_a_failure_on_rank_0_after_the_rendezvous_stops_every_rank(tmp_path):
     assert proc.stderr.count("error: cannot write to run.out_dir") == 2  # each rank says why, then exits 2
     assert "exitcode  : 2" in proc.stderr
     assert f'File "{REPO / "ddp"}' not in proc.stderr  # torchrun prints its own traceback; none is ours
+
+
+def test_the_process_group_is_gone_when_training_returns(tmp_path):
+    """No gloo thread survives main: a group kept alive past destroy_process_group (e.g. by importing
+    torch._dynamo while it exists) lets its threads race the interpreter's exit and abort it."""
+    ok(torchrun(2, str(REPO / "tests" / "group_worker.py"), str(tmp_path), *TINY, "train.epochs=1"))
+    for rank in (0, 1):
+        threads = json.loads((tmp_path / f"threads-{rank}.json").read_text())
+        assert not [t for t in threads if t.startswith(("pt_gloo", "gloo"))], (rank, threads)

@@ -50,6 +50,12 @@ class StopRequest:
 
     def __exit__(self, kind: type | None, value: BaseException | None, tb: TracebackType | None) -> None:
         if kind is not None and issubclass(kind, Stopped):
-            return  # leaving with a checkpoint: a late signal (the launcher's, say) must not kill the exit
+            # Leaving with a checkpoint on disk: a late signal must not turn exit 75 into a kill. When
+            # one rank has exited, torchrun SIGTERMs the others while they are still on their way out,
+            # and Python puts the default action back on its own handlers as the interpreter exits;
+            # an ignored signal stays ignored.
+            for sig in {*self.signals, signal.SIGTERM}:
+                signal.signal(sig, signal.SIG_IGN)
+            return
         for sig, previous in self._previous.items():
             signal.signal(sig, previous)

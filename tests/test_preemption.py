@@ -1,0 +1,40 @@
+"""Stop signals (ddp/preemption.py) in one process; the real ones through torchrun and SLURM are in
+test_resume.py and test_slurm.py."""
+
+import os
+import signal
+
+import pytest
+
+from ddp import preemption
+from ddp.errors import Stopped, UsageError
+
+
+@pytest.fixture(autouse=True)
+def _keep_signal_handlers():
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
+    yield
+    for sig, handler in saved.items():
+        signal.signal(sig, handler)
+
+
+def test_a_signal_inside_only_requests_a_stop():
+    with preemption.StopRequest([signal.SIGUSR1]) as stop:
+        assert not stop.requested
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert stop.requested and stop.received == "SIGUSR1"
+    assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL  # an ordinary exit puts the old handler back
+
+
+def test_leaving_with_the_stop_checkpoint_ignores_late_signals():
+    """torchrun SIGTERMs the ranks still exiting once one has left with 75; Python's own handlers
+    fall back to the default action as the interpreter exits, ignored signals do not."""
+    with pytest.raises(Stopped), preemption.StopRequest([signal.SIGUSR1]):
+        raise Stopped("stopped")
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN and signal.getsignal(signal.SIGUSR1) is signal.SIG_IGN
+
+
+@pytest.mark.parametrize("names", ["SIGKILL", "FOO", "TERM,STOP"])
+def test_signals_that_cannot_be_caught_are_refused(names):
+    with pytest.raises(UsageError, match="is not a signal that can be caught"):
+        preemption.parse_signals(names)

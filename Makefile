@@ -6,7 +6,7 @@ SHELL := bash
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
+export PATH := $(CURDIR)/$(VENV)/bin:$(PATH):/usr/sbin:/sbin
 
 ifneq ($(DATA),)
   ifeq ($(suffix $(DATA)),.npz)
@@ -16,24 +16,28 @@ ifneq ($(DATA),)
   endif
 endif
 
-.PHONY: install train test bench lint format clean
+.PHONY: install system-packages train test bench lint format clean
 install: $(STAMP)
 
 # --system-site-packages: a machine that already has torch + torchvision (a GPU VM with a torch that
 # matches its driver) keeps them; elsewhere the pinned versions in constraints.txt are installed.
+# pip's output (its resolver's notes on the system site's own packages among it) goes to
+# .venv/pip.log and is shown only if the install fails.
 $(STAMP): pyproject.toml constraints.txt
-	test -x $(PY) || python3 -m venv --system-site-packages $(VENV)
-	if $(PY) -c 'import torch, torchvision' 2>/dev/null; then \
-	  $(PY) -m pip install -q -e '.[dev]'; \
-	else \
-	  $(PY) -m pip install -q -c constraints.txt -e '.[dev]'; \
-	fi
-	touch $(STAMP)
+	@test -x $(PY) || python3 -m venv --system-site-packages $(VENV)
+	@echo "installing into $(VENV) (log: $(VENV)/pip.log)"
+	@if $(PY) -c 'import torch, torchvision' 2>/dev/null; then pins=; else pins="-c constraints.txt"; fi; \
+	  $(PY) -m pip install $$pins -e '.[dev]' > $(VENV)/pip.log 2>&1 || { cat $(VENV)/pip.log; exit 1; }
+	@touch $(STAMP)
+
+# The system packages of the SLURM and MPI launcher tests (installed as root on Debian/Ubuntu).
+system-packages:
+	@bash tests/system_packages.sh
 
 train: $(STAMP)
 	bash launch/torchrun.sh --config configs/quick.yaml $(DATA_ARGS) $(ARGS)
 
-test: $(STAMP) lint
+test: $(STAMP) lint system-packages
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 # make bench [DATA=cifar10-subset.npz]: python -m bench on this machine, results in bench/results/.

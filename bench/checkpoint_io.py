@@ -34,7 +34,8 @@ def main() -> None:
     model(torch.randn(8, 3, 32, 32)).sum().backward()
     optimizer.step()  # momentum buffers exist, as in any checkpoint after step 1
     trained = checkpoint.Trained(model, optimizer, scheduler, torch.amp.GradScaler("cpu", enabled=False))
-    info = checkpoint.RunInfo(config.to_dict(cfg), 1, 50000, {"mean": [0.5] * 3, "std": [0.25] * 3})
+    normalize, classes = {"mean": [0.5] * 3, "std": [0.25] * 3}, [str(c) for c in range(10)]
+    info = checkpoint.RunInfo(config.to_dict(cfg), 1, 50000, normalize, classes)
     ranks = [checkpoint.rank_state(torch.device("cpu"), None)]
     saves, loads = [], []
     with tempfile.TemporaryDirectory() as out_dir:

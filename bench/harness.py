@@ -27,7 +27,7 @@ from PIL import Image
 from torch import nn
 from torchvision import transforms
 
-from ddp import config, distributed, metrics, models, train
+from ddp import config, distributed, loaders, metrics, models, train
 from ddp import data as datasets
 from ddp.config import DataConfig
 from ddp.distributed import World
@@ -79,7 +79,10 @@ def job(name: str, global_batch: int, images: int, world: World) -> train.Job:
         "run.resume=never",  # build() then reads and writes nothing in run.out_dir
     ]
     cfg = config.load(None, settings)
-    built, _ = train.build(cfg, world, world.split(global_batch, "batch"), train.autocast_dtype(amp, world.device))
+    data = datasets.load(cfg.data, world)
+    built, _ = train.build(
+        cfg, world, data, world.split(global_batch, "batch"), train.autocast_dtype(amp, world.device)
+    )
     built.train_loader.sampler.set_position(1, 0)
     return built
 
@@ -203,12 +206,11 @@ def data_path(sizes: dict, devices: list[torch.device]) -> list[dict]:
     rows = []
     split = synthetic_split(sizes["images"])
     batch, calls = sizes["data_batch"], sizes["data_images"] // sizes["data_batch"]
-    stats = datasets.Data(split, split, [], CIFAR_MEAN, CIFAR_STD)
     for device in devices:
         world = World(0, 0, 1, device, "none")
-        loader = datasets.train_loader(split, batch, world, True, 0, 0, "device")
+        loader = loaders.train_loader(split, batch, world, True, 0, 0, "device")
         loader.sampler.set_position(1, 0)
-        to_input, ours = datasets.input_fn(stats, device, True), cycle(loader)
+        to_input, ours = loaders.input_fn(CIFAR_MEAN, CIFAR_STD, device, True), cycle(loader)
         s = seconds_per_call(lambda: to_input(ours()[0]), device, 2, calls, sizes["repeats"])  # noqa: B023
         rows.append({"device": device_name(device), "loader": "device-resident (ours)", "img_s": batch / s})
         for workers in sorted({0, 2, os.cpu_count() or 1}):

@@ -19,7 +19,6 @@ import io
 import os
 import shutil
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,11 +28,11 @@ from torch import nn
 from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 
 from ddp import __version__ as ddp_version
-from ddp import distributed, faults, rng
+from ddp import distributed, faults, files, rng
 from ddp.cli import command
 from ddp.config import RunConfig
 from ddp.distributed import World
-from ddp.errors import EXIT_FAILURE, EXIT_OK, CorruptCheckpoint, UsageError
+from ddp.errors import EXIT_FAILURE, EXIT_OK, CorruptCheckpoint, UsageError, WriteFailed
 from ddp.metrics import EpochLoss
 
 FORMAT = 2
@@ -67,6 +66,7 @@ class RunInfo:
     world_size: int
     train_images: int
     normalize: dict[str, list[float]]  # the training split's per-channel mean and std, as the model saw them
+    classes: list[str]  # the names of the model's outputs, in order
 
 
 def build_state(
@@ -87,6 +87,7 @@ def build_state(
         "world_size": info.world_size,
         "train_images": info.train_images,
         "normalize": info.normalize,
+        "classes": info.classes,
         "config": info.config,
         "metrics": metrics,  # of the last finished epoch
         "versions": {"torch": str(torch.__version__), "ddp_cifar": ddp_version},
@@ -139,6 +140,7 @@ class Resumed:
     metrics: dict[str, Any] | None  # of the last finished epoch
     saved_world_size: int
     same_world: bool  # RNG states restored (they are per rank)
+    changes: list[str]  # "section.key old -> new" for every setting that differs from the checkpoint's
 
 
 class Checkpointer:
@@ -167,7 +169,9 @@ class Checkpointer:
         restore(state, self.trained)
         same_world = restore_rank(state, self.world, epoch_loss)
         position = Position(state["epoch"], state["step"], state["global_step"])
-        return Resumed(path, position, state["metrics"], state["world_size"], same_world)
+        old, new = state["config"], self.info.config
+        changes = [f"{s}.{k} {old[s].get(k)!r} -> {v!r}" for s in new for k, v in new[s].items() if old[s].get(k) != v]
+        return Resumed(path, position, state["metrics"], state["world_size"], same_world, changes)
 
     def due(self, position: Position, steps_per_epoch: int, stopping: bool) -> bool:
         """Whether to save after the step that led to `position` (mid-epoch: the epoch's last step
@@ -181,10 +185,12 @@ class Checkpointer:
         gets the file's path, the others None."""
         mid_epoch = position.step_in_epoch > 0
         ranks = distributed.gather_objects(rank_state(self.world.device, epoch_loss if mid_epoch else None), self.world)
-        if not self.world.is_main:
-            return None
-        state = build_state(self.trained, position, ranks, self.info, metrics)
-        return save(state, self.run.out_dir, self.run.keep_last)
+
+        def write() -> Path:  # on rank 0
+            state = build_state(self.trained, position, ranks, self.info, metrics)
+            return save(state, self.run.out_dir, self.run.keep_last)
+
+        return distributed.on_rank0(self.world, write)
 
 
 def check_compatible(state: dict[str, Any], info: RunInfo, path: str | Path) -> None:
@@ -196,6 +202,11 @@ def check_compatible(state: dict[str, Any], info: RunInfo, path: str | Path) -> 
                 f"{path} was trained with {section}.{key}={old} but this run has {section}.{key}={new}; "
                 "set it back to continue, or start a new run.out_dir"
             )
+    if len(state["classes"]) != len(info.classes):
+        raise UsageError(
+            f"{path} has a model of {len(state['classes'])} classes, this data has {len(info.classes)}; "
+            "use the same data, or start a new run.out_dir"
+        )
     if state["train_images"] != info.train_images:
         raise UsageError(
             f"{path} was trained on {state['train_images']} training images, this data has {info.train_images}; "
@@ -238,28 +249,11 @@ def digest(obj: Any) -> str:
 
 
 def _atomic_write(obj: dict[str, Any], path: Path, fault_step: int | None = None) -> None:
-    """torch.save `obj` to a temporary file beside `path`, fsync, rename over `path`."""
+    """torch.save `obj` to `path`, all or nothing (files.replace)."""
     buffer = io.BytesIO()
     torch.save(obj, buffer)
-    data = buffer.getvalue()
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data[: len(data) // 2])
-            if fault_step is not None:
-                faults.maybe_kill("write", fault_step, 0, path.parent.parent)
-            f.write(data[len(data) // 2 :])
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)  # make the rename itself durable
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    halfway = None if fault_step is None else lambda: faults.maybe_kill("write", fault_step, 0, path.parent.parent)
+    files.replace(path, buffer.getvalue(), halfway)
 
 
 def _point_last_at(path: Path) -> None:
@@ -280,12 +274,19 @@ def step_files(out_dir: str | Path) -> list[Path]:
 
 def save(state: dict[str, Any], out_dir: str | Path, keep_last: int) -> Path:
     """Write `state` as step-<global_step>.pt with its checksum, point last.pt at it, keep the
-    newest `keep_last` numbered files. Rank 0 only."""
+    newest `keep_last` numbered files. Rank 0 only. On a failed write (a full disk) the files
+    already there are untouched, and the error says which one is the newest."""
     state = {**state, "checksum": digest(state)}
     path = directory(out_dir) / f"step-{state['global_step']:09d}.pt"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    _atomic_write(state, path, fault_step=state["global_step"])
-    _point_last_at(path)
+    previous = step_files(out_dir)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _atomic_write(state, path, fault_step=state["global_step"])
+        _point_last_at(path)
+    except (OSError, WriteFailed) as e:
+        intact = f"the previous checkpoint, {previous[0]}, is intact" if previous else "no checkpoint was written yet"
+        reason = e if isinstance(e, WriteFailed) else files.failure(path, 0, e)
+        raise WriteFailed(f"{reason}; {intact}") from None
     for old in step_files(out_dir)[max(1, keep_last) :]:
         old.unlink(missing_ok=True)
     return path
@@ -337,7 +338,7 @@ def export(path: str | Path, out: str | Path) -> None:
     weights = {
         "format": "ddp-cifar-weights/1",
         "model_name": state["config"]["model"]["name"],
-        "classes": (state["metrics"] or {}).get("classes"),
+        "classes": state["classes"],
         "normalize": state["normalize"],
         "model": state["model"],
     }

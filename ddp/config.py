@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,9 +22,35 @@ from ddp.errors import UsageError
 from ddp.models import MODELS
 
 
-def opt(default: Any, help: str, choices: tuple[str, ...] = ()) -> Any:
-    """A config field with its one-line help (shown by --help) and, for strings, its valid values."""
-    return field(default=default, metadata={"help": help, "choices": choices})
+@dataclass(frozen=True)
+class Range:
+    """The valid values of a number: low <= value <= high, with either end open (< instead of <=)."""
+
+    low: float
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+
+    def __contains__(self, value: float) -> bool:
+        above = value > self.low if self.low_open else value >= self.low
+        below = self.high is None or (value < self.high if self.high_open else value <= self.high)
+        return above and below
+
+    def __str__(self) -> str:
+        low, high = (int(x) if x is not None and x == int(x) else x for x in (self.low, self.high))
+        if high is None:
+            return f"{'>' if self.low_open else '>='} {low}"
+        return f"in {'(' if self.low_open else '['}{low}, {high}{')' if self.high_open else ']'}"
+
+
+POSITIVE, NATURAL = Range(1), Range(0)  # integers from 1, from 0
+FRACTION = Range(0, 1, high_open=True)  # [0, 1)
+
+
+def opt(default: Any, help: str, choices: tuple[str, ...] = (), valid: Range | None = None) -> Any:
+    """A config field with its one-line help (shown by --help) and its valid values: `choices` for
+    strings, a Range for numbers."""
+    return field(default=default, metadata={"help": help, "choices": choices, "valid": valid})
 
 
 @dataclass
@@ -38,9 +65,11 @@ class DataConfig:
         "device = the split on the training device, batched augmentation there | torch = DataLoader workers",
         ("device", "torch"),
     )
-    workers: int = opt(2, "DataLoader worker processes per rank for loader=torch (0 = load in the main process)")
-    synthetic_train: int = opt(2048, "train images for dataset=synthetic")
-    synthetic_test: int = opt(512, "test images for dataset=synthetic")
+    workers: int = opt(
+        2, "DataLoader worker processes per rank for loader=torch (0 = load in the main process)", valid=NATURAL
+    )
+    synthetic_train: int = opt(2048, "train images for dataset=synthetic", valid=POSITIVE)
+    synthetic_test: int = opt(512, "test images for dataset=synthetic", valid=POSITIVE)
 
 
 @dataclass
@@ -50,22 +79,27 @@ class ModelConfig:
 
 @dataclass
 class TrainConfig:
-    epochs: int = opt(30, "epochs to train; the LR schedule spans them (a resumed run continues to this count)")
-    batch_size: int = opt(256, "GLOBAL batch in images per step, split evenly across ranks")
-    eval_batch_size: int = opt(1024, "GLOBAL evaluation batch, split across ranks")
-    label_smoothing: float = opt(0.0, "label smoothing of the cross-entropy loss (0 = off)")
+    epochs: int = opt(
+        30, "epochs to train; the LR schedule spans them (a resumed run continues to this count)", valid=POSITIVE
+    )
+    batch_size: int = opt(256, "GLOBAL batch in images per step, split evenly across ranks", valid=POSITIVE)
+    eval_batch_size: int = opt(1024, "GLOBAL evaluation batch, split across ranks", valid=POSITIVE)
+    label_smoothing: float = opt(0.0, "label smoothing of the cross-entropy loss (0 = off)", valid=FRACTION)
     tta_flip: bool = opt(False, "evaluate on each test image and its mirror image, averaging the logits")
 
 
 @dataclass
 class OptimConfig:
     name: str = opt("sgd", "optimizer", ("sgd", "adamw"))
-    lr: float = opt(0.1, "peak learning rate (for the global batch)")
-    momentum: float = opt(0.9, "SGD momentum")
+    lr: float = opt(0.1, "peak learning rate (for the global batch)", valid=Range(0, low_open=True))
+    momentum: float = opt(0.9, "SGD momentum", valid=FRACTION)
     nesterov: bool = opt(True, "Nesterov momentum for SGD")
-    weight_decay: float = opt(5e-4, "L2 weight decay")
+    weight_decay: float = opt(5e-4, "L2 weight decay", valid=Range(0))
     schedule: str = opt("cosine", "LR after warm-up, stepped per step", ("cosine", "constant"))
-    warmup_epochs: float = opt(1.0, "linear LR warm-up from 0, in epochs (may be fractional)")
+    warmup_epochs: float = opt(1.0, "linear LR warm-up from 0, in epochs (may be fractional)", valid=Range(0))
+    clip_grad_norm: float = opt(
+        0.0, "clip the gradients' total L2 norm to this before each step (0 = off)", valid=Range(0)
+    )
 
 
 @dataclass
@@ -78,17 +112,19 @@ class RunConfig:
         "who started the processes; auto = torchrun/accelerate variables, then SLURM (srun), then one process",
         ("auto", "torchrun", "accelerate", "slurm", "none"),
     )
-    seed: int = opt(0, "seed for weights, data order and augmentation")
+    seed: int = opt(0, "seed for weights, data order and augmentation", valid=Range(0, 2**32 - 1))
     amp: str = opt("off", "autocast precision (fp16 adds a GradScaler; CUDA only)", ("off", "bf16", "fp16"))
     compile: bool = opt(False, "torch.compile the model (before the DDP wrap)")
     channels_last: bool = opt(False, "NHWC memory format for model and inputs (faster convs on GPU)")
     resume: str = opt("auto", "auto = from the newest valid checkpoint in out_dir | never | PATH")
-    save_every_steps: int = opt(200, "also checkpoint every N optimizer steps (0 = only at epoch ends and stops)")
-    keep_last: int = opt(3, "numbered checkpoints kept in out_dir/checkpoints (the newest N)")
+    save_every_steps: int = opt(
+        200, "also checkpoint every N optimizer steps (0 = only at epoch ends and stops)", valid=NATURAL
+    )
+    keep_last: int = opt(3, "numbered checkpoints kept in out_dir/checkpoints (the newest N)", valid=POSITIVE)
     stop_signal: str = opt(
         "SIGTERM,SIGUSR1,SIGINT", "signals that stop at the next step with a checkpoint, exit 75 (none = off)"
     )
-    timeout_s: int = opt(300, "seconds a collective may wait before the run fails instead of hanging")
+    timeout_s: int = opt(300, "seconds a collective may wait before the run fails instead of hanging", valid=POSITIVE)
     progress: bool = opt(True, "tqdm bar on rank 0 when stdout is a terminal")
     tensorboard: bool = opt(False, "TensorBoard scalars in out_dir/tensorboard (pip install 'ddp-cifar[tensorboard]')")
     debug: bool = opt(False, "show the Python traceback of errors instead of one line (for bug reports)")
@@ -141,11 +177,14 @@ def _coerce(key: str, value: Any, f: dataclasses.Field) -> Any:
         if kind is int:
             if isinstance(value, bool) or isinstance(value, float):
                 raise ValueError
-            return int(str(value).strip())
+            return _in_range(key, int(str(value).strip()), f)
         if kind is float:
             if isinstance(value, bool):
                 raise ValueError
-            return float(str(value).strip())
+            number = float(str(value).strip())
+            if not math.isfinite(number):
+                raise UsageError(f"{key}: expected a finite float, got {value!r}")
+            return _in_range(key, number, f)
         if isinstance(value, (dict, list)) or value is None:
             raise ValueError
         value = str(value)
@@ -154,6 +193,13 @@ def _coerce(key: str, value: Any, f: dataclasses.Field) -> Any:
     choices = f.metadata.get("choices")
     if choices and value not in choices:
         raise UsageError(f"{key}: {value!r} is not one of {', '.join(choices)}")
+    return value
+
+
+def _in_range(key: str, value: float, f: dataclasses.Field) -> float:
+    valid = f.metadata["valid"]
+    if valid is not None and value not in valid:
+        raise UsageError(f"{key}={value!r} is out of range: it must be {valid}")
     return value
 
 
@@ -237,7 +283,7 @@ def reference() -> str:
     lines = []
     for section in dataclasses.fields(Config):
         for f in dataclasses.fields(section.default_factory()):
-            choices = f.metadata["choices"]
-            kind = " | ".join(choices) if choices else type(f.default).__name__
+            choices, valid = f.metadata["choices"], f.metadata["valid"]
+            kind = " | ".join(choices) if choices else type(f.default).__name__ + (f" {valid}" if valid else "")
             lines.append(f"  {section.name}.{f.name} ({kind}, default {f.default!r}): {f.metadata['help']}")
     return "\n".join(lines)

@@ -1,35 +1,20 @@
-"""Datasets and loaders.
-
-Every dataset kind (cifar10/cifar100 through torchvision, an .npz file, synthetic) is read once into
-the same form: uint8 images (N, 3, 32, 32) and int64 labels, plus class names. Loaders yield uint8
-batches; `input_fn` converts and normalises them on the training device. Two loaders:
-- device (data.loader=device, default): the split copied to the training device once; batches are
-  gathered and augmented there in one batched operation. No workers, no per-step copy.
-- torch (data.loader=torch): a DataLoader with worker processes augmenting image by image on the
-  CPU; a batch crosses to the GPU as uint8, a quarter of its float size.
-Both take the same images in the same order with the same crops and flips.
-
-Sharding: training uses a DistributedSampler (same permutation on every rank from (seed, epoch),
-each rank its slice) that can start mid-epoch, and augmentation drawn per image from a table of
-(seed, epoch), so a resumed run sees exactly the images and crops it would have seen. Evaluation
-gives rank r the images r, r + world_size, ... with no padding: each test image is counted once.
-Which rank downloads, and waiting for it, is decided with distributed.all_agree; nothing here reads launcher variables.
+"""Datasets: every kind (cifar10/cifar100 through torchvision, an .npz file, synthetic) read once into
+the same form, uint8 images (N, 3, 32, 32) and int64 labels with class names, and checked on the way
+in: a file that lies (labels out of range or not whole numbers, arrays of the wrong shape or length,
+an empty split) is a UsageError naming the array, the value and its index, before any process group.
+Loaded before the process group exists: local rank 0 downloads, the other ranks of its node wait
+for the files. Batches, sharding and augmentation are loaders.py's.
 """
 
 from __future__ import annotations
 
-import itertools
-import signal
-from collections.abc import Callable, Iterator
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
 
-from ddp import distributed
 from ddp.config import DataConfig
 from ddp.distributed import World
 from ddp.errors import UsageError
@@ -59,7 +44,8 @@ def _split(images_hwc: np.ndarray, labels: np.ndarray) -> Split:
     return Split(images, torch.as_tensor(np.asarray(labels), dtype=torch.int64))
 
 
-def _npz(cfg: DataConfig) -> tuple[Split, Split, list[str]]:
+def _npz(cfg: DataConfig, parts: tuple[str, ...]) -> dict[str, Split | list[str] | None]:
+    """The splits `parts` of data.path and its `classes` (None when the file has none), checked."""
     if not cfg.path:
         raise UsageError("data.dataset=npz needs data.path=FILE.npz (x_train, y_train, x_test, y_test)")
     path = Path(cfg.path)
@@ -70,21 +56,55 @@ def _npz(cfg: DataConfig) -> tuple[Split, Split, list[str]]:
             arrays = {k: z[k] for k in z.files}
     except (OSError, ValueError) as e:
         raise UsageError(f"data.path={cfg.path}: not a readable .npz file ({e})") from None
-    missing = [k for k in ("x_train", "y_train", "x_test", "y_test") if k not in arrays]
+    missing = [f"{xy}_{part}" for part in parts for xy in "xy" if f"{xy}_{part}" not in arrays]
     if missing:
         raise UsageError(f"data.path={cfg.path}: missing arrays {', '.join(missing)}")
-    for part in ("train", "test"):
-        x, y = arrays[f"x_{part}"], arrays[f"y_{part}"]
-        if x.dtype != np.uint8 or x.ndim != 4 or x.shape[1:] != (32, 32, 3) or y.shape != (len(x),):
+    found: dict[str, Split | list[str] | None] = {"classes": None}
+    if "classes" in arrays:
+        if arrays["classes"].ndim != 1:
             raise UsageError(
-                f"data.path={cfg.path}: x_{part} must be uint8 (N, 32, 32, 3) and y_{part} (N,); "
-                f"got {x.dtype} {x.shape} and {y.shape}"
+                f"data.path={cfg.path}: classes must be a list of names, got shape {arrays['classes'].shape}"
             )
-    num_classes = int(max(arrays["y_train"].max(), arrays["y_test"].max())) + 1
-    classes = [str(c) for c in arrays["classes"]] if "classes" in arrays else [str(i) for i in range(num_classes)]
-    train = _split(arrays["x_train"], arrays["y_train"])
-    test = _split(arrays["x_test"], arrays["y_test"])
-    return train, test, classes
+        found["classes"] = [str(c) for c in arrays["classes"]]
+    for part in parts:
+        x, y = arrays[f"x_{part}"], arrays[f"y_{part}"]
+        if x.dtype != np.uint8 or x.ndim != 4 or x.shape[1:] != (32, 32, 3):
+            raise UsageError(f"data.path={cfg.path}: x_{part} must be uint8 (N, 32, 32, 3), got {x.dtype} {x.shape}")
+        if y.ndim != 1 or len(y) != len(x):
+            raise UsageError(
+                f"data.path={cfg.path}: y_{part} has shape {y.shape} but x_{part} holds {len(x)} images: "
+                "one label per image, (N,)"
+            )
+        if len(x) == 0:
+            raise UsageError(f"data.path={cfg.path}: x_{part} and y_{part} are empty: the {part} split has no images")
+        found[part] = _split(x, _class_indices(cfg.path, f"y_{part}", y))
+    return found
+
+
+def _class_indices(path: str, name: str, y: np.ndarray) -> np.ndarray:
+    """Labels as int64, refused unless every one is a whole number (3.0 is 3; 2.5 and NaN are not)."""
+    if y.dtype.kind in "iub":
+        return y.astype(np.int64)
+    if y.dtype.kind != "f":
+        raise UsageError(f"data.path={path}: {name} must hold class indices (integers), not {y.dtype}")
+    bad = np.flatnonzero(~np.isfinite(y) | (y != np.round(y)))
+    if len(bad):
+        raise UsageError(
+            f"data.path={path}: {name}[{bad[0]}] = {y[bad[0]].item()!r} is not a class index (a whole number)"
+        )
+    return y.astype(np.int64)
+
+
+def check_labels(where: str, name: str, labels: torch.Tensor, classes: list[str], named: bool) -> None:
+    """Every label a class index: 0 <= label < len(classes). `named`: the class list came with the
+    data (or the checkpoint), not counted from the labels."""
+    bad = torch.nonzero((labels < 0) | (labels >= len(classes))).flatten()
+    if len(bad):
+        i = int(bad[0])
+        what = f"{len(classes)} classes" + (" (names given)" if named else "")
+        raise UsageError(
+            f"{where}: {name}[{i}] = {int(labels[i])}, but there are {what}: labels are 0..{len(classes) - 1}"
+        )
 
 
 def _synthetic(cfg: DataConfig) -> tuple[Split, Split, list[str]]:
@@ -103,8 +123,12 @@ def _synthetic(cfg: DataConfig) -> tuple[Split, Split, list[str]]:
     return train, test, [f"class{i}" for i in range(num_classes)]
 
 
+DOWNLOAD_WAIT_S = 3600  # how long the other ranks of a node wait for local rank 0's download
+
+
 def _torchvision(cfg: DataConfig, world: World) -> tuple[Split, Split, list[str]]:
-    """CIFAR-10/100 from data.root; local rank 0 downloads if allowed, the others wait for it."""
+    """CIFAR-10/100 from data.root; local rank 0 downloads if allowed, the others of its node wait
+    for the files to appear (no process group is needed: data is loaded before joining one)."""
     from torchvision import datasets
 
     cls = datasets.CIFAR10 if cfg.dataset == "cifar10" else datasets.CIFAR100
@@ -122,246 +146,64 @@ def _torchvision(cfg: DataConfig, world: World) -> tuple[Split, Split, list[str]
     found = opened()
     if found is None and not cfg.download:
         raise UsageError(f"{name} not found in data.root={cfg.root} and data.download=false; {offline_fix}")
-    error = ""
     if found is None and world.is_local_main:
         try:
             for train in (True, False):
                 cls(cfg.root, train=train, download=True)
         except Exception as e:  # offline, proxy, disk full: all mean "no data here"
-            error = f"{type(e).__name__}: {e}"
-    if not distributed.all_agree(not error, world):  # also the barrier the other ranks wait at
-        why = error or "the download failed on another rank"
-        raise UsageError(f"could not download {name} into data.root={cfg.root} ({why}); offline? {offline_fix}")
-    found = found or opened()
-    if found is None:
-        raise UsageError(f"{name} not found in data.root={cfg.root} after download; is it on a shared filesystem?")
+            why = f"{type(e).__name__}: {e}"
+            raise UsageError(
+                f"could not download {name} into data.root={cfg.root} ({why}); offline? {offline_fix}"
+            ) from None
+        found = opened()
+        if found is None:
+            raise UsageError(f"{name} not found in data.root={cfg.root} after its download")
+    deadline = time.monotonic() + DOWNLOAD_WAIT_S
+    while found is None:  # the others wait for local rank 0's download (its failure ends the job)
+        if time.monotonic() > deadline:
+            raise UsageError(
+                f"{name} did not appear in data.root={cfg.root} within {DOWNLOAD_WAIT_S} s of waiting for local "
+                "rank 0 to download it: is data.root on a filesystem this node's processes share?"
+            )
+        time.sleep(2)
+        found = opened()
     return found
 
 
-def load(cfg: DataConfig, world: World) -> Data:
+def _read(cfg: DataConfig, world: World, parts: tuple[str, ...]) -> tuple[Split | None, Split, list[str] | None]:
+    """(train or None, test, class names or None when the data has none)."""
     if cfg.dataset == "npz":
-        train, test, classes = _npz(cfg)
-    elif cfg.dataset == "synthetic":
-        train, test, classes = _synthetic(cfg)
-    else:
-        train, test, classes = _torchvision(cfg, world)
+        found = _npz(cfg, parts)
+        return found.get("train"), found["test"], found["classes"]
+    return _synthetic(cfg) if cfg.dataset == "synthetic" else _torchvision(cfg, world)
+
+
+def _where(cfg: DataConfig) -> str:
+    return f"data.path={cfg.path}" if cfg.dataset == "npz" else f"data.dataset={cfg.dataset}"
+
+
+def load(cfg: DataConfig, world: World) -> Data:
+    """The training and test splits, checked, with the training split's per-channel statistics."""
+    train, test, classes = _read(cfg, world, ("train", "test"))
     for name, split in (("train", train), ("test", test)):
         if len(split.labels) == 0:
-            raise UsageError(f"data.dataset={cfg.dataset}: the {name} split is empty")
+            raise UsageError(f"{_where(cfg)}: the {name} split is empty")
+    named = classes is not None
+    if not named:  # class indices 0..the largest label
+        classes = [str(i) for i in range(int(max(train.labels.max(), test.labels.max())) + 1)]
+    for name, split in (("train", train), ("test", test)):
+        check_labels(_where(cfg), f"y_{name}", split.labels, classes, named)
     pixels = train.images.double().div_(255)
     mean = tuple(pixels.mean(dim=(0, 2, 3)).tolist())
     std = tuple(pixels.std(dim=(0, 2, 3)).tolist())
     return Data(train, test, classes, mean, std)
 
 
-def augmentation_table(n: int, seed: int, epoch: int) -> torch.Tensor:
-    """(n, 3) rows of (dy, dx, flip) for image i in this epoch: crop offsets 0..8 into the image
-    padded by 4 px, flip 0/1. A function of (seed, epoch) alone, so an image gets the same
-    augmentation whatever the world size, the loader workers or a resume in mid-epoch."""
-    g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
-    offsets = torch.randint(0, 9, (n, 2), generator=g)
-    flips = torch.randint(0, 2, (n, 1), generator=g)
-    return torch.cat([offsets, flips], dim=1)
-
-
-def augment(image: torch.Tensor, dy: int, dx: int, flip: int) -> torch.Tensor:
-    """The standard CIFAR augmentation, with its randomness given: a 32x32 crop at (dy, dx) of the
-    image zero-padded by 4 px, then a horizontal flip if `flip`."""
-    crop = F.pad(image, (4, 4, 4, 4))[:, dy : dy + 32, dx : dx + 32]
-    return crop.flip(-1) if flip else crop.contiguous()
-
-
-class _Images(Dataset):
-    """Images by index (evaluation) or by (index, epoch) (training, augmented from that epoch's table)."""
-
-    def __init__(self, split: Split, augment_seed: int | None) -> None:
-        self.split, self.augment_seed = split, augment_seed
-        self._table_epoch, self._table = None, None
-
-    def __len__(self) -> int:
-        return len(self.split.labels)
-
-    def __getitem__(self, key: int | tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-        i, epoch = key if isinstance(key, tuple) else (key, None)
-        image = self.split.images[i]
-        if self.augment_seed is not None and epoch is not None:
-            if self._table_epoch != epoch:  # once per epoch per worker: 0.4 ms for 50k images here
-                self._table_epoch, self._table = epoch, augmentation_table(len(self), self.augment_seed, epoch)
-            image = augment(image, *self._table[i].tolist())
-        return image, self.split.labels[i]
-
-
-class ResumableSampler(DistributedSampler):
-    """A DistributedSampler (the same permutation of (seed, epoch) on every rank, each rank its
-    slice, drop_last) that yields (index, epoch) for the dataset's augmentation table and can start
-    at a global step of the epoch. Steps count global batches, so a position means the same images
-    for any world size."""
-
-    def __init__(self, dataset: Dataset, world: World, per_rank_batch: int, seed: int) -> None:
-        super().__init__(
-            dataset, num_replicas=world.world_size, rank=world.rank, shuffle=True, seed=seed, drop_last=True
-        )
-        self.per_rank_batch, self.start_step = per_rank_batch, 0
-
-    def set_position(self, epoch: int, step: int) -> None:
-        """The next iteration yields epoch `epoch` from its global step `step` on."""
-        self.set_epoch(epoch)
-        self.start_step = step
-
-    def __iter__(self) -> Iterator[tuple[int, int]]:
-        skip = self.start_step * self.per_rank_batch
-        return ((i, self.epoch) for i in itertools.islice(super().__iter__(), skip, None))
-
-    def __len__(self) -> int:
-        return super().__len__() - self.start_step * self.per_rank_batch
-
-
-def _leave_stopping_to_the_main_process(worker_id: int) -> None:
-    """SLURM (and torchrun) signal every process of a job. A loader worker killed by that SIGTERM
-    would fail the very step that should checkpoint; the main process decides when to stop and
-    shuts its workers down itself."""
-    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
-        signal.signal(sig, signal.SIG_IGN)
-
-
-def train_loader(
-    split: Split, per_rank_batch: int, world: World, augment: bool, workers: int, seed: int, kind: str = "torch"
-) -> DataLoader | DeviceLoader:
-    """Per-rank batches of uint8 images; call .sampler.set_position(epoch, step) before each epoch.
-    kind: "device" (DeviceLoader) or "torch" (a DataLoader with `workers` processes).
-
-    drop_last everywhere: every rank takes the same number of equal steps, and N ranks x B/N see
-    exactly the images one process x B sees.
-    """
-    if kind == "device":
-        return DeviceLoader(split, per_rank_batch, world, seed if augment else None, seed)
-    dataset = _Images(split, seed if augment else None)
-    return DataLoader(
-        dataset,
-        batch_size=per_rank_batch,
-        sampler=ResumableSampler(dataset, world, per_rank_batch, seed),
-        drop_last=True,
-        num_workers=workers,
-        persistent_workers=workers > 0,
-        worker_init_fn=_leave_stopping_to_the_main_process,
-        pin_memory=world.device.type == "cuda",
-        generator=torch.Generator().manual_seed(seed),  # worker seeds; leaves the global RNG alone
-    )
-
-
-def eval_shard(n: int, world: World) -> torch.Tensor:
-    """The test images rank r evaluates: r, r + world_size, ... Together the ranks take every image
-    exactly once, with no padding duplicates, for any world size."""
-    return torch.arange(world.rank, n, world.world_size)
-
-
-def eval_loader(
-    split: Split, per_rank_batch: int, world: World, workers: int, kind: str = "torch"
-) -> DataLoader | DeviceEvalLoader:
-    """This rank's images r, r + world_size, ...: a partition of the test set, no duplicates."""
-    if kind == "device":
-        return DeviceEvalLoader(split, per_rank_batch, world)
-    shard = Subset(_Images(split, None), eval_shard(len(split.labels), world).tolist())
-    return DataLoader(
-        shard,
-        batch_size=per_rank_batch,
-        num_workers=workers,
-        worker_init_fn=_leave_stopping_to_the_main_process,
-        pin_memory=world.device.type == "cuda",
-        generator=torch.Generator(),  # leaves the global RNG alone
-    )
-
-
-def crop_flip(padded_hwc: torch.Tensor, index: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """augment() for a batch, as one gather: images `index` of a split zero-padded by 4 px and stored
-    (N, 40, 40, C), each cropped at its (dy, dx) and flipped per its table row. Returns (B, C, 32, 32)
-    in channels_last memory (the gather writes pixels with their channels together)."""
-    n, height, width, channels = padded_hwc.shape
-    span = torch.arange(32, device=padded_hwc.device)
-    dy, dx, flip = table[:, 0:1], table[:, 1:2], table[:, 2:3].bool()
-    rows = dy + span  # (B, 32)
-    cols = torch.where(flip, dx + 31 - span, dx + span)  # a flipped crop reads its columns backwards
-    # One index_select of whole pixels (rows of C bytes) by flat position: 4x faster on a CPU than
-    # indexing with three broadcast index tensors (measured).
-    pixel = (index[:, None, None] * height + rows[:, :, None]) * width + cols[:, None, :]
-    pixels = padded_hwc.view(n * height * width, channels).index_select(0, pixel.view(-1))
-    return pixels.view(len(index), 32, 32, channels).permute(0, 3, 1, 2)
-
-
-def pad_hwc(images: torch.Tensor) -> torch.Tensor:
-    """(N, C, 32, 32) -> zero-padded by 4 px, (N, 40, 40, C): crop_flip's source."""
-    return F.pad(images, (4, 4, 4, 4)).permute(0, 2, 3, 1).contiguous()
-
-
-class DeviceLoader:
-    """data.loader=device: the split lives on the training device as uint8, copied there once
-    (zero-padded for cropping when augmenting: 1.6x the bytes, 240 MB for CIFAR's 50k); each step
-    gathers its batch there, cropped and flipped, in one indexing operation. No worker processes
-    and no host-to-device copy per step.
-
-    Which images a step takes, and each image's crop and flip, are the torch loader's: the same
-    ResumableSampler order (permutation of (seed, epoch), each rank its slice, resumable at a global
-    step) and the same augmentation table. So switching loaders changes speed, not the run."""
-
-    def __init__(self, split: Split, per_rank_batch: int, world: World, augment_seed: int | None, seed: int) -> None:
-        self.augment_seed = augment_seed
-        source = pad_hwc(split.images) if augment_seed is not None else split.images
-        self.images = source.to(world.device)  # padded (N, 40, 40, C) when augmenting, else (N, C, 32, 32)
-        self.labels = split.labels.to(world.device)
-        self.per_rank_batch = per_rank_batch
-        self.sampler = ResumableSampler(_Images(split, None), world, per_rank_batch, seed)
-
-    def __len__(self) -> int:
-        return len(self.sampler) // self.per_rank_batch
-
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        device = self.images.device
-        order = torch.tensor([i for i, _ in self.sampler], dtype=torch.int64, device=device)
-        table = None
-        if self.augment_seed is not None:
-            table = augmentation_table(len(self.labels), self.augment_seed, self.sampler.epoch).to(device)
-        for k in range(len(self)):
-            picked = order[k * self.per_rank_batch : (k + 1) * self.per_rank_batch]
-            images = crop_flip(self.images, picked, table[picked]) if table is not None else self.images[picked]
-            yield images, self.labels[picked]
-
-
-class DeviceEvalLoader:
-    """Evaluation from the device-resident split: rank r's images r, r + world_size, ..., in batches."""
-
-    def __init__(self, split: Split, per_rank_batch: int, world: World) -> None:
-        shard = eval_shard(len(split.labels), world)
-        self.images, self.labels = split.images[shard].to(world.device), split.labels[shard].to(world.device)
-        self.per_rank_batch = per_rank_batch
-
-    def __len__(self) -> int:
-        return -(-len(self.labels) // self.per_rank_batch)
-
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        for k in range(0, len(self.labels), self.per_rank_batch):
-            yield self.images[k : k + self.per_rank_batch], self.labels[k : k + self.per_rank_batch]
-
-
-def input_fn(data: Data, device: torch.device, channels_last: bool) -> Callable[[torch.Tensor], torch.Tensor]:
-    """uint8 batch -> normalised float32 on `device`. The conversion runs there, not on the host,
-    and the statistics go to the device once here, not once per step."""
-    mean = torch.tensor(data.mean, device=device).view(1, 3, 1, 1)
-    std = torch.tensor(data.std, device=device).view(1, 3, 1, 1)
-    layout = torch.channels_last if channels_last else torch.contiguous_format
-    # (x / 255 - mean) / std as x * scale + shift, with scale and shift laid out like the batch at
-    # full image size: broadcasting only over the batch keeps the loops simple (5x faster on a CPU
-    # for channels_last than per-channel (1, 3, 1, 1) constants, measured).
-    constants: dict[torch.Size, tuple[torch.Tensor, torch.Tensor]] = {}
-
-    def to_input(images: torch.Tensor) -> torch.Tensor:
-        x = images.to(device, non_blocking=True).contiguous(memory_format=layout)  # uint8: the cheap copy
-        size = x.shape[1:]
-        if size not in constants:
-            full = (1, *size)
-            constants[size] = tuple(
-                c.expand(full).contiguous(memory_format=layout) for c in (1 / (255 * std), -mean / std)
-            )
-        scale, shift = constants[size]
-        return x.float().mul_(scale).add_(shift)  # float32 keeps x's memory format
-
-    return to_input
+def load_test(cfg: DataConfig, world: World, classes: list[str]) -> Split:
+    """The test split alone, its labels checked against a trained model's classes: evaluating a
+    checkpoint needs no training images (their statistics are in the checkpoint)."""
+    _, test, _ = _read(cfg, world, ("test",))
+    if len(test.labels) == 0:
+        raise UsageError(f"{_where(cfg)}: the test split is empty")
+    check_labels(_where(cfg), "y_test", test.labels, classes, named=True)
+    return test

@@ -15,11 +15,11 @@ import re
 import signal
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch._dynamo  # noqa: F401 (see below)
@@ -29,13 +29,14 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ddp import launchers
 from ddp.config import RunConfig
-from ddp.errors import PeerLost, UsageError
+from ddp.errors import PeerLost, UsageError, WriteFailed
 from ddp.launchers import Env, Launch
 
 # torch._dynamo imported while a process group exists (the optimizer imports it on first use) keeps
 # that group alive past destroy_process_group; its gloo threads then race the interpreter's exit and
 # abort it (SIGABRT: 3 of 120 two-rank runs here). Imported with this module, before any group, it
 # takes no reference. tests/test_ddp.py checks that no gloo thread outlives a run.
+T = TypeVar("T")
 _DEVICE = re.compile(r"^(auto|cpu|cuda|cuda:(\d+))$")
 
 
@@ -294,6 +295,22 @@ def same_on_all_ranks(value: int, world: World) -> bool:
     t = torch.tensor([value, -value])
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=world.control)
     return int(t[0]) == -int(t[1])
+
+
+def on_rank0(world: World, action: Callable[..., T], *args: Any) -> T | None:
+    """Rank 0 does `action(*args)` (a write); then every rank learns whether it failed and raises the same
+    error (rank 0's message), so that none waits in a collective for a rank that has left. Returns
+    action's result on rank 0, None on the others."""
+    result, error = None, None
+    if world.is_main:
+        try:
+            result = action(*args)
+        except (UsageError, WriteFailed) as e:
+            error = e
+    if any_rank(error is not None, world):
+        kind, message = gather_objects((type(error).__name__, str(error)) if error else None, world)[0]
+        raise error or (WriteFailed if kind == "WriteFailed" else UsageError)(message)
+    return result
 
 
 def gather_objects(obj: Any, world: World) -> list[Any]:

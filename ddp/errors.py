@@ -1,8 +1,10 @@
 """How a run can end: every exit code, and the exceptions that stand for the non-zero ones.
 
     0   EXIT_OK       done
-    1   EXIT_FAILURE  a failure: a lost rank (PeerLost) or a bug (any other exception, with its traceback)
+    1   EXIT_FAILURE  a failure: a lost rank (PeerLost), a file that could not be written (WriteFailed: a
+                      full disk, say), or a bug (any other exception, with its traceback)
     2   EXIT_USAGE    a mistake the user can fix (UsageError): a bad config, device, path, file or launch
+    3   EXIT_DIVERGED the loss or the weights stopped being finite (Diverged); the finite checkpoints are kept
     75  EXIT_STOPPED  stopped on a signal after a checkpoint (Stopped): run the same command to resume
 
 cli.command turns them into one line on stderr and the exit code; nothing else defines an exit code.
@@ -11,6 +13,7 @@ cli.command turns them into one line on stderr and the exit code; nothing else d
 EXIT_OK = 0
 EXIT_FAILURE = 1
 EXIT_USAGE = 2  # as argparse and most Unix tools use
+EXIT_DIVERGED = 3
 EXIT_STOPPED = 75  # EX_TEMPFAIL (sysexits.h): try again later, and it continues
 
 
@@ -20,6 +23,15 @@ class UsageError(Exception):
 
 class CorruptCheckpoint(UsageError):
     """A file that is not a whole, unaltered checkpoint (truncated, bit-flipped, or not ours)."""
+
+
+class Diverged(Exception):
+    """The loss or the weights became NaN or infinite; nothing was saved after that."""
+
+
+class WriteFailed(Exception):
+    """A file of the run could not be written (a full disk, a quota, a read-only filesystem); what
+    was there before is intact."""
 
 
 class PeerLost(Exception):
@@ -37,4 +49,6 @@ def exit_code(error: BaseException) -> int:
         return EXIT_USAGE
     if isinstance(error, Stopped):
         return EXIT_STOPPED
+    if isinstance(error, Diverged):
+        return EXIT_DIVERGED
     return EXIT_FAILURE

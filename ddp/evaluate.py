@@ -17,7 +17,7 @@ import sys
 import time
 from typing import Any
 
-from ddp import checkpoint, config, distributed, metrics, models
+from ddp import checkpoint, config, distributed, loaders, metrics, models
 from ddp import data as datasets
 from ddp.cli import command
 from ddp.config import RunConfig
@@ -31,16 +31,16 @@ def run(path: str, device: str, batch_size: int, overrides: list[str]) -> dict[s
         raise UsageError(f"{', '.join(bad)}: only data.* settings can change for evaluation (e.g. data.path=FILE)")
     config.override(cfg, overrides)
     world = distributed.resolve(RunConfig(device=device, parallel="none", launcher="none"))
-    data = datasets.load(cfg.data, world)
-    norm = state["normalize"]  # the training split's statistics, as the model saw them
-    data.mean, data.std = tuple(norm["mean"]), tuple(norm["std"])
-    model = models.build(cfg.model.name, data.num_classes).to(world.device)
+    classes = state["classes"]
+    test = datasets.load_test(cfg.data, world, classes)  # no training set needed
+    model = models.build(cfg.model.name, len(classes)).to(world.device)
     checkpoint.load_weights(state, model)
-    loader = datasets.eval_loader(data.test, batch_size, world, 0, "device")
-    to_input = datasets.input_fn(data, world.device, channels_last=False)
+    loader = loaders.eval_loader(test, batch_size, world, 0, "device")
+    norm = state["normalize"]  # the training split's statistics, as the model saw them
+    to_input = loaders.input_fn(norm["mean"], norm["std"], world.device, channels_last=False)
     metrics.synchronize(world.device)
     start = time.perf_counter()
-    confusion = metrics.evaluate(model, loader, to_input, data.num_classes, world, None, cfg.train.tta_flip)
+    confusion = metrics.evaluate(model, loader, to_input, len(classes), world, None, cfg.train.tta_flip)
     seconds = metrics.elapsed(start, world.device)
     return {
         "checkpoint": str(path),
@@ -50,7 +50,7 @@ def run(path: str, device: str, batch_size: int, overrides: list[str]) -> dict[s
         "epoch": state["epoch"],
         "test_images": int(confusion.sum()),
         "accuracy": metrics.accuracy(confusion),
-        "classes": data.classes,
+        "classes": classes,
         "per_class_accuracy": metrics.accuracy_per_class(confusion),
         "confusion": confusion.tolist(),
         "images_per_s": confusion.sum().item() / seconds,

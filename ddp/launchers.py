@@ -88,7 +88,8 @@ def _accelerate_mpi(env: Env) -> Launch | None:
     if "MASTER_ADDR" in env:
         raise UsageError(
             "accelerate started 1 process for --num_processes > 1: with --cpu it starts several only "
-            "through MPI (add --mpirun_hostfile FILE); bash launch/accelerate.sh does this for you"
+            "through MPI (add --mpirun_hostfile FILE; bash launch/accelerate.sh does this for you); or drop "
+            "--cpu for --multi_gpu, which starts them with torchrun and runs them on the CPU when there is no GPU"
         )
     return None
 
@@ -177,6 +178,15 @@ def detect_launch(env: Env = os.environ, launcher: str = "auto") -> Launch:
     if found is None and launcher in ("auto", "slurm"):
         found = _slurm(env, forced=launcher == "slurm")
     return found or Launch("none", 0, 0, 1)
+
+
+def speaks_for_its_machine(env: Env = os.environ) -> bool:
+    """Whether this process is local rank 0 (or alone): the one that prints an error every rank
+    shares. Launcher variables that do not make sense leave every process speaking."""
+    try:
+        return detect_launch(env).local_rank == 0
+    except UsageError:
+        return True
 
 
 def agent_store(env: Env = os.environ) -> tuple[str, int, str] | None:

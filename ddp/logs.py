@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from ddp import files
 from ddp.errors import UsageError
 
 
@@ -22,11 +23,11 @@ def start(out_dir: str, config_yaml: str, resumed_epoch: int) -> None:
     crashed run may have logged an epoch it never saved)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.yaml").write_text(config_yaml)
+    files.replace(out / "config.yaml", config_yaml.encode())
     metrics = out / "metrics.jsonl"
     if metrics.exists():
         kept = [line for line in metrics.read_text().splitlines() if _epoch(line) <= resumed_epoch]
-        metrics.write_text("".join(line + "\n" for line in kept))
+        files.replace(metrics, "".join(line + "\n" for line in kept).encode())
 
 
 def _epoch(line: str) -> float:
@@ -38,8 +39,8 @@ def _epoch(line: str) -> float:
 
 
 def append(out_dir: str, metrics: dict[str, Any]) -> None:
-    with open(Path(out_dir) / "metrics.jsonl", "a") as f:
-        f.write(json.dumps(metrics) + "\n")
+    """One line of metrics.jsonl, whole or not at all."""
+    files.append(Path(out_dir) / "metrics.jsonl", json.dumps(metrics) + "\n")
 
 
 def epoch_line(m: dict[str, Any], epochs: int) -> str:

@@ -21,14 +21,23 @@ from ddp.distributed import World
 
 class EpochLoss:
     """This rank's running sums for the epoch's mean training loss, kept on the training device so
-    that adding a step's loss needs no sync: loss x images, and images."""
+    that adding a step's loss needs no sync: loss x images, and images. Also whether the loss is
+    still finite: the last finite loss and the global step of the first one that was not, tracked
+    on the device and read only at boundaries that sync anyway (a checkpoint, an epoch's end)."""
 
     def __init__(self, device: torch.device) -> None:
         self.sums = torch.zeros(2, dtype=torch.float64, device=device)  # (loss x images, images)
+        self.last_finite = torch.full((), float("nan"), dtype=torch.float64, device=device)
+        self.first_non_finite_step = torch.full((), -1, dtype=torch.int64, device=device)  # -1: none yet
 
-    def add(self, loss: torch.Tensor, images: int) -> None:
-        self.sums[0] += loss.detach().double() * images
+    def add(self, loss: torch.Tensor, images: int, global_step: int) -> None:
+        loss = loss.detach().double()
+        self.sums[0] += loss * images
         self.sums[1] += images
+        finite = torch.isfinite(loss)
+        self.last_finite = torch.where(finite, loss, self.last_finite)
+        seen = finite | (self.first_non_finite_step >= 0)
+        self.first_non_finite_step = torch.where(seen, self.first_non_finite_step, global_step)
 
     def images(self) -> int:
         """Images this rank has added (a sync on a GPU: call it once an epoch)."""
@@ -40,6 +49,7 @@ class EpochLoss:
         return loss_sum / images
 
     def reset(self) -> None:
+        """For the next epoch (the finiteness record carries on)."""
         self.sums.zero_()
 
 

@@ -3,9 +3,10 @@
     python ddp/train.py --config configs/quick.yaml optim.lr=0.05
     torchrun --standalone --nproc_per_node=2 ddp/train.py --config configs/quick.yaml
 
-Owns the order of things: what is checked before joining the process group; build (data, model,
-optimizer), resume, compile, wrap; then each epoch's steps with the step boundary (checkpoint, stop
-request) inline, its evaluation, its record. main(argv) returns the last epoch's metrics; cli(argv)
+Owns the order of things: what is checked before joining the process group (all of it once, for
+a launch script, with --preflight N); the data; build (model, optimizer), resume, compile, wrap;
+then each epoch's steps with the step boundary (divergence, checkpoint, stop request) inline, its
+evaluation, its record. main(argv) returns the last epoch's metrics; cli(argv)
 is the command (exit codes: ddp.errors). Devices and the process group are distributed.py's, data
 data.py's, a checkpoint's contents and files checkpoint.py's, measuring metrics.py's, printing and
 writing logs.py's.
@@ -35,6 +36,7 @@ from ddp import (
     distributed,
     faults,
     launchers,
+    loaders,
     logs,
     metrics,
     models,
@@ -48,10 +50,11 @@ from ddp.checkpoint import Position
 from ddp.cli import command, parse_args
 from ddp.config import Config
 from ddp.distributed import World
-from ddp.errors import Stopped, UsageError
+from ddp.errors import Diverged, Stopped, UsageError
 
 USAGE = """usage: python ddp/train.py [--config FILE.yaml] [section.key=value ...] [--print-config]
        torchrun --standalone --nproc_per_node=N ddp/train.py [the same arguments]
+       python ddp/train.py --preflight N [the same arguments]   (check, then exit: before starting N processes)
 
 Values: defaults < the YAML file < section.key=value on the command line. Keys:
 """
@@ -68,8 +71,8 @@ class Job:
     wrapped: nn.Module  # what forward is called on: the model, DataParallel or DDP (compiled first if asked)
     checkpoints: checkpoint.Checkpointer
     epoch_loss: metrics.EpochLoss  # this rank's running loss sums in the current epoch
-    train_loader: datasets.DeviceLoader | DataLoader  # uint8 batches of this rank's shard
-    eval_loader: datasets.DeviceEvalLoader | DataLoader
+    train_loader: loaders.DeviceLoader | DataLoader  # uint8 batches of this rank's shard
+    eval_loader: loaders.DeviceEvalLoader | DataLoader
     to_input: Callable[[torch.Tensor], torch.Tensor]  # uint8 batch -> normalised float on the device
     criterion: nn.Module
     amp: torch.dtype | None  # autocast dtype, None for float32
@@ -83,17 +86,36 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         print(config.dump(cfg), end="")
         return None
     cfg.run = launchers.accelerate_flags(cfg.run)
+    if args.preflight:
+        return preflight(cfg, args.preflight)
     world = distributed.resolve(cfg.run)
     # Checks that need no process group, made before joining one: a bad value must not leave the
     # other ranks waiting in the rendezvous.
     per_rank_batch = world.split(cfg.train.batch_size, "train.batch_size")
     amp = autocast_dtype(cfg.run.amp, world.device)
-    rundir.check_resume_setting(cfg.run.resume, cfg.run.out_dir)
     stop_signals = preemption.parse_signals(cfg.run.stop_signal)
     if cfg.run.tensorboard:
         logs.check_tensorboard()
-    with distributed.setup(world, cfg.run.timeout_s) as world:
-        return train(cfg, world, per_rank_batch, amp, stop_signals)
+    with rundir.lock(cfg.run.out_dir, world):  # one run at a time in out_dir (rank 0 holds it)
+        rundir.check_resume_setting(cfg.run.resume, cfg.run.out_dir)
+        data = datasets.load(cfg.data, world)  # a file that lies stops every rank alike, before the group
+        with distributed.setup(world, cfg.run.timeout_s) as world:
+            return train(cfg, world, data, per_rank_batch, amp, stop_signals)
+
+
+def preflight(cfg: Config, processes: int) -> None:
+    """`--preflight N`, run by the launch scripts before they start N processes: what every rank
+    would check, checked once here, so that a mistake is one line (exit 2) instead of one error per
+    rank followed by the launcher's traceback. The split of the global batch, the stop signals, the
+    data (downloaded here, once, if it must be), run.resume and the lock of run.out_dir."""
+    alone = World(0, 0, 1, torch.device("cpu"), "none")
+    World(0, 0, processes, torch.device("cpu"), "ddp").split(cfg.train.batch_size, "train.batch_size")
+    preemption.parse_signals(cfg.run.stop_signal)
+    if cfg.run.tensorboard:
+        logs.check_tensorboard()
+    steps_per_epoch(cfg, len(datasets.load(cfg.data, alone).train.labels))
+    with rundir.lock(cfg.run.out_dir, alone):
+        rundir.check_resume_setting(cfg.run.resume, cfg.run.out_dir)
 
 
 def autocast_dtype(amp: str, device: torch.device) -> torch.dtype | None:
@@ -105,42 +127,44 @@ def autocast_dtype(amp: str, device: torch.device) -> torch.dtype | None:
 
 
 def build(
-    cfg: Config, world: World, per_rank_batch: int, amp: torch.dtype | None
+    cfg: Config, world: World, data: datasets.Data, per_rank_batch: int, amp: torch.dtype | None
 ) -> tuple[Job, checkpoint.Resumed | None]:
-    """Data, model and optimizer; the checkpoint to continue from, loaded into the raw model before
-    compile and wrap; the loaders. Returns the job and what was resumed."""
+    """Model and optimizer for `data`; the checkpoint to continue from, loaded into the raw model
+    before compile and wrap; the loaders. Returns the job and what was resumed."""
     rng.seed_everything(cfg.run.seed)
     # TF32: CUDA matmuls and cuDNN convolutions in TensorFloat-32 (both switches, so one key decides).
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = cfg.run.tf32
     torch.backends.cudnn.benchmark = cfg.run.cudnn_benchmark
-    data = datasets.load(cfg.data, world)
     n_train = len(data.train.labels)
-    steps_per_epoch = n_train // cfg.train.batch_size
-    if steps_per_epoch == 0:
-        raise UsageError(f"train.batch_size={cfg.train.batch_size} exceeds the {n_train} training images")
+    steps = steps_per_epoch(cfg, n_train)
     model = models.build(cfg.model.name, data.num_classes).to(world.device)  # raw module: the one we save
     if cfg.run.channels_last:
         model = model.to(memory_format=torch.channels_last)
-    optimizer, scheduler = optim.make_optimizer(model, cfg.optim, cfg.train.epochs * steps_per_epoch, steps_per_epoch)
+    optimizer, scheduler = optim.make_optimizer(model, cfg.optim, cfg.train.epochs * steps, steps)
     scaler = torch.amp.GradScaler(world.device.type, enabled=cfg.run.amp == "fp16")
     trained = checkpoint.Trained(model, optimizer, scheduler, scaler)
     normalize = {"mean": list(data.mean), "std": list(data.std)}
-    info = checkpoint.RunInfo(config.to_dict(cfg), world.world_size, n_train, normalize)
+    info = checkpoint.RunInfo(config.to_dict(cfg), world.world_size, n_train, normalize, data.classes)
     checkpoints = checkpoint.Checkpointer(cfg.run, world, trained, info)
     epoch_loss = metrics.EpochLoss(world.device)
     resumed = checkpoints.resume(epoch_loss)
     wrapped = distributed.wrap(torch.compile(model) if cfg.run.compile else model, world)
     d = cfg.data
-    train_loader = datasets.train_loader(
-        data.train, per_rank_batch, world, d.augment, d.workers, cfg.run.seed, d.loader
-    )
+    train_loader = loaders.train_loader(data.train, per_rank_batch, world, d.augment, d.workers, cfg.run.seed, d.loader)
     eval_batch = max(1, cfg.train.eval_batch_size // world.world_size)
-    eval_loader = datasets.eval_loader(data.test, eval_batch, world, d.workers, d.loader)
-    to_input = datasets.input_fn(data, world.device, cfg.run.channels_last)
+    eval_loader = loaders.eval_loader(data.test, eval_batch, world, d.workers, d.loader)
+    to_input = loaders.input_fn(data.mean, data.std, world.device, cfg.run.channels_last)
     criterion = nn.CrossEntropyLoss(label_smoothing=cfg.train.label_smoothing)
-    job = Job(cfg, world, data, trained, wrapped, checkpoints, epoch_loss, train_loader, eval_loader, to_input,
-              criterion, amp, steps_per_epoch)  # fmt: skip
+    parts = (trained, wrapped, checkpoints, epoch_loss, train_loader, eval_loader, to_input, criterion, amp, steps)
+    job = Job(cfg, world, data, *parts)
     return job, resumed
+
+
+def steps_per_epoch(cfg: Config, n_train: int) -> int:
+    """Global batches in an epoch (the last, partial one is dropped)."""
+    if n_train < cfg.train.batch_size:
+        raise UsageError(f"train.batch_size={cfg.train.batch_size} exceeds the {n_train} training images")
+    return n_train // cfg.train.batch_size
 
 
 def train_step(job: Job, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -152,6 +176,9 @@ def train_step(job: Job, images: torch.Tensor, labels: torch.Tensor) -> torch.Te
     optimizer, scaler = job.trained.optimizer, job.trained.scaler
     optimizer.zero_grad(set_to_none=True)
     scaler.scale(loss).backward()
+    if job.cfg.optim.clip_grad_norm > 0:
+        scaler.unscale_(optimizer)  # clip the true gradients, not fp16's scaled ones
+        nn.utils.clip_grad_norm_(job.trained.model.parameters(), job.cfg.optim.clip_grad_norm)
     scaler.step(optimizer)
     scaler.update()
     job.trained.scheduler.step()
@@ -159,11 +186,16 @@ def train_step(job: Job, images: torch.Tensor, labels: torch.Tensor) -> torch.Te
 
 
 def train(
-    cfg: Config, world: World, per_rank_batch: int, amp: torch.dtype | None, stop_signals: list[signal.Signals]
+    cfg: Config,
+    world: World,
+    data: datasets.Data,
+    per_rank_batch: int,
+    amp: torch.dtype | None,
+    stop_signals: list[signal.Signals],
 ) -> dict[str, Any] | None:
     """Build, resume, then train to cfg.train.epochs; the last epoch's metrics. Runs inside the
     process group, and the DDP model dies with it before the group does (distributed.setup)."""
-    job, resumed = build(cfg, world, per_rank_batch, amp)
+    job, resumed = build(cfg, world, data, per_rank_batch, amp)
     position = resumed.position if resumed else Position()
     last_metrics = resumed.metrics if resumed else None
     rundir.start(cfg.run.out_dir, config.dump(cfg), position.epochs_done, world)
@@ -181,22 +213,23 @@ def train(
             )
             for images, labels in progress:
                 loss = train_step(job, images, labels)
-                job.epoch_loss.add(loss, len(labels))
                 position.step_in_epoch += 1
                 position.global_step += 1
+                job.epoch_loss.add(loss, len(labels), position.global_step)
                 startup_s = startup_s or metrics.seconds_since_process_start()
                 faults.maybe_kill("step", position.global_step, world.rank, cfg.run.out_dir)
                 stopping = distributed.any_rank(stop.requested, world)
                 if job.checkpoints.due(position, job.steps_per_epoch, stopping):
+                    stop_if_diverged(job, position)  # a checkpoint is never written with NaN weights
                     saved = job.checkpoints.save(position, job.epoch_loss, last_metrics)
                     if stopping:
                         finish_stop(stop.received, saved, world)
                 progress.update(loss, job.trained.scheduler.get_last_lr()[0], len(labels))
+            stop_if_diverged(job, position)
             images_trained = (job.epoch_loss.images() - images_before) * world.world_size  # all ranks'
             images_per_s = images_trained / metrics.elapsed(started, world.device)
             last_metrics = epoch_metrics(job, epoch, started, images_per_s, startup_s if epoch == first_epoch else None)
-            if world.is_main:
-                logs.record_epoch(last_metrics, cfg.train.epochs, cfg.run.out_dir, board)
+            distributed.on_rank0(world, logs.record_epoch, last_metrics, cfg.train.epochs, cfg.run.out_dir, board)
             position = Position(epoch, 0, position.global_step)
             saved = job.checkpoints.save(position, job.epoch_loss, last_metrics)
             job.epoch_loss.reset()
@@ -222,6 +255,30 @@ def epoch_metrics(job: Job, epoch: int, started: float, images_per_s: float, sta
     )  # fmt: skip
 
 
+def stop_if_diverged(job: Job, position: Position) -> None:
+    """All ranks stop together, before anything is saved, if any rank's loss or weights stopped
+    being finite. Called where the step boundary syncs anyway (a checkpoint, an epoch's end), so a
+    GPU step never waits for it. A step that fp16's GradScaler skips (inf gradients) has a finite
+    loss and unchanged weights: not a divergence."""
+    state = [t for t in job.trained.model.state_dict().values() if t.is_floating_point()]  # BatchNorm's stats too
+    weights_finite = bool(torch.stack([t.isfinite().all() for t in state]).all())
+    loss = job.epoch_loss
+    mine = (int(loss.first_non_finite_step), float(loss.last_finite), weights_finite)
+    if not distributed.any_rank(mine[0] >= 0 or not weights_finite, job.world):
+        return
+    ranks = distributed.gather_objects(mine, job.world)
+    steps = [step for step, _, _ in ranks if step >= 0]
+    what = f"the loss was not finite at global step {min(steps)}" if steps else "the weights were not finite"
+    newest = checkpoint.step_files(job.cfg.run.out_dir)
+    kept = f"the newest checkpoint, {newest[0]}, is finite" if newest else "no checkpoint was written"
+    fp16 = ", or run.amp=bf16 instead of fp16" if job.cfg.run.amp == "fp16" else ""
+    raise Diverged(
+        f"training diverged: {what} (step {position.global_step} now; last finite loss {ranks[0][1]:.4g}, "
+        f"lr {job.trained.scheduler.get_last_lr()[0]:.3g}); nothing was saved after it and {kept}. "
+        f"Try a lower optim.lr (now {job.cfg.optim.lr:g}), optim.clip_grad_norm=1.0{fp16}"
+    )
+
+
 def start_line(job: Job, resumed: checkpoint.Resumed | None) -> str:
     """What rank 0 says before the first step: where it resumed from, then what runs where."""
     cfg, world, data = job.cfg, job.world, job.data
@@ -233,6 +290,7 @@ def start_line(job: Job, resumed: checkpoint.Resumed | None) -> str:
             f"(global step {done.global_step}); saved at world_size {resumed.saved_world_size}, now "
             f"{world.world_size}; same global batch {cfg.train.batch_size} and data order"
             + ("" if resumed.same_world else "; RNG states not restored (world size changed)")
+            + ("; changed since: " + ", ".join(resumed.changes) if resumed.changes else "")
         )
         if done.epochs_done >= cfg.train.epochs:
             lines.append(f"nothing to do: {done.epochs_done} of train.epochs={cfg.train.epochs} already done")
@@ -242,7 +300,8 @@ def start_line(job: Job, resumed: checkpoint.Resumed | None) -> str:
         f"({len(data.train.labels)} train / {len(data.test.labels)} test, {data.num_classes} classes); "
         f"launcher={world.launcher} parallel={world.parallel} world_size={world.world_size} device={world.device} "
         f"global batch {cfg.train.batch_size} ({cfg.train.batch_size // world.world_size} per rank), "
-        f"amp={cfg.run.amp}; loader={cfg.data.loader} tf32={cfg.run.tf32} cudnn_benchmark={cfg.run.cudnn_benchmark}"
+        f"amp={cfg.run.amp}; loader={cfg.data.loader} tf32={cfg.run.tf32} cudnn_benchmark={cfg.run.cudnn_benchmark} "
+        f"threads={torch.get_num_threads()}"
     )
     return "\n".join(lines)
 

@@ -3,36 +3,45 @@
 #   bash launch/accelerate.sh --config configs/quick.yaml
 # One machine with GPUs: launch/accelerate/one-machine.yaml, one process per GPU (NPROC to override).
 # No GPU: accelerate's CPU mode, NPROC (default 2) processes through mpirun (needs Open MPI or MPICH).
+#   Without MPI, `accelerate launch --multi_gpu --num_processes 2 ddp/train.py` also runs 2 processes on
+#   a machine without GPUs: it starts torchrun, and the ranks use the CPU with gloo.
 # Several machines: run on each with ACCELERATE_CONFIG=launch/accelerate/multi-machine.yaml,
 #   NUM_MACHINES, MACHINE_RANK (0 on MASTER_ADDR), MASTER_ADDR, MASTER_PORT; NPROC per machine.
 # MASTER_PORT defaults to 29500. Every argument is passed through to ddp/train.py.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
+source "$root/launch/common.sh"
 gpus=$(python -c 'import torch; print(torch.cuda.device_count())')
 port=${MASTER_PORT:-29500}
+machines=1
+nproc=${NPROC:-$([ "$gpus" -gt 0 ] && echo "$gpus" || echo 2)}  # per machine
 if [ -n "${ACCELERATE_CONFIG:-}" ]; then
   machines=${NUM_MACHINES:?set NUM_MACHINES}
-  nproc=${NPROC:-$([ "$gpus" -gt 0 ] && echo "$gpus" || echo 2)}
   cmd=(accelerate launch --config_file "$ACCELERATE_CONFIG" --num_machines "$machines"
     --machine_rank "${MACHINE_RANK:?set MACHINE_RANK}" --main_process_ip "${MASTER_ADDR:?set MASTER_ADDR}"
     --main_process_port "$port" --num_processes $((machines * nproc)))
 elif [ "$gpus" -gt 0 ]; then
   cmd=(accelerate launch --config_file "$root/launch/accelerate/one-machine.yaml"
-    --num_processes "${NPROC:-$gpus}" --main_process_port "$port")
+    --num_processes "$nproc" --main_process_port "$port")
 else
   command -v mpirun >/dev/null || {
     echo "launch/accelerate.sh: no GPU, and accelerate runs several CPU processes only through mpirun:" \
-      "install Open MPI (apt-get install openmpi-bin) or use launch/torchrun.sh" >&2
+      "install Open MPI (apt-get install openmpi-bin), or use accelerate launch --multi_gpu (torchrun," \
+      "CPU processes too) or launch/torchrun.sh" >&2
     exit 2
   }
   hostfile=$(mktemp)
   trap 'rm -f "$hostfile"' EXIT
-  echo "localhost slots=${NPROC:-2}" >"$hostfile"
+  echo "localhost slots=$nproc" >"$hostfile"
   if [ "$(id -u)" = 0 ]; then  # Open MPI refuses root unless told twice (containers often run as root)
     export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
   fi
-  cmd=(accelerate launch --cpu --num_processes "${NPROC:-2}" --num_machines 1 --mixed_precision no
+  cmd=(accelerate launch --cpu --num_processes "$nproc" --num_machines 1 --mixed_precision no
     --dynamo_backend no --mpirun_hostfile "$hostfile" --main_process_port "$port")
+fi
+omp_threads "$nproc"
+if [ "${MACHINE_RANK:-0}" = 0 ]; then  # once, on the first machine; the lock is rank 0's
+  preflight $((machines * nproc)) "$@"
 fi
 cmd+=("$root/ddp/train.py" "$@")
 echo "+ ${cmd[*]}" >&2

@@ -4,7 +4,10 @@
 # Every argument is passed through to ddp/train.py.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
+source "$root/launch/common.sh"
 nproc=${NPROC:-$(python -c 'import torch; print(torch.cuda.device_count() or 2)')}
+omp_threads "$nproc"
+preflight "$nproc" "$@"
 cmd=(torchrun --standalone --nproc_per_node="$nproc" "$root/ddp/train.py" "$@")
 echo "+ ${cmd[*]}" >&2
 exec "${cmd[@]}"

@@ -13,7 +13,8 @@
 # - Rendezvous: c10d on the first node of the job, port derived from the job id (ddp/launchers.py:
 #   slurm_rendezvous), so concurrent jobs do not collide.
 # - Processes per node: NPROC, else the GPUs SLURM allocated on the node (SLURM_GPUS_ON_NODE), else
-#   the GPUs torch sees, else 2 CPU processes (gloo).
+#   the GPUs torch sees, else 2 CPU processes (gloo); OMP_NUM_THREADS: the node's cores / processes.
+# - Before srun, one preflight on the first node (ddp/train.py --preflight): config, data, out_dir.
 # - out_dir: $OUT_ROOT/slurm-<job id> (OUT_ROOT defaults to runs; for array jobs <job>_<task>), on a
 #   filesystem every node sees. A run.out_dir=... argument overrides it.
 # - Preemption: 120 s before the time limit (--signal=TERM@120), or when SLURM preempts the job, every
@@ -34,6 +35,9 @@ nproc=${NPROC:-${SLURM_GPUS_ON_NODE:-0}}
 if [ "$nproc" = 0 ]; then
   nproc=$(python -c 'import torch; print(torch.cuda.device_count() or 2)')
 fi
+source "$root/launch/common.sh"
+omp_threads "$nproc" "${SLURM_CPUS_ON_NODE:-}"  # the cores SLURM gave this node, shared by its processes
+preflight $((SLURM_JOB_NUM_NODES * nproc)) run.out_dir="${OUT_ROOT:-runs}/slurm-$job" "$@"  # on the first node
 echo "job $job (restart ${SLURM_RESTART_COUNT:-0}) on ${SLURM_JOB_NUM_NODES} node(s) [$SLURM_JOB_NODELIST]," \
   "$nproc process(es) per node, rendezvous $addr:$port"
 cmd=(srun --ntasks-per-node=1 --kill-on-bad-exit=1

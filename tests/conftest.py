@@ -47,15 +47,21 @@ def clean_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def can_install_system_packages() -> bool:
+    """Whether `make test` installs missing system packages here (tests/system_packages.sh): root on a
+    machine with apt-get."""
+    return os.geteuid() == 0 and shutil.which("apt-get") is not None
+
+
 def require(tool: str, install: str) -> str:
-    """The path of a system tool the launcher tests need. Missing, the test fails and says how to
-    install it (CI installs it in .ci/run); DDP_CIFAR_ALLOW_MISSING=1 turns that into a skip, for
-    machines that cannot have it (no root, not Debian)."""
+    """The path of a system tool the launcher tests need. Missing where `make test` can install it
+    (root, apt-get), the test fails: the install went wrong. Missing elsewhere, or with
+    DDP_CIFAR_ALLOW_MISSING=1, the test skips and says how to install it."""
     path = shutil.which(tool, path=f"{os.environ['PATH']}{os.pathsep}/usr/sbin{os.pathsep}/sbin")
     if path:
         return path
-    reason = f"{tool} not found: {install} (.ci/run does this as root)"
-    if os.environ.get("DDP_CIFAR_ALLOW_MISSING") == "1":
+    reason = f"{tool} not found: {install} (make test does this when it runs as root with apt-get)"
+    if not can_install_system_packages() or os.environ.get("DDP_CIFAR_ALLOW_MISSING") == "1":
         pytest.skip(reason)
     pytest.fail(reason)
 

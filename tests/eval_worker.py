@@ -8,7 +8,7 @@ exact for world sizes that do not divide the test set."""
 import json
 import sys
 
-from ddp import checkpoint, config, distributed, metrics, models
+from ddp import checkpoint, config, distributed, loaders, metrics, models
 from ddp import data as datasets
 
 
@@ -22,8 +22,8 @@ def evaluate(path: str, out: str, overrides: list[str]) -> None:
         model = models.build(cfg.model.name, data.num_classes)
         model.load_state_dict(checkpoint.load(path)["model"])
         wrapped = distributed.wrap(model, world)
-        loader = datasets.eval_loader(data.test, 16, world, workers=0)
-        to_input = datasets.input_fn(data, world.device, channels_last=False)
+        loader = loaders.eval_loader(data.test, 16, world, workers=0)
+        to_input = loaders.input_fn(data.mean, data.std, world.device, channels_last=False)
         confusion = metrics.evaluate(distributed.for_eval(wrapped), loader, to_input, data.num_classes, world, None)
         correct, total = confusion.diag(), confusion.sum(dim=1)
         if world.is_main:

@@ -98,6 +98,20 @@ def test_inspect_and_export(run_dir, tmp_path):
     assert python("-m", "ddp.checkpoint", "frobnicate").returncode == 2
 
 
+def test_resuming_with_other_settings_lists_every_one_that_changed(tmp_path):
+    train.main([f"run.out_dir={tmp_path}", *TINY, "train.epochs=1"])
+    proc = ok(python(str(TRAIN), f"run.out_dir={tmp_path}", *TINY, "optim.lr=0.02", "optim.clip_grad_norm=2"))
+    line = next(line for line in proc.stdout.splitlines() if line.startswith("resumed from"))
+    assert "; changed since: " in line
+    for change in ("train.epochs 1 -> 2", "optim.lr 0.05 -> 0.02", "optim.clip_grad_norm 0.0 -> 2.0"):
+        assert change in line, line
+    assert "run.seed" not in line and "model.name" not in line
+    same = ok(python(str(TRAIN), f"run.out_dir={tmp_path}", *TINY, "optim.lr=0.02", "optim.clip_grad_norm=2",
+                     "train.epochs=3"))  # fmt: skip
+    line = next(line for line in same.stdout.splitlines() if line.startswith("resumed from"))
+    assert line.endswith("changed since: train.epochs 2 -> 3")
+
+
 @pytest.mark.parametrize("prefix", ["module.", "_orig_mod.", "module._orig_mod."])
 def test_weights_saved_from_a_wrapper_load_into_a_plain_model(run_dir, prefix):
     """DataParallel/DDP ("module."), torch.compile ("_orig_mod.") and both: a user's own state dict

@@ -1,3 +1,4 @@
+import re
 from pathlib import Path
 
 import pytest
@@ -46,6 +47,49 @@ def test_values_take_the_type_of_their_field(tmp_path):
 def test_bad_values_are_usage_errors(override, message):
     with pytest.raises(UsageError, match=message.replace("(", r"\(")):
         config.load(None, [override])
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("train.epochs=0", "train.epochs=0 is out of range: it must be >= 1"),
+        ("train.epochs=-1", "train.epochs=-1 is out of range: it must be >= 1"),
+        ("train.batch_size=0", "train.batch_size=0 is out of range: it must be >= 1"),
+        ("train.eval_batch_size=0", "train.eval_batch_size=0 is out of range"),
+        ("train.label_smoothing=1", "train.label_smoothing=1.0 is out of range: it must be in [0, 1)"),
+        ("train.label_smoothing=-0.1", "train.label_smoothing=-0.1 is out of range"),
+        ("optim.lr=0", "optim.lr=0.0 is out of range: it must be > 0"),
+        ("optim.lr=-0.1", "optim.lr=-0.1 is out of range"),
+        ("optim.lr=nan", "optim.lr: expected a finite float, got 'nan'"),
+        ("optim.lr=inf", "optim.lr: expected a finite float, got 'inf'"),
+        ("optim.momentum=1", "optim.momentum=1.0 is out of range: it must be in [0, 1)"),
+        ("optim.weight_decay=-1e-4", "optim.weight_decay=-0.0001 is out of range: it must be >= 0"),
+        ("optim.warmup_epochs=-1", "optim.warmup_epochs=-1.0 is out of range"),
+        ("optim.clip_grad_norm=-1", "optim.clip_grad_norm=-1.0 is out of range: it must be >= 0"),
+        ("run.keep_last=0", "run.keep_last=0 is out of range: it must be >= 1"),
+        ("run.timeout_s=0", "run.timeout_s=0 is out of range: it must be >= 1"),
+        ("run.save_every_steps=-1", "run.save_every_steps=-1 is out of range: it must be >= 0"),
+        ("run.seed=-1", "run.seed=-1 is out of range: it must be in [0, 4294967295]"),
+        ("run.seed=4294967296", "run.seed=4294967296 is out of range"),
+        ("data.workers=-1", "data.workers=-1 is out of range: it must be >= 0"),
+        ("data.synthetic_train=0", "data.synthetic_train=0 is out of range: it must be >= 1"),
+    ],
+)
+def test_numbers_out_of_their_range_are_usage_errors(override, message):
+    with pytest.raises(UsageError, match=re.escape(message)):
+        config.load(None, [override])
+
+
+def test_the_range_ends_are_valid_and_shown_in_help():
+    cfg = config.load(
+        None, ["train.epochs=1", "optim.momentum=0", "train.label_smoothing=0.999", "run.seed=4294967295"]
+    )
+    assert (cfg.train.epochs, cfg.optim.momentum, cfg.run.seed) == (1, 0.0, 2**32 - 1)
+    reference = config.reference()
+    assert "train.epochs (int >= 1, default 30)" in reference and "optim.lr (float > 0, default 0.1)" in reference
+    assert "optim.momentum (float in [0, 1), default 0.9)" in reference
+    with pytest.raises(UsageError, match="train.epochs=0 is out of range"):  # in a YAML file too
+        config.from_dict({"train": {"epochs": 0}})
 
 
 def test_unknown_key_lists_the_valid_keys_of_its_section():

@@ -2,6 +2,7 @@
 
 import json
 
+import numpy as np
 import pytest
 import torch
 from conftest import TINY, TRAIN, metrics, ok, python, torchrun
@@ -39,6 +40,19 @@ def test_data_overrides_evaluate_on_other_data(ddp_run):
     got = json.loads(ok(evaluate("--checkpoint", str(ddp_run / "checkpoints" / "last.pt"), "--json",
                                  "data.synthetic_test=37")).stdout)  # fmt: skip
     assert got["test_images"] == 37
+
+
+def test_a_file_with_only_a_test_split_is_enough(ddp_run, tmp_path):
+    """No training arrays: the model's classes and normalisation come from the checkpoint."""
+    rng = np.random.default_rng(0)
+    path = tmp_path / "test-only.npz"
+    np.savez(path, x_test=rng.integers(0, 256, (23, 32, 32, 3), dtype=np.uint8), y_test=rng.integers(0, 10, 23))
+    got = json.loads(ok(evaluate("--checkpoint", str(ddp_run / "checkpoints" / "last.pt"), "--json",
+                                 "data.dataset=npz", f"data.path={path}")).stdout)  # fmt: skip
+    assert got["test_images"] == 23 and got["classes"] == [f"class{i}" for i in range(10)]
+    np.savez(path, x_test=np.zeros((2, 32, 32, 3), np.uint8), y_test=np.array([3, 10]))
+    lying = evaluate("--checkpoint", str(ddp_run / "checkpoints" / "last.pt"), "data.dataset=npz", f"data.path={path}")
+    assert lying.returncode == 2 and "y_test[1] = 10, but there are 10 classes" in lying.stderr
 
 
 @pytest.mark.parametrize(

@@ -60,13 +60,13 @@ def test_torchrun_nccl_one_process_per_gpu(tmp_path):
 
 @needs_gpu
 def test_device_loader_keeps_the_split_on_the_gpu_and_gives_the_cpu_batches():
-    from ddp import data
+    from ddp import data, loaders
     from ddp.distributed import World
 
     split = data.Split(torch.randint(0, 256, (64, 3, 32, 32), dtype=torch.uint8), torch.arange(64))
     batches = {}
     for device in (torch.device("cpu"), torch.device("cuda", 0)):
-        loader = data.train_loader(split, 16, World(0, 0, 1, device, "none"), True, 0, 3, "device")
+        loader = loaders.train_loader(split, 16, World(0, 0, 1, device, "none"), True, 0, 3, "device")
         loader.sampler.set_position(1, 0)
         batches[device.type] = list(loader)
     assert loader.images.device.type == "cuda"

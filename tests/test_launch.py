@@ -1,6 +1,7 @@
 """Every launch path, run for real on CPU (gloo): the scripts in launch/ and slurm/, torchrun across
 two "nodes" on loopback, accelerate launch (torchrun and MPI modes). SLURM itself: test_slurm.py."""
 
+import os
 import re
 import socket
 import subprocess
@@ -67,6 +68,36 @@ def test_torchrun_launcher_defaults_to_2_cpu_processes_and_passes_arguments(tmp_
     assert metrics(tmp_path)[0]["world_size"] == 2
 
 
+def test_launch_scripts_give_each_process_its_share_of_the_cores(tmp_path):
+    """OMP_NUM_THREADS = cores / processes, set by the script: torchrun has nothing to warn about."""
+    proc = run_script("launch/torchrun.sh", *ONE_EPOCH, f"run.out_dir={tmp_path}", env=clean_env(NPROC="2"))
+    assert proc.returncode == 0, proc.stderr
+    assert "Setting OMP_NUM_THREADS" not in proc.stderr
+    assert f"threads={max(1, (os.cpu_count() or 1) // 2)}" in proc.stdout
+
+
+def test_a_mistake_every_rank_would_make_is_one_line_before_torchrun_starts(tmp_path):
+    """`make train` offline: launch/torchrun.sh checks the data (and the config, the batch, out_dir)
+    once, before torchrun: the message once, last, no traceback, and torchrun never starts."""
+    proc = run_script("launch/torchrun.sh", "--config", "configs/quick.yaml", f"data.root={tmp_path}",
+                      "data.download=false", f"run.out_dir={tmp_path / 'run'}")  # fmt: skip
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert lines[-1].startswith(f"error: CIFAR-10 not found in data.root={tmp_path} and data.download=false")
+    assert proc.stderr.count("error: ") == 1 and "Traceback" not in proc.stderr and "+ torchrun" not in proc.stderr
+
+
+def test_accelerate_multi_gpu_runs_2_processes_on_a_machine_without_gpus(tmp_path):
+    """--multi_gpu starts torchrun, which needs no GPU and no MPI: the ranks use the CPU and gloo."""
+    cmd = [str(BIN / "accelerate"), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+           "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port()), str(TRAIN),
+           *ONE_EPOCH, f"run.out_dir={tmp_path}"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "launcher=accelerate parallel=ddp world_size=2 device=cpu" in proc.stdout
+    assert metrics(tmp_path)[0]["world_size"] == 2
+
+
 def test_two_torchrun_agents_on_two_nodes_form_one_job(tmp_path):
     """launch/multinode.sh on two "machines": c10d rendezvous, 2 nodes x 1 process."""
     done = on_two_machines("launch/multinode.sh", "NODE_RANK", tmp_path, NNODES="2")
@@ -94,6 +125,7 @@ def test_accelerate_launch_cpu_without_mpi_says_why_it_got_one_process(tmp_path)
     assert proc.returncode != 0
     assert "error: accelerate started 1 process for --num_processes > 1" in proc.stderr
     assert "--mpirun_hostfile" in proc.stderr and not (tmp_path / "metrics.jsonl").exists()
+    assert "--multi_gpu, which starts them with torchrun and runs them on the CPU" in proc.stderr
 
 
 def test_accelerate_script_on_cpu(tmp_path):

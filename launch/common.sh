@@ -1,0 +1,19 @@
+# Sourced by the launch scripts in launch/ and slurm/: what they share. Needs $root (the repository).
+
+# omp_threads N [CORES]: OMP_NUM_THREADS for N processes on this machine, unless it is set: its
+# cores (or CORES) / N, at least 1. Gives CPU runs the right thread count, and silences torchrun's
+# warning that it set it to 1.
+omp_threads() {
+  local cores=${2:-$(getconf _NPROCESSORS_ONLN 2>/dev/null || echo 1)}
+  export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$((cores / $1 > 0 ? cores / $1 : 1))}
+}
+
+# preflight N ARGS...: ddp/train.py --preflight N ARGS, before the launcher starts N processes. A
+# mistake every rank would make (the config, the global batch, the data, run.out_dir) is then one
+# line and exit 2, here, instead of one error per rank and the launcher's traceback.
+preflight() {
+  local n=$1
+  shift
+  case " $* " in *" --help "* | *" -h "* | *" --print-config "*) return 0 ;; esac
+  python "$root/ddp/train.py" --preflight "$n" "$@" || exit $?
+}

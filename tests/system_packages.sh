@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# The system packages the launcher tests run for real: SLURM (slurm-wlm, slurmctld, slurmd, munge) for
+# tests/test_slurm.py and Open MPI (openmpi-bin) for accelerate's CPU mode in tests/test_launch.py.
+# `make test` runs this first. As root on Debian/Ubuntu it installs what is missing (quietly; the
+# apt-get output is shown only if it fails); elsewhere it says what to install, and those tests
+# skip with the same reason.
+set -euo pipefail
+export PATH="$PATH:/usr/sbin:/sbin"  # slurmctld, slurmd and munged live there
+missing=()
+command -v slurmctld >/dev/null && command -v slurmd >/dev/null || missing+=(slurm-wlm slurmctld slurmd)
+command -v munged >/dev/null || missing+=(munge)
+command -v mpirun >/dev/null || missing+=(openmpi-bin)
+[ ${#missing[@]} -eq 0 ] && exit 0
+if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null; then
+  echo "make test: ${missing[*]} not installed, and installing needs root and apt-get: the SLURM/MPI" \
+    "launcher tests will skip. To run them: sudo apt-get install ${missing[*]}" >&2
+  exit 0
+fi
+echo "make test: installing ${missing[*]} with apt-get (for the SLURM and MPI launcher tests)" >&2
+log=$(mktemp)
+trap 'rm -f "$log"' EXIT
+if ! { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}"; } >"$log" 2>&1; then
+  cat "$log" >&2
+  echo "make test: apt-get install ${missing[*]} failed (above)" >&2
+  exit 1
+fi

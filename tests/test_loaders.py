@@ -1,0 +1,171 @@
+"""Loaders (ddp/loaders.py): every rank's share of each step, exact evaluation shards, the keyed
+augmentation, the device-resident path against the DataLoader path."""
+
+import pytest
+import torch
+
+from ddp import data, loaders
+from ddp.config import DataConfig
+from ddp.distributed import World
+
+CPU = World(0, 0, 1, torch.device("cpu"), "none")
+
+
+def world(rank: int, world_size: int) -> World:
+    return World(rank, rank, world_size, torch.device("cpu"), "ddp" if world_size > 1 else "none")
+
+
+def indexed_split(n: int) -> data.Split:
+    """Images whose label is their own index, to follow each one through a loader."""
+    return data.Split(torch.zeros(n, 3, 32, 32, dtype=torch.uint8), torch.arange(n))
+
+
+LOADERS = ["torch", "device"]
+
+
+@pytest.mark.parametrize("kind", LOADERS)
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_n_ranks_see_per_step_what_one_process_sees(world_size, kind):
+    n, batch, epoch = 100, 12, 3
+    single = loaders.train_loader(indexed_split(n), batch, world(0, 1), False, 0, seed=7, kind=kind)
+    single.sampler.set_epoch(epoch)
+    ranks = []
+    for r in range(world_size):
+        loader = loaders.train_loader(
+            indexed_split(n), batch // world_size, world(r, world_size), False, 0, seed=7, kind=kind
+        )
+        loader.sampler.set_epoch(epoch)
+        ranks.append([labels.tolist() for _, labels in loader])
+    steps = [labels.tolist() for _, labels in single]
+    assert len(steps) == n // batch and all(len(r) == len(steps) for r in ranks)
+    for step, expected in enumerate(steps):
+        assert sorted(sum((r[step] for r in ranks), [])) == sorted(expected)
+    # a new epoch is a new order
+    single.sampler.set_epoch(epoch + 1)
+    assert [labels.tolist() for _, labels in single] != steps
+
+
+@pytest.mark.parametrize("kind", LOADERS)
+@pytest.mark.parametrize("world_size", [1, 2, 3, 7])
+def test_eval_shards_partition_the_test_set(world_size, kind):
+    n = 101
+    seen = []
+    for r in range(world_size):
+        loader = loaders.eval_loader(indexed_split(n), 8, world(r, world_size), 0, kind=kind)
+        seen += [i for _, labels in loader for i in labels.tolist()]
+    assert sorted(seen) == list(range(n))  # every image exactly once: no padding duplicates
+
+
+def test_augmentation_crops_within_4px_and_flips_half():
+    # Channel 0 holds column + 1, channel 1 row + 1 (0 only in the padding), so each output tells
+    # its crop offset and whether it was flipped.
+    rows, cols = torch.meshgrid(torch.arange(32), torch.arange(32), indexing="ij")
+    image = torch.stack([cols + 1, rows + 1, torch.zeros_like(rows)]).to(torch.uint8)
+    table = loaders.augmentation_table(2000, seed=0, epoch=1)
+    offsets, flips = set(), 0
+    for dy, dx, flip in table.tolist():
+        out = loaders.augment(image, dy, dx, flip)
+        assert out.shape == (3, 32, 32) and out.dtype == torch.uint8
+        out = out.long()
+        i, j = (out[0] > 0).nonzero()[0]  # top-left image pixel; at least 28 more follow in its row
+        flipped = bool(out[0, i, j + 1] < out[0, i, j])
+        assert flipped == bool(flip)
+        flips += flipped
+        u = out.flip(-1) if flipped else out
+        i, j = (u[0] > 0).nonzero()[0]
+        offsets.add((int(u[1, i, j] - 1 - i), int(u[0, i, j] - 1 - j)))  # shift of the image in the crop
+    assert offsets == {(dy, dx) for dy in range(-4, 5) for dx in range(-4, 5)}  # all 81, none beyond 4 px
+    assert 0.45 < flips / 2000 < 0.55
+
+
+def test_augmentation_is_a_function_of_seed_and_epoch():
+    a = loaders.augmentation_table(100, seed=3, epoch=2)
+    assert torch.equal(a, loaders.augmentation_table(100, seed=3, epoch=2))
+    assert not torch.equal(a, loaders.augmentation_table(100, seed=3, epoch=3))
+    assert not torch.equal(a, loaders.augmentation_table(100, seed=4, epoch=2))
+
+
+@pytest.mark.parametrize(
+    "world_size, workers, kind", [(1, 0, "torch"), (2, 0, "torch"), (3, 2, "torch"), (1, 0, "device"), (3, 0, "device")]
+)
+def test_an_image_gets_the_same_crop_whatever_the_world_size_workers_or_resume_step(world_size, workers, kind):
+    """Rank r of world_size, with loader workers or on the device, started at step 2: each image id
+    maps to the same augmented pixels as with the torch loader in one process from the start."""
+    n, batch = 36, 6
+    split = data.Split(
+        torch.randint(0, 256, (n, 3, 32, 32), generator=torch.Generator().manual_seed(0), dtype=torch.uint8),
+        torch.arange(n),
+    )
+
+    def images_by_id(world_size: int, start: int, workers: int, kind: str) -> dict[int, torch.Tensor]:
+        out = {}
+        for r in range(world_size):
+            loader = loaders.train_loader(split, batch // world_size, world(r, world_size), True, workers, 5, kind)
+            loader.sampler.set_position(epoch=4, step=start)
+            for images, ids in loader:
+                out.update(zip(ids.tolist(), images))
+        return out
+
+    reference = images_by_id(1, 0, 0, "torch")
+    resumed = images_by_id(world_size, 2, workers, kind)
+    assert len(reference) == n and len(resumed) == n - 2 * batch
+    for i, image in resumed.items():
+        assert torch.equal(image, reference[i])
+
+
+def test_input_fn_normalises_on_the_device():
+    d = data.load(DataConfig(dataset="synthetic", synthetic_train=200, synthetic_test=8), CPU)
+    x = loaders.input_fn(d.mean, d.std, torch.device("cpu"), channels_last=True)(d.train.images)
+    assert x.dtype == torch.float32 and x.is_contiguous(memory_format=torch.channels_last)
+    assert torch.allclose(x.mean(dim=(0, 2, 3)), torch.zeros(3), atol=1e-4)
+    assert torch.allclose(x.std(dim=(0, 2, 3)), torch.ones(3), atol=1e-3)
+
+
+def test_batched_augmentation_is_the_per_image_one():
+    images = torch.randint(0, 256, (500, 3, 32, 32), generator=torch.Generator().manual_seed(1), dtype=torch.uint8)
+    table = loaders.augmentation_table(500, seed=2, epoch=1)
+    batched = loaders.crop_flip(loaders.pad_hwc(images), torch.arange(len(images)), table)
+    assert batched.dtype == torch.uint8 and batched.shape == images.shape
+    for i in range(500):
+        assert torch.equal(batched[i], loaders.augment(images[i], *table[i].tolist())), i
+    # the table's statistics: offsets 0..8 (at most 4 px each way), all 81 pairs, about half flipped
+    big = loaders.augmentation_table(50_000, seed=0, epoch=1)
+    assert big[:, :2].min() == 0 and big[:, :2].max() == 8
+    assert len({(int(a), int(b)) for a, b in big[:, :2].unique(dim=0)}) == 81
+    assert 0.49 < big[:, 2].float().mean() < 0.51
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_device_loader_covers_each_image_once_per_epoch_and_is_deterministic(world_size):
+    n, batch = 96, 12  # 96 = 8 global batches: nothing dropped
+
+    def epoch_ids(seed: int, epoch: int) -> list[list[int]]:
+        per_rank = []
+        for r in range(world_size):
+            loader = loaders.train_loader(
+                indexed_split(n), batch // world_size, world(r, world_size), True, 0, seed, "device"
+            )
+            loader.sampler.set_position(epoch, 0)
+            per_rank.append([i for _, labels in loader for i in labels.tolist()])
+        return per_rank
+
+    ids = epoch_ids(seed=3, epoch=1)
+    assert sorted(sum(ids, [])) == list(range(n))  # every image once across ranks
+    assert all(len(r) == n // world_size for r in ids)  # each rank its equal shard
+    assert epoch_ids(seed=3, epoch=1) == ids  # a function of (seed, epoch)
+    assert epoch_ids(seed=3, epoch=2) != ids and epoch_ids(seed=4, epoch=1) != ids
+
+
+def test_device_and_torch_loaders_give_the_same_batches():
+    split = data.Split(
+        torch.randint(0, 256, (64, 3, 32, 32), generator=torch.Generator().manual_seed(0), dtype=torch.uint8),
+        torch.arange(64),
+    )
+    batches = {}
+    for kind in LOADERS:
+        loader = loaders.train_loader(split, 16, world(1, 2), True, 0, 9, kind)
+        loader.sampler.set_position(epoch=2, step=1)
+        batches[kind] = list(loader)
+    assert len(batches["device"]) == len(batches["torch"]) == 1  # 64 / (2 x 16) = 2 steps, 1 after step 1
+    for (a, la), (b, lb) in zip(batches["device"], batches["torch"]):
+        assert torch.equal(a, b) and torch.equal(la, lb)

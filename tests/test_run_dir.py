@@ -1,0 +1,160 @@
+"""run.out_dir against the world: a second run into it while one lives (refused), and a disk that
+fills up (one line, the previous files intact, a later run with space continues). Real processes,
+a real filesystem that fills (a small tmpfs)."""
+
+import errno
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import REPO, TINY, TRAIN, clean_env, metrics, ok, python, torchrun
+
+from ddp import checkpoint, files, rundir
+from ddp.distributed import World
+from ddp.errors import UsageError, WriteFailed
+
+LONG = [*TINY, "data.synthetic_train=4096", "train.epochs=30", "run.progress=false"]  # minutes: stopped by the test
+
+
+def assert_one_error_line(proc: subprocess.CompletedProcess, *fragments: str) -> str:
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(lines) == 1, proc.stderr
+    assert f'File "{REPO / "ddp"}' not in proc.stderr  # none of our tracebacks
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+    return lines[0]
+
+
+def start(out_dir: Path, *args: str) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, str(TRAIN), f"run.out_dir={out_dir}", *LONG, *args], cwd=REPO,
+                            env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    lock = out_dir / rundir.LOCK
+    deadline = time.monotonic() + 120
+    while not (lock.is_file() and lock.read_text() and checkpoint.step_files(out_dir)):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() else "slow"
+        time.sleep(0.1)
+    return proc
+
+
+def test_a_second_run_into_a_live_runs_out_dir_is_refused_and_the_lock_dies_with_the_first(tmp_path):
+    first = start(tmp_path)
+    try:
+        config_yaml = (tmp_path / "config.yaml").read_text()
+        holder = f"pid {first.pid} on {socket.gethostname()}, started "
+        second = python(str(TRAIN), f"run.out_dir={tmp_path}", *TINY, timeout=60)
+        assert second.returncode == 2
+        assert_one_error_line(second, f"run.out_dir={tmp_path} is in use by another run ({holder}")
+        # The launch scripts refuse before torchrun starts: the message once, last, and no traceback.
+        scripted = subprocess.run(["bash", "launch/torchrun.sh", f"run.out_dir={tmp_path}", *TINY], cwd=REPO,
+                                  env=clean_env(), capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert scripted.returncode == 2 and "+ torchrun" not in scripted.stderr
+        assert scripted.stderr.strip().splitlines()[-1].startswith(f"error: run.out_dir={tmp_path} is in use by")
+        # Two ranks started by torchrun directly: rank 0 refuses before its rendezvous, says so once.
+        ranks = torchrun(2, str(TRAIN), f"run.out_dir={tmp_path}", *TINY, "run.timeout_s=30", timeout=120)
+        assert ranks.returncode != 0 and ranks.stderr.count("is in use by another run") == 1
+        assert first.poll() is None  # the first run goes on, untouched
+        assert (tmp_path / "config.yaml").read_text() == config_yaml  # none of the refused ones wrote there
+    finally:
+        first.send_signal(signal.SIGKILL)  # no handler runs: only the OS can release the lock
+        first.communicate(timeout=60)
+    rows = [r["epoch"] for r in metrics(tmp_path)] if (tmp_path / "metrics.jsonl").exists() else []
+    assert rows == sorted(set(rows))  # one run's epochs, each once
+    resumed = ok(python(str(TRAIN), f"run.out_dir={tmp_path}", *LONG, "train.epochs=1", "run.resume=auto"))
+    assert "is in use" not in resumed.stderr  # no stale lock after a SIGKILL
+
+
+def test_where_locks_do_not_work_a_warning_and_no_wait(tmp_path, monkeypatch, capsys):
+    """NFS without lockd answers flock with ENOLCK at once: warn, go on, never block."""
+
+    def no_locks(fd, operation):
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    monkeypatch.setattr(rundir.fcntl, "flock", no_locks)
+    with rundir.lock(str(tmp_path), World(0, 0, 1, torch.device("cpu"), "none")):
+        pass
+    assert "warning: cannot lock run.out_dir=" in capsys.readouterr().err
+
+
+def test_a_lock_file_that_does_not_say_who_holds_it(tmp_path):
+    (tmp_path / rundir.LOCK).write_text("not json")
+    with open(tmp_path / rundir.LOCK) as held:  # another process's lock, as far as flock can tell
+        rundir.fcntl.flock(held, rundir.fcntl.LOCK_EX)
+        with pytest.raises(UsageError, match="in use by another run \\(its lock file does not say which\\)"):
+            with rundir.lock(str(tmp_path), World(0, 0, 1, torch.device("cpu"), "none")):
+                pass
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A tmpfs of 2600 KiB at tmp_path/disk: three checkpoints of the small net fit, the fourth does not."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2600k", "tmpfs", str(disk)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"needs to mount a tmpfs (root with CAP_SYS_ADMIN): {mounted.stderr.decode().strip()}")
+    yield disk
+    subprocess.run(["umount", "-l", str(disk)])
+
+
+def grow(disk: Path) -> None:
+    subprocess.run(["mount", "-o", "remount,size=50m", str(disk)], check=True)
+
+
+def leftovers(out: Path) -> list[Path]:
+    return [p for p in out.rglob("*") if p.name.endswith(".tmp")]
+
+
+def test_a_full_disk_is_one_line_the_last_checkpoint_stays_and_a_rerun_continues(small_disk):
+    out = small_disk / "run"
+    args = [f"run.out_dir={out}", *TINY, "run.save_every_steps=3", "run.progress=false"]
+    full = python(str(TRAIN), *args)
+    assert full.returncode == 1, full.stderr
+    line = assert_one_error_line(full, "cannot write ", "No space left on device", "bytes needed", "bytes free")
+    newest = checkpoint.step_files(out)[0]
+    assert f"the previous checkpoint, {newest}, is intact" in line
+    checkpoint.load(newest)  # whole: it loads and passes its checksum
+    assert not leftovers(out)
+    assert [m["epoch"] for m in metrics(out)] == [1]  # whole lines only
+    grow(small_disk)
+    again = ok(python(str(TRAIN), *args))
+    assert f"resumed from {newest}" in again.stdout
+    assert [m["epoch"] for m in metrics(out)] == [1, 2] and not leftovers(out)
+
+
+def test_a_full_disk_under_two_ranks_stops_both_with_one_line(small_disk):
+    out = small_disk / "run"
+    proc = torchrun(2, str(TRAIN), f"run.out_dir={out}", *TINY, "run.save_every_steps=3", "run.timeout_s=60")
+    assert proc.returncode != 0 and "exitcode  : 1" in proc.stderr
+    assert_one_error_line(proc, "No space left on device", "is intact")
+    assert "lost contact" not in proc.stderr and not leftovers(out)
+
+
+def test_a_disk_full_from_the_start_fails_on_config_yaml(small_disk):
+    filler = small_disk / "filler"
+    with open(filler, "wb") as f:  # take all the space there is
+        with pytest.raises(OSError):
+            while True:
+                f.write(b"\0" * 65536)
+                f.flush()
+    out = small_disk / "run"
+    proc = python(str(TRAIN), f"run.out_dir={out}", *TINY)
+    assert proc.returncode == 1
+    assert_one_error_line(proc, f"cannot write {out / 'config.yaml'}: No space left on device")
+    assert not leftovers(small_disk)
+
+
+def test_an_append_that_does_not_fit_leaves_the_file_as_it_was(small_disk):
+    """metrics.jsonl: a line either lands whole or not at all."""
+    log = small_disk / "metrics.jsonl"
+    log.write_text(json.dumps({"epoch": 1}) + "\n")
+    before = log.read_bytes()
+    with pytest.raises(WriteFailed, match=f"cannot write {log}: No space left on device"):
+        files.append(log, "x" * 4_000_000 + "\n")  # larger than the whole disk
+    assert log.read_bytes() == before

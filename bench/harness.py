@@ -62,9 +62,9 @@ def device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
 
 
-def job(name: str, global_batch: int, images: int, world: World) -> train.Job:
+def job(name: str, global_batch: int, images: int, world: World, *extra: str) -> train.Job:
     """ddp/train.py's job for model `name` on `images` synthetic images, built by train.build: SGD,
-    label smoothing 0.1, channels_last, and bf16 autocast on a GPU."""
+    label smoothing 0.1, channels_last, and bf16 autocast on a GPU; `extra` settings last."""
     amp = "bf16" if world.device.type == "cuda" else "off"
     settings = [
         f"model.name={name}",
@@ -77,12 +77,12 @@ def job(name: str, global_batch: int, images: int, world: World) -> train.Job:
         "run.channels_last=true",
         f"run.amp={amp}",
         "run.resume=never",  # build() then reads and writes nothing in run.out_dir
+        *extra,
     ]
     cfg = config.load(None, settings)
     data = datasets.load(cfg.data, world)
-    built, _ = train.build(
-        cfg, world, data, world.split(global_batch, "batch"), train.autocast_dtype(amp, world.device)
-    )
+    per_rank = world.split(global_batch, "batch", cfg.train.grad_accum_steps)
+    built, _ = train.build(cfg, world, data, per_rank, train.autocast_dtype(amp, world.device))
     built.train_loader.sampler.set_position(1, 0)
     return built
 

@@ -28,7 +28,7 @@ from torch import nn
 from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 
 from ddp import __version__ as ddp_version
-from ddp import distributed, faults, files, rng
+from ddp import config, distributed, faults, files, rng
 from ddp.cli import command
 from ddp.config import RunConfig
 from ddp.distributed import World
@@ -139,6 +139,7 @@ class Resumed:
     position: Position
     metrics: dict[str, Any] | None  # of the last finished epoch
     saved_world_size: int
+    saved_accum_steps: int  # its train.grad_accum_steps: world size x this is what the global batch was split into
     same_world: bool  # RNG states restored (they are per rank)
     changes: list[str]  # "section.key old -> new" for every setting that differs from the checkpoint's
 
@@ -169,9 +170,15 @@ class Checkpointer:
         restore(state, self.trained)
         same_world = restore_rank(state, self.world, epoch_loss)
         position = Position(state["epoch"], state["step"], state["global_step"])
-        old, new = state["config"], self.info.config
-        changes = [f"{s}.{k} {old[s].get(k)!r} -> {v!r}" for s in new for k, v in new[s].items() if old[s].get(k) != v]
-        return Resumed(path, position, state["metrics"], state["world_size"], same_world, changes)
+        return Resumed(
+            path,
+            position,
+            state["metrics"],
+            state["world_size"],
+            state["config"]["train"].get("grad_accum_steps", 1),
+            same_world,
+            changed(state["config"], self.info.config),
+        )
 
     def due(self, position: Position, steps_per_epoch: int, stopping: bool) -> bool:
         """Whether to save after the step that led to `position` (mid-epoch: the epoch's last step
@@ -191,6 +198,14 @@ class Checkpointer:
             return save(state, self.run.out_dir, self.run.keep_last)
 
         return distributed.on_rank0(self.world, write)
+
+
+def changed(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """ "section.key old -> new" for every setting of `new` that differs from `old` (a key that `old`'s
+    version did not have yet counts as its default)."""
+    default = config.to_dict(config.Config())
+    was = {s: {k: old.get(s, {}).get(k, default[s][k]) for k in keys} for s, keys in new.items()}
+    return [f"{s}.{k} {was[s][k]!r} -> {v!r}" for s in new for k, v in new[s].items() if was[s][k] != v]
 
 
 def check_compatible(state: dict[str, Any], info: RunInfo, path: str | Path) -> None:

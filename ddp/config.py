@@ -86,6 +86,19 @@ class TrainConfig:
     eval_batch_size: int = opt(1024, "GLOBAL evaluation batch, split across ranks", valid=POSITIVE)
     label_smoothing: float = opt(0.0, "label smoothing of the cross-entropy loss (0 = off)", valid=FRACTION)
     tta_flip: bool = opt(False, "evaluate on each test image and its mirror image, averaging the logits")
+    grad_accum_steps: int = opt(
+        1,
+        "K micro-batches per optimizer step: each rank runs K x batch_size/(world_size x K) images, "
+        "gradients all-reduced once; same update as one big batch",
+        valid=POSITIVE,
+    )
+    sync_bn: bool = opt(False, "BatchNorm statistics over the global batch (all ranks), as 1 process computes them")
+    dist_bn: str = opt(
+        "broadcast",
+        "without sync_bn, how the ranks' BatchNorm running statistics become one before evaluating and saving: "
+        "broadcast = rank 0's | reduce = their mean",
+        ("broadcast", "reduce"),
+    )
 
 
 @dataclass
@@ -99,6 +112,27 @@ class OptimConfig:
     warmup_epochs: float = opt(1.0, "linear LR warm-up from 0, in epochs (may be fractional)", valid=Range(0))
     clip_grad_norm: float = opt(
         0.0, "clip the gradients' total L2 norm to this before each step (0 = off)", valid=Range(0)
+    )
+
+
+@dataclass
+class DdpConfig:
+    """DistributedDataParallel's own arguments (README: "1 GPU or N: the same run" says when to use each)."""
+
+    bucket_cap_mb: float = opt(
+        25.0, "gradients are all-reduced in buckets of this many MiB (larger: fewer, later all-reduces)",
+        valid=Range(0, low_open=True),
+    )  # fmt: skip
+    gradient_as_bucket_view: bool = opt(False, "gradients are views into the buckets: saves one copy of them")
+    static_graph: bool = opt(
+        False, "the same parameters are used in every step: lets DDP skip per-step checks (and allows unused ones)"
+    )
+    find_unused_parameters: bool = opt(
+        False, "the model leaves some parameters unused in a step: DDP searches the graph every step (slower)"
+    )
+    broadcast_buffers: bool = opt(True, "rank 0's buffers (BatchNorm statistics) to all ranks before each forward")
+    comm_hook: str = opt(
+        "none", "compress gradients for the all-reduce: fp16 or bf16 halves the bytes sent", ("none", "fp16", "bf16")
     )
 
 
@@ -130,6 +164,9 @@ class RunConfig:
     debug: bool = opt(False, "show the Python traceback of errors instead of one line (for bug reports)")
     tf32: bool = opt(False, "TensorFloat-32 for CUDA matmuls and cuDNN convolutions (faster, ~10-bit mantissa)")
     cudnn_benchmark: bool = opt(False, "let cuDNN time its convolution algorithms for the fixed input shapes")
+    deterministic: bool = opt(
+        False, "deterministic algorithms only (torch, cuDNN, cuBLAS): bitwise-repeatable runs, slower on GPU"
+    )
 
 
 @dataclass
@@ -138,6 +175,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
+    ddp: DdpConfig = field(default_factory=DdpConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
 

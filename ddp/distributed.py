@@ -9,7 +9,9 @@ module that calls init_process_group. It knows nothing of data, models or checkp
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import inspect
 import os
 import re
 import signal
@@ -25,10 +27,11 @@ import torch
 import torch._dynamo  # noqa: F401 (see below)
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from ddp import launchers
-from ddp.config import RunConfig
+from ddp.config import DdpConfig, RunConfig
 from ddp.errors import PeerLost, UsageError, WriteFailed
 from ddp.launchers import Env, Launch
 
@@ -37,6 +40,12 @@ from ddp.launchers import Env, Launch
 # abort it (SIGABRT: 3 of 120 two-rank runs here). Imported with this module, before any group, it
 # takes no reference. tests/test_ddp.py checks that no gloo thread outlives a run.
 T = TypeVar("T")
+# ddp.broadcast_buffers=false: torch 2.14 renamed DDP's broadcast_buffers (now a deprecation warning).
+_NO_FORWARD_BUFFER_SYNC = (
+    {"forward_sync_buffers": False}
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
+    else {"broadcast_buffers": False}
+)
 _DEVICE = re.compile(r"^(auto|cpu|cuda|cuda:(\d+))$")
 
 
@@ -62,15 +71,34 @@ class World:
         """Local rank 0: the one process per node that downloads."""
         return self.local_rank == 0
 
-    def split(self, global_batch: int, key: str) -> int:
-        """This rank's share of a global batch; every rank gets the same share."""
-        if global_batch < 1 or global_batch % self.world_size:
-            lo = max(self.world_size, global_batch // self.world_size * self.world_size)
+    def split(self, global_batch: int, key: str, accum_steps: int = 1) -> int:
+        """This rank's share of a global batch; every rank gets the same share, which splits again
+        into `accum_steps` equal micro-batches."""
+        unit = self.world_size * accum_steps
+        if global_batch >= 1 and global_batch % unit == 0:
+            return global_batch // self.world_size
+        lo = max(unit, global_batch // unit * unit)
+        if accum_steps == 1:
             raise UsageError(
                 f"{key}={global_batch} must be a positive multiple of world_size={self.world_size} "
                 f"(it is the global batch, split evenly across ranks); try {lo} or {lo + self.world_size}"
             )
-        return global_batch // self.world_size
+        per_rank = global_batch // self.world_size if global_batch % self.world_size == 0 else 0
+        ks = [k for k in range(1, per_rank + 1) if per_rank % k == 0]  # the K that divide this rank's share
+        near = [
+            k
+            for k in (
+                max((k for k in ks if k < accum_steps), default=0),
+                min((k for k in ks if k > accum_steps), default=0),
+            )
+            if k
+        ]
+        other = f", or train.grad_accum_steps={' or '.join(map(str, near))}" if near else ""
+        raise UsageError(
+            f"{key}={global_batch} must be a positive multiple of world_size x train.grad_accum_steps = "
+            f"{self.world_size} x {accum_steps} = {unit} (equal micro-batches on every rank); "
+            f"try {lo} or {lo + unit}{other}"
+        )
 
 
 def resolve_device(spec: str, launch: Launch | None, cuda_count: int) -> torch.device:
@@ -243,14 +271,51 @@ def setup(world: World, timeout_s: float) -> Iterator[World]:
             dist.destroy_process_group()
 
 
-def wrap(model: nn.Module, world: World) -> nn.Module:
-    """What forward is called on: the model itself, nn.DataParallel or DDP."""
+def wrap(model: nn.Module, world: World, knobs: DdpConfig) -> nn.Module:
+    """What forward is called on: the model itself, nn.DataParallel or DDP with the `ddp:` settings."""
     if world.parallel == "ddp":
         ids = [world.device.index] if world.device.type == "cuda" else None
-        return DistributedDataParallel(model, device_ids=ids)
+        wrapped = DistributedDataParallel(
+            model, device_ids=ids, bucket_cap_mb=knobs.bucket_cap_mb, static_graph=knobs.static_graph,
+            find_unused_parameters=knobs.find_unused_parameters, gradient_as_bucket_view=knobs.gradient_as_bucket_view,
+            **({} if knobs.broadcast_buffers else _NO_FORWARD_BUFFER_SYNC),
+        )  # fmt: skip
+        if knobs.comm_hook != "none":
+            wrapped.register_comm_hook(None, _compress_hook(knobs.comm_hook, world))
+        return wrapped
     if world.parallel == "dp":
         return nn.DataParallel(model)
     return model
+
+
+def _compress_hook(name: str, world: World) -> Callable[..., Any]:
+    """ddp.comm_hook's hook: gradients cast to fp16/bf16 for the all-reduce, then back (torch's
+    default_hooks); bf16 only where the backend can all-reduce it."""
+    if name == "fp16":
+        return default_hooks.fp16_compress_hook
+    if world.device.type == "cuda":
+        ok = torch.cuda.is_bf16_supported() and torch.cuda.nccl.version() >= (2, 10)
+    else:  # gloo: ask it
+        try:
+            dist.all_reduce(torch.zeros(1, dtype=torch.bfloat16))
+            ok = True
+        except RuntimeError:
+            ok = False
+    if not ok:
+        raise UsageError(
+            f"ddp.comm_hook=bf16: the {dist.get_backend()} backend here cannot all-reduce bfloat16; "
+            "use ddp.comm_hook=fp16"
+        )
+    return default_hooks.bf16_compress_hook
+
+
+def micro_batches(wrapped: nn.Module, count: int) -> Iterator[contextlib.AbstractContextManager[Any]]:
+    """One context per micro-batch of an optimizer step, for its forward *and* backward: DDP's
+    no_sync() for all but the last, so gradients accumulate locally and are all-reduced once, in the
+    last backward (pytorch/pytorch#43201: no_sync around the backward alone, or one too many, is wrong)."""
+    ddp = isinstance(wrapped, DistributedDataParallel)
+    for i in range(count):
+        yield wrapped.no_sync() if ddp and i < count - 1 else contextlib.nullcontext()
 
 
 def for_eval(wrapped: nn.Module) -> nn.Module:
@@ -271,11 +336,17 @@ def all_agree(ok: bool, world: World) -> bool:
     return not any_rank(not ok, world)
 
 
-def sync_buffers(model: nn.Module, world: World) -> None:
-    """Rank 0's buffers (BatchNorm running stats) to every rank, so all ranks evaluate and save one
-    model: DDP syncs buffers at the start of each forward, so after the last step they differ."""
-    if world.parallel == "ddp":
-        for b in model.buffers():
+def sync_buffers(model: nn.Module, world: World, how: str = "broadcast") -> None:
+    """Make every rank's buffers (BatchNorm running stats) one, so all ranks evaluate and save one
+    model: DDP syncs buffers at the start of each forward, so after the last step they differ.
+    broadcast = rank 0's; reduce = the mean over ranks of the float ones (train.dist_bn)."""
+    if world.parallel != "ddp":
+        return
+    for b in model.buffers():
+        if how == "reduce" and b.is_floating_point():
+            dist.all_reduce(b, op=dist.ReduceOp.SUM)
+            b.div_(world.world_size)
+        else:
             dist.broadcast(b, src=0)
 
 

@@ -4,11 +4,14 @@ The data order and augmentation do not use them (data.py draws those from (seed,
 
 from __future__ import annotations
 
+import os
 import random
 from typing import Any
 
 import numpy as np
 import torch
+
+from ddp.errors import UsageError
 
 
 def seed_everything(seed: int) -> None:
@@ -35,3 +38,13 @@ def set_state(state: dict[str, Any], device: torch.device) -> None:
     torch.set_rng_state(state["torch"])
     if device.type == "cuda" and state["cuda"] is not None:
         torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def deterministic(cudnn_benchmark: bool) -> None:
+    """run.deterministic: only deterministic algorithms (an op without one is an error), cuDNN
+    without autotuning, and cuBLAS's fixed workspace (read when CUDA creates its handle: set first)."""
+    if cudnn_benchmark:
+        raise UsageError("run.deterministic=true and run.cudnn_benchmark=true: cuDNN's autotuning is not deterministic")
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.deterministic = True

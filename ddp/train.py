@@ -44,6 +44,7 @@ from ddp import (
     preemption,
     rng,
     rundir,
+    sync_bn,
 )
 from ddp import data as datasets
 from ddp.checkpoint import Position
@@ -91,8 +92,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     world = distributed.resolve(cfg.run)
     # Checks that need no process group, made before joining one: a bad value must not leave the
     # other ranks waiting in the rendezvous.
-    per_rank_batch = world.split(cfg.train.batch_size, "train.batch_size")
+    per_rank_batch = world.split(cfg.train.batch_size, "train.batch_size", cfg.train.grad_accum_steps)
     amp = autocast_dtype(cfg.run.amp, world.device)
+    check_combinations(cfg, world)
+    if cfg.run.deterministic:
+        rng.deterministic(cfg.run.cudnn_benchmark)  # before any CUDA work
     stop_signals = preemption.parse_signals(cfg.run.stop_signal)
     if cfg.run.tensorboard:
         logs.check_tensorboard()
@@ -109,13 +113,30 @@ def preflight(cfg: Config, processes: int) -> None:
     rank followed by the launcher's traceback. The split of the global batch, the stop signals, the
     data (downloaded here, once, if it must be), run.resume and the lock of run.out_dir."""
     alone = World(0, 0, 1, torch.device("cpu"), "none")
-    World(0, 0, processes, torch.device("cpu"), "ddp").split(cfg.train.batch_size, "train.batch_size")
+    ranks = World(0, 0, processes, torch.device("cpu"), "ddp")
+    ranks.split(cfg.train.batch_size, "train.batch_size", cfg.train.grad_accum_steps)
+    check_combinations(cfg, ranks)
     preemption.parse_signals(cfg.run.stop_signal)
     if cfg.run.tensorboard:
         logs.check_tensorboard()
     steps_per_epoch(cfg, len(datasets.load(cfg.data, alone).train.labels))
     with rundir.lock(cfg.run.out_dir, alone):
         rundir.check_resume_setting(cfg.run.resume, cfg.run.out_dir)
+
+
+def check_combinations(cfg: Config, world: World) -> None:
+    """Settings that each parse but do not work together."""
+    if cfg.train.sync_bn and world.parallel == "dp":
+        raise UsageError(
+            "train.sync_bn=true needs DDP (nn.DataParallel computes BatchNorm per GPU): "
+            "torchrun --standalone --nproc_per_node=N ddp/train.py ..."
+        )
+    if cfg.ddp.static_graph and cfg.train.grad_accum_steps > 1:
+        raise UsageError(
+            "ddp.static_graph=true with train.grad_accum_steps>1: DDP's static graph breaks under no_sync "
+            "(an internal assert, then gradients that are no longer all-reduced: pytorch/pytorch#143580); "
+            "use one of the two"
+        )
 
 
 def autocast_dtype(amp: str, device: torch.device) -> torch.dtype | None:
@@ -138,6 +159,8 @@ def build(
     n_train = len(data.train.labels)
     steps = steps_per_epoch(cfg, n_train)
     model = models.build(cfg.model.name, data.num_classes).to(world.device)  # raw module: the one we save
+    if cfg.train.sync_bn and world.parallel == "ddp":
+        model = sync_bn.convert(model, world.device)  # same parameters and state-dict keys
     if cfg.run.channels_last:
         model = model.to(memory_format=torch.channels_last)
     optimizer, scheduler = optim.make_optimizer(model, cfg.optim, cfg.train.epochs * steps, steps)
@@ -148,7 +171,7 @@ def build(
     checkpoints = checkpoint.Checkpointer(cfg.run, world, trained, info)
     epoch_loss = metrics.EpochLoss(world.device)
     resumed = checkpoints.resume(epoch_loss)
-    wrapped = distributed.wrap(torch.compile(model) if cfg.run.compile else model, world)
+    wrapped = distributed.wrap(torch.compile(model) if cfg.run.compile else model, world, cfg.ddp)
     d = cfg.data
     train_loader = loaders.train_loader(data.train, per_rank_batch, world, d.augment, d.workers, cfg.run.seed, d.loader)
     eval_batch = max(1, cfg.train.eval_batch_size // world.world_size)
@@ -168,21 +191,41 @@ def steps_per_epoch(cfg: Config, n_train: int) -> int:
 
 
 def train_step(job: Job, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """One optimizer step on this rank's batch: forward, backward (DDP averages the gradients over
-    the ranks during it), step, schedule. Returns the loss, still on the device (reading it syncs)."""
-    x, y = job.to_input(images), labels.to(job.world.device, non_blocking=True)
-    with torch.autocast(job.world.device.type, dtype=job.amp, enabled=job.amp is not None):
-        loss = job.criterion(job.wrapped(x), y)
+    """One optimizer step on this rank's batch, in train.grad_accum_steps micro-batches: forward and
+    backward of each (DDP averages the gradients over the ranks in the last one's backward), then
+    clip, step, schedule. Returns the batch's mean loss, still on the device (reading it syncs)."""
+    accum = job.cfg.train.grad_accum_steps
     optimizer, scaler = job.trained.optimizer, job.trained.scaler
     optimizer.zero_grad(set_to_none=True)
-    scaler.scale(loss).backward()
+    x, y = job.to_input(images), labels.to(job.world.device, non_blocking=True)
+    total = torch.zeros((), device=job.world.device)
+    for micro, xs, ys in zip(distributed.micro_batches(job.wrapped, accum), x.chunk(accum), y.chunk(accum)):
+        with micro:  # forward and backward both inside no_sync
+            with torch.autocast(job.world.device.type, dtype=job.amp, enabled=job.amp is not None):
+                loss = job.criterion(forward(job.wrapped, xs), ys) / accum  # the big batch's mean
+            scaler.scale(loss).backward()
+        total += loss.detach()
     if job.cfg.optim.clip_grad_norm > 0:
         scaler.unscale_(optimizer)  # clip the true gradients, not fp16's scaled ones
         nn.utils.clip_grad_norm_(job.trained.model.parameters(), job.cfg.optim.clip_grad_norm)
     scaler.step(optimizer)
     scaler.update()
     job.trained.scheduler.step()
-    return loss.detach()
+    return total
+
+
+def forward(wrapped: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """wrapped(x), with DDP's error for a model that left parameters unused as a usage error."""
+    try:
+        return wrapped(x)
+    except RuntimeError as e:
+        if "Expected to have finished reduction in the prior iteration" not in str(e):
+            raise
+        raise UsageError(
+            "the model left some parameters without a gradient in the last step, and DDP waits for every "
+            "one: set ddp.find_unused_parameters=true (or ddp.static_graph=true if the same ones are unused "
+            "in every step)"
+        ) from None
 
 
 def train(
@@ -242,7 +285,8 @@ def epoch_metrics(job: Job, epoch: int, started: float, images_per_s: float, sta
     """The epoch's record: the whole test set evaluated once over the ranks (after rank 0's BatchNorm
     statistics are made everyone's), the mean training loss over the ranks, lr, speed, and seconds
     since `started` (training and evaluation)."""
-    distributed.sync_buffers(job.trained.model, job.world)
+    how = "broadcast" if job.cfg.train.sync_bn else job.cfg.train.dist_bn  # with sync_bn they agree already
+    distributed.sync_buffers(job.trained.model, job.world, how)
     module = distributed.for_eval(job.wrapped)
     confusion = metrics.evaluate(
         module, job.eval_loader, job.to_input, job.data.num_classes, job.world, job.amp, job.cfg.train.tta_flip
@@ -287,8 +331,9 @@ def start_line(job: Job, resumed: checkpoint.Resumed | None) -> str:
         done = resumed.position
         lines.append(
             f"resumed from {resumed.path}: {done.epochs_done} epoch(s) + {done.step_in_epoch} step(s) done "
-            f"(global step {done.global_step}); saved at world_size {resumed.saved_world_size}, now "
-            f"{world.world_size}; same global batch {cfg.train.batch_size} and data order"
+            f"(global step {done.global_step}); saved at world_size {resumed.saved_world_size}, now {world.world_size}"
+            + accum_change(resumed.saved_accum_steps, cfg.train.grad_accum_steps)
+            + f"; same global batch {cfg.train.batch_size} and data order"
             + ("" if resumed.same_world else "; RNG states not restored (world size changed)")
             + ("; changed since: " + ", ".join(resumed.changes) if resumed.changes else "")
         )
@@ -299,11 +344,22 @@ def start_line(job: Job, resumed: checkpoint.Resumed | None) -> str:
         f"{cfg.model.name} ({params / 1e6:.2f}M params) on {cfg.data.dataset} "
         f"({len(data.train.labels)} train / {len(data.test.labels)} test, {data.num_classes} classes); "
         f"launcher={world.launcher} parallel={world.parallel} world_size={world.world_size} device={world.device} "
-        f"global batch {cfg.train.batch_size} ({cfg.train.batch_size // world.world_size} per rank), "
+        f"global batch {cfg.train.batch_size} ({batch_split(cfg, world)}), sync_bn={cfg.train.sync_bn}, "
         f"amp={cfg.run.amp}; loader={cfg.data.loader} tf32={cfg.run.tf32} cudnn_benchmark={cfg.run.cudnn_benchmark} "
-        f"threads={torch.get_num_threads()}"
+        f"threads={torch.get_num_threads()} deterministic={cfg.run.deterministic}"
     )
     return "\n".join(lines)
+
+
+def accum_change(saved: int, now: int) -> str:
+    """For the resume line: " (grad_accum_steps 1, now 4)" when micro-batching is or was on."""
+    return "" if saved == now == 1 else f" (grad_accum_steps {saved}, now {now})"
+
+
+def batch_split(cfg: Config, world: World) -> str:
+    """How the global batch is split: "128 per rank" or "64 per rank = 4 micro-batches of 16"."""
+    per_rank, accum = cfg.train.batch_size // world.world_size, cfg.train.grad_accum_steps
+    return f"{per_rank} per rank" + (f" = {accum} micro-batches of {per_rank // accum}" if accum > 1 else "")
 
 
 def finish_stop(signal_name: str | None, saved: Path | None, world: World) -> None:

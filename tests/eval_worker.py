@@ -21,7 +21,7 @@ def evaluate(path: str, out: str, overrides: list[str]) -> None:
         data = datasets.load(cfg.data, world)
         model = models.build(cfg.model.name, data.num_classes)
         model.load_state_dict(checkpoint.load(path)["model"])
-        wrapped = distributed.wrap(model, world)
+        wrapped = distributed.wrap(model, world, cfg.ddp)
         loader = loaders.eval_loader(data.test, 16, world, workers=0)
         to_input = loaders.input_fn(data.mean, data.std, world.device, channels_last=False)
         confusion = metrics.evaluate(distributed.for_eval(wrapped), loader, to_input, data.num_classes, world, None)

@@ -55,6 +55,21 @@ def assert_usage_error(proc, *fragments: str) -> None:
         (["--preflight", "0"], ["--preflight needs the number of processes to be started, e.g. 2, not '0'"]),
         (["--preflight", "two"], ["--preflight needs the number of processes"]),
         ([*TINY, "--preflight", "3"], ["train.batch_size=32 must be a positive multiple of world_size=3"]),
+        (["train.grad_accum_steps=0"], ["train.grad_accum_steps=0 is out of range: it must be >= 1"]),
+        (
+            [*TINY, "train.grad_accum_steps=5", "--preflight", "2"],
+            [
+                "train.batch_size=32 must be a positive multiple of world_size x train.grad_accum_steps = 2 x 5 = 10",
+                "try 30 or 40, or train.grad_accum_steps=4 or 8",
+            ],
+        ),
+        ([*TINY, "train.grad_accum_steps=3"], ["= 1 x 3 = 3", "try 30 or 33, or train.grad_accum_steps=2 or 4"]),
+        (["ddp.bucket_cap_mb=0"], ["ddp.bucket_cap_mb=0.0 is out of range: it must be > 0"]),
+        (["ddp.comm_hook=int8"], ["ddp.comm_hook: 'int8' is not one of none, fp16, bf16"]),
+        (["ddp.static_graph=sometimes"], ["ddp.static_graph: expected bool, got 'sometimes'"]),
+        (["ddp.static_graph=true", "train.grad_accum_steps=2"], ["DDP's static graph breaks under no_sync"]),
+        (["train.dist_bn=mean"], ["train.dist_bn: 'mean' is not one of broadcast, reduce"]),
+        (["run.deterministic=true", "run.cudnn_benchmark=true"], ["cuDNN's autotuning is not deterministic"]),
     ],
 )
 def test_bad_input_exits_2_with_one_line(args, fragments, tmp_path):

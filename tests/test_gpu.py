@@ -84,3 +84,15 @@ def test_gpu_memory_is_logged_per_epoch(tmp_path):
     for m in metrics(tmp_path):
         assert 0 < m["gpu_allocated_mb"] <= m["gpu_reserved_mb"] and m["gpu_peak_mb"] >= m["gpu_allocated_mb"]
     assert "MB allocated /" in proc.stdout and "MB reserved, peak" in proc.stdout
+
+
+@needs_gpu
+def test_deterministic_mode_gives_bitwise_equal_weights_twice(tmp_path):
+    """run.deterministic=true: two runs on the GPU (each a fresh process) end with equal bits."""
+    states = []
+    for name in ("a", "b"):
+        args = [str(TRAIN), *TINY, "model.name=resnet18", "run.deterministic=true", f"run.out_dir={tmp_path / name}"]
+        proc = ok(subprocess.run([sys.executable, *args], env=gpu_env(), capture_output=True, text=True))
+        assert "deterministic=True" in proc.stdout
+        states.append(torch.load(tmp_path / name / "checkpoints" / "last.pt", map_location="cpu", weights_only=True))
+    assert all(torch.equal(states[0]["model"][k], states[1]["model"][k]) for k in states[0]["model"])

@@ -1,0 +1,88 @@
+"""What the `ddp:` settings and gradient accumulation make DDP do, seen from inside a real torchrun job.
+
+torchrun --standalone --nproc_per_node=2 tests/knob_worker.py OUT.json [section.key=value ...]
+    Two optimizer steps of the small net, wrapped by distributed.wrap with the ddp: settings and
+    run in train.grad_accum_steps micro-batches (distributed.micro_batches); rank 0 writes what
+    happened (buckets, all-reduces per step, gradient dtype and storage, buffers) to OUT.json.
+torchrun --standalone --nproc_per_node=2 tests/knob_worker.py --unused-parameter [ddp/train.py arguments]
+    ddp/train.py itself, with model.name=tutorial replaced by a net that has a layer it never uses.
+"""
+
+import json
+import sys
+
+import torch
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+from ddp import config, distributed, models, train
+
+
+def counting(hook, counter):
+    """A comm hook that counts the buckets it all-reduces, then does what `hook` does."""
+
+    def count(state, bucket):
+        counter.append(len(bucket.buffer()))
+        return hook(state, bucket)
+
+    return count
+
+
+def probe(out: str, overrides: list[str]) -> None:
+    cfg = config.load(None, overrides)
+    world = distributed.resolve(cfg.run)
+    with distributed.setup(world, timeout_s=60) as world:
+        report = run_steps(cfg, world)
+        if world.is_main:
+            with open(out, "w") as f:
+                json.dump(report, f)
+
+
+def run_steps(cfg, world) -> dict:
+    torch.manual_seed(0)
+    model = models.build("small", 10)
+    wrapped = distributed.wrap(model, world, cfg.ddp)
+    counter: list[int] = []
+    if cfg.ddp.comm_hook == "none":  # (a compression hook is already registered: count nothing then)
+        wrapped.register_comm_hook(None, counting(default_hooks.allreduce_hook, counter))
+    bn = model[0][1]
+    bn.running_mean.fill_(float(world.rank))  # rank-local buffers: does DDP make them rank 0's?
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    accum = cfg.train.grad_accum_steps
+    x = torch.randn(8 * accum, 3, 32, 32, generator=torch.Generator().manual_seed(1))  # the same on every rank
+    y = torch.arange(8 * accum) % 10
+    per_step = []
+    for _ in range(2):
+        optimizer.zero_grad(set_to_none=True)
+        before = len(counter)
+        for micro, xs, ys in zip(distributed.micro_batches(wrapped, accum), x.chunk(accum), y.chunk(accum)):
+            with micro:
+                nn.functional.cross_entropy(wrapped(xs), ys).backward()
+        per_step.append(len(counter) - before)
+        grads = [p.grad for p in model.parameters()]
+        optimizer.step()
+    info = wrapped._get_ddp_logging_data()
+    report = {
+        "allreduces_per_step": per_step,
+        "bucket_sizes": [int(s) for s in str(info.get("rebuilt_bucket_sizes") or info["bucket_sizes"]).split(",")],
+        "grads_are_bucket_views": all(g._is_view() for g in grads),
+        "grads_fp16_exact": all(bool((g == g.half().float()).all()) for g in grads),
+        "grads_bf16_exact": all(bool((g == g.bfloat16().float()).all()) for g in grads),
+        "running_means": distributed.gather_objects(bn.running_mean[0].item(), world),
+        "static_graph": bool(wrapped.static_graph),
+    }
+    del wrapped
+    return report
+
+
+class WithUnusedLayer(models.TutorialNet):
+    def __init__(self, num_classes: int = 10):
+        super().__init__(num_classes)
+        self.never_used = nn.Linear(4, 4)
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "--unused-parameter":
+        models.MODELS["tutorial"] = WithUnusedLayer
+        sys.exit(train.cli(sys.argv[2:]))
+    probe(sys.argv[1], sys.argv[2:])

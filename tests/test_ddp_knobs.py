@@ -1,0 +1,97 @@
+"""The `ddp:` settings and gradient accumulation do what they say, seen inside real torchrun jobs
+(tests/knob_worker.py), and a model with unused parameters is a clear error unless DDP is told."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import REPO, REPORT, TINY, TRAIN, clean_env, ok, python, torchrun
+
+from ddp import config, train
+from ddp.distributed import World
+from ddp.errors import UsageError
+
+WORKER = str(REPO / "tests" / "knob_worker.py")
+
+
+def probe(tmp_path, *overrides: str) -> dict:
+    out = tmp_path / "report.json"
+    ok(torchrun(2, WORKER, str(out), *overrides, env=clean_env(PYTHONPATH=str(REPO))))
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def default(tmp_path_factory) -> dict:
+    return probe(tmp_path_factory.mktemp("default"))
+
+
+def test_defaults_one_bucket_per_step_buffers_from_rank_0_float32_gradients(default):
+    assert default["allreduces_per_step"] == [1, 1]  # the small net fits one 25 MiB bucket
+    assert default["running_means"][0] == default["running_means"][1]  # rank 1's buffer was replaced
+    assert not default["grads_are_bucket_views"] and not default["grads_fp16_exact"]
+    assert not default["static_graph"]
+
+
+def test_small_buckets_gradient_views_and_no_buffer_broadcast(default, tmp_path):
+    got = probe(
+        tmp_path,
+        "ddp.bucket_cap_mb=0.05",
+        "ddp.gradient_as_bucket_view=true",
+        "ddp.broadcast_buffers=false",
+    )
+    REPORT.append(f"ddp.bucket_cap_mb=0.05: {got['allreduces_per_step'][-1]} all-reduces per optimizer step (25: 1)")
+    assert got["allreduces_per_step"][-1] > default["allreduces_per_step"][-1]  # more, smaller buckets
+    assert got["grads_are_bucket_views"]
+    assert got["running_means"][0] != got["running_means"][1]  # each rank kept its own
+
+
+@pytest.mark.parametrize("accum", [2, 4])
+def test_accumulation_all_reduces_once_per_optimizer_step_not_per_micro_batch(accum, tmp_path):
+    assert probe(tmp_path, f"train.grad_accum_steps={accum}")["allreduces_per_step"] == [1, 1]
+
+
+@pytest.mark.parametrize("hook", ["fp16", "bf16"])
+def test_a_compression_hook_sends_the_gradients_in_its_dtype(hook, tmp_path):
+    got = probe(tmp_path, f"ddp.comm_hook={hook}")
+    assert got[f"grads_{hook}_exact"]  # every averaged gradient came back through that dtype
+    assert not got["grads_fp16_exact" if hook == "bf16" else "grads_bf16_exact"]
+
+
+def unused(tmp_path, *args: str):
+    argv = [WORKER, "--unused-parameter", *TINY, "model.name=tutorial", "train.epochs=1", f"run.out_dir={tmp_path}"]
+    return torchrun(2, *argv, *args, env=clean_env(PYTHONPATH=str(REPO)))
+
+
+def test_a_model_with_unused_parameters_is_a_usage_error_naming_the_two_fixes(tmp_path):
+    proc = unused(tmp_path)
+    assert "exitcode  : 2" in proc.stderr, proc.stderr  # torchrun itself exits 1 when a worker fails
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "set ddp.find_unused_parameters=true" in errors[0], proc.stderr
+    assert "ddp.static_graph=true" in errors[0]
+    assert (
+        "[rank0]: Traceback" not in proc.stderr and "[rank1]: Traceback" not in proc.stderr
+    )  # (torchrun's own follows)
+    assert not (tmp_path / "checkpoints").exists() or not list((tmp_path / "checkpoints").glob("step-*.pt"))
+
+
+@pytest.mark.parametrize("setting", ["ddp.find_unused_parameters=true", "ddp.static_graph=true"])
+def test_either_setting_trains_the_model_with_unused_parameters(setting, tmp_path):
+    ok(unused(tmp_path, setting))
+    assert (tmp_path / "checkpoints" / "last.pt").exists()
+
+
+def test_deterministic_mode_is_logged_at_start_and_trains_on_cpu(tmp_path):
+    """(Bitwise repeatability on a GPU: tests/test_gpu.py.)"""
+    proc = ok(python(str(TRAIN), *TINY, "train.epochs=1", "run.deterministic=true", f"run.out_dir={tmp_path}"))
+    assert "deterministic=True" in proc.stdout
+
+
+def test_sync_bn_under_data_parallel_is_refused():
+    cfg = config.load(None, ["train.sync_bn=true"])
+    world = World(0, 0, 1, torch.device("cuda", 0), "dp")  # (a World is only named here: no GPU needed)
+    with pytest.raises(
+        UsageError, match=r"train.sync_bn=true needs DDP \(nn.DataParallel computes BatchNorm per GPU\)"
+    ):
+        train.check_combinations(cfg, world)

@@ -1,0 +1,124 @@
+"""N ranks compute what 1 process computes (issue 11), proved on CPU with gloo and the real torchrun.
+
+A deterministic job (synthetic data, no augmentation) trains 2 epochs; every run but the reference
+is killed (SIGKILL) in epoch 2 and resumed from its mid-epoch checkpoint. Then the final weights
+and BatchNorm running statistics are compared, "within d" meaning |a - b| <= d * (1 + |a|) for every
+value (absolute below 1, relative above, as torch.testing.assert_close with rtol = atol = d):
+- the tutorial net (no BatchNorm): 1 process x K=4 == 2 ranks x K=2 == 4 ranks x K=1, within 1e-6;
+- small and resnet18 (BatchNorm) with train.sync_bn=true: 1 == 2 == 4 ranks within 1e-5, and the
+  2-rank run without sync_bn, the control, differs by far more;
+- ddp.comm_hook=fp16 trains, and differs from the uncompressed run by a measured amount.
+
+Float32 sums in another order (reassociation) differ by ~1e-7, and in a deep net such a difference
+flips a ReLU or a max-pool choice somewhere in every step, which changes that step's gradient by
+far more than 1e-7 (measured for resnet18 at optim.lr=0.005: two *1-process* runs with 1 and 2
+threads differ by 5e-3 after 8 steps; at 2e-4, by 4e-6 while 2 ranks differ by 3e-5). The
+BatchNorm jobs therefore use a learning rate at which that drift stays below the bound;
+tests/test_sync_bn.py shows the computation itself equal in float64 (to 1e-12).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import REPORT, TRAIN, clean_env, metrics, ok, python, torchrun
+
+
+def job(images: int, lr: float) -> list[str]:
+    return [
+        "data.dataset=synthetic",
+        f"data.synthetic_train={images}",
+        "data.synthetic_test=32",
+        "data.workers=0",
+        "data.augment=false",
+        "train.batch_size=16",
+        "train.epochs=2",
+        f"optim.lr={lr}",
+        "optim.warmup_epochs=0.5",
+        "run.save_every_steps=2",
+        "run.keep_last=20",
+    ]
+
+
+TUTORIAL, SMALL, RESNET = job(128, 0.02), job(128, 0.005), job(64, 0.00005)
+
+
+def train(out: Path, nproc: int, base: list[str], *args: str, kill: bool = True) -> dict[str, torch.Tensor]:
+    """The final state dict of a run; with `kill`, rank 0 is SIGKILLed 3 steps into epoch 2 and
+    the same command resumes it from its checkpoint 2 steps into epoch 2."""
+    argv = [str(TRAIN), *base, f"run.out_dir={out}", *args]
+    steps_per_epoch = int(base[1].split("=")[1]) // 16
+
+    def run(env=None):
+        return torchrun(nproc, *argv, env=env) if nproc > 1 else python(*argv, env=env)
+
+    if kill:
+        killed = run(clean_env(DDP_CIFAR_FAULT=f"step:{steps_per_epoch + 3}"))
+        assert killed.returncode != 0, killed.stdout + killed.stderr
+        resumed = ok(run())
+        assert f"step-{steps_per_epoch + 2:09d}.pt: 1 epoch(s) + 2 step(s) done" in resumed.stdout, resumed.stdout
+    else:
+        ok(run())
+    return torch.load(out / "checkpoints" / "last.pt", weights_only=True)["model"]
+
+
+def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """The least d such that |a - b| <= d * (1 + |a|) for every float value of the two state dicts."""
+    assert a.keys() == b.keys()
+    return max(((a[k] - b[k]).abs() / (1 + a[k].abs())).max().item() for k in a if a[k].is_floating_point())
+
+
+def test_grad_accumulation_1x4_equals_2x2_equals_4x1_for_the_tutorial_net(tmp_path):
+    net = "model.name=tutorial"
+    one = train(tmp_path / "1x4", 1, TUTORIAL, net, "train.grad_accum_steps=4", kill=False)
+    two = train(tmp_path / "2x2", 2, TUTORIAL, net, "train.grad_accum_steps=2")
+    four = train(tmp_path / "4x1", 4, TUTORIAL, net, "train.grad_accum_steps=1")
+    d2, d4 = max_diff(one, two), max_diff(one, four)
+    REPORT.append(f"tutorial net, 2 epochs: 1 process x K=4 vs 2 ranks x K=2: {d2:.1e}; vs 4 ranks x K=1: {d4:.1e}")
+    assert d2 < 1e-6 and d4 < 1e-6
+    assert max_diff(one, train(tmp_path / "1x1", 1, TUTORIAL, net, kill=False)) < 1e-6  # and K=4 is K=1
+
+
+def test_a_run_of_4_ranks_continues_in_1_process_with_k_4(tmp_path):
+    """Fewer GPUs than the recipe: the same global batch in 4 micro-batches, the same run."""
+    net, argv = "model.name=tutorial", [str(TRAIN), *TUTORIAL, f"run.out_dir={tmp_path / 'run'}", "model.name=tutorial"]
+    killed = torchrun(4, *argv, env=clean_env(DDP_CIFAR_FAULT="step:11"))
+    assert killed.returncode != 0
+    resumed = ok(python(*argv, "train.grad_accum_steps=4"))
+    assert "saved at world_size 4, now 1 (grad_accum_steps 1, now 4); same global batch 16" in resumed.stdout
+    assert "changed since: train.grad_accum_steps 1 -> 4" in resumed.stdout
+    continued = torch.load(tmp_path / "run" / "checkpoints" / "last.pt", weights_only=True)["model"]
+    reference = train(tmp_path / "1x4", 1, TUTORIAL, net, "train.grad_accum_steps=4", kill=False)
+    diff = max_diff(reference, continued)
+    REPORT.append(f"tutorial net: 4 ranks x K=1 for 10 steps, then 1 process x K=4: {diff:.1e} from 1 x K=4 throughout")
+    assert diff < 1e-6
+
+
+@pytest.mark.parametrize("model, base", [("small", SMALL), ("resnet18", RESNET)], ids=["small", "resnet18"])
+def test_sync_bn_makes_1_2_and_4_ranks_one_computation(model, base, tmp_path):
+    net = f"model.name={model}"
+    one = train(tmp_path / "1", 1, base, net, kill=False)
+    two = train(tmp_path / "2", 2, base, net, "train.sync_bn=true")
+    four = train(tmp_path / "4", 4, base, net, "train.sync_bn=true")
+    control = train(tmp_path / "2-plain", 2, base, net, kill=False)
+    d2, d4, dc = max_diff(one, two), max_diff(one, four), max_diff(one, control)
+    REPORT.append(
+        f"{model}, sync_bn, 2 epochs, weights and BatchNorm statistics: 1 process vs 2 ranks {d2:.1e}, "
+        f"vs 4 ranks {d4:.1e}; 2 ranks without sync_bn: {dc:.1e}"
+    )
+    assert d2 < 1e-5 and d4 < 1e-5
+    assert dc > 100 * max(d2, d4, 1e-7)
+
+
+def test_fp16_gradient_compression_trains_and_differs_by_a_measured_amount(tmp_path):
+    plain = train(tmp_path / "plain", 2, SMALL, "model.name=small", kill=False)
+    fp16 = train(tmp_path / "fp16", 2, SMALL, "model.name=small", "ddp.comm_hook=fp16")
+    losses = [m["train_loss"] for m in metrics(tmp_path / "fp16")]
+    diff = max_diff(plain, fp16)
+    REPORT.append(
+        f"ddp.comm_hook=fp16, small, 2 ranks: loss {losses[0]:.3f} -> {losses[-1]:.3f}; weights differ by {diff:.1e}"
+    )
+    assert losses[-1] < losses[0]
+    assert 0 < diff < 1e-2

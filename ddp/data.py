@@ -107,6 +107,20 @@ def check_labels(where: str, name: str, labels: torch.Tensor, classes: list[str]
         )
 
 
+def check_counted_classes(where: str, train: Split, test: Split, count: int) -> None:
+    """Without a `classes` array the class count is the largest label + 1; a class in between that
+    no training image has means that largest label is a lie (one stray 12 among 0..9), not a class."""
+    missing = sorted(set(range(count)) - set(train.labels.unique().tolist()))
+    if missing:
+        name, labels = ("y_train", train.labels) if int(train.labels.max()) == count - 1 else ("y_test", test.labels)
+        i = int(torch.nonzero(labels == count - 1).flatten()[0])
+        shown = ", ".join(map(str, missing[:5])) + (", ..." if len(missing) > 5 else "")
+        raise UsageError(
+            f"{where}: {name}[{i}] = {count - 1}, but no training image has class {shown}: without a `classes` "
+            f"array the class count is the largest label + 1 ({count}); fix the label, or add `classes` to the file"
+        )
+
+
 def _synthetic(cfg: DataConfig) -> tuple[Split, Split, list[str]]:
     """Learnable noise: each class has its own colour, each image is that colour plus as much
     uniform per-pixel noise. Fixed seed: every rank and run sees the same images, whatever run.seed."""
@@ -191,6 +205,7 @@ def load(cfg: DataConfig, world: World) -> Data:
     named = classes is not None
     if not named:  # class indices 0..the largest label
         classes = [str(i) for i in range(int(max(train.labels.max(), test.labels.max())) + 1)]
+        check_counted_classes(_where(cfg), train, test, len(classes))
     for name, split in (("train", train), ("test", test)):
         check_labels(_where(cfg), f"y_{name}", split.labels, classes, named)
     pixels = train.images.double().div_(255)

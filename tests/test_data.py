@@ -91,6 +91,14 @@ LIES = {
         {"y_test": set_at(YT, 3, -1)},
         r"y_test\[3\] = -1, but there are 10 classes \(names given\): labels are 0..9",
     ),
+    "stray-label-no-names": (
+        {"y_train": set_at(Y, 5, 12), "classes": None},
+        r"y_train\[5\] = 12, but no training image has class 10, 11: without a `classes` array",
+    ),
+    "stray-test-label-no-names": (
+        {"y_test": set_at(YT, 4, 10), "classes": None},
+        r"y_test\[4\] = 10, but no training image has class 10",
+    ),
     "negative-no-names": ({"y_train": set_at(Y, 0, -2), "classes": None}, r"y_train\[0\] = -2, but there are"),
     "labels-too-few": ({"y_train": Y[:-1]}, r"y_train has shape \(59,\) but x_train holds 60 images"),
     "labels-2d": ({"y_test": YT[:, None]}, r"y_test has shape \(25, 1\) but x_test holds 25 images"),

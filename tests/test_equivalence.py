@@ -1,7 +1,8 @@
 """N ranks compute what 1 process computes (issue 11), proved on CPU with gloo and the real torchrun.
 
-A deterministic job (synthetic data, no augmentation) trains 2 epochs; every run but the reference
-is killed (SIGKILL) in epoch 2 and resumed from its mid-epoch checkpoint. Then the final weights
+A deterministic job (synthetic data, no augmentation) trains 2 epochs; in each comparison one
+multi-rank run (the 2-rank tutorial run, the 4-rank BatchNorm runs, the 4-then-1 run) is killed
+(SIGKILL) in epoch 2 and resumed from its mid-epoch checkpoint. Then the final weights
 and BatchNorm running statistics are compared, "within d" meaning |a - b| <= d * (1 + |a|) for every
 value (absolute below 1, relative above, as torch.testing.assert_close with rtol = atol = d):
 - the tutorial net (no BatchNorm): 1 process x K=4 == 2 ranks x K=2 == 4 ranks x K=1, within 1e-6;
@@ -70,28 +71,33 @@ def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max(((a[k] - b[k]).abs() / (1 + a[k].abs())).max().item() for k in a if a[k].is_floating_point())
 
 
-def test_grad_accumulation_1x4_equals_2x2_equals_4x1_for_the_tutorial_net(tmp_path):
-    net = "model.name=tutorial"
-    one = train(tmp_path / "1x4", 1, TUTORIAL, net, "train.grad_accum_steps=4", kill=False)
+@pytest.fixture(scope="module")
+def tutorial_1x4(tmp_path_factory) -> dict[str, torch.Tensor]:
+    """The reference: the tutorial net in 1 process with K=4, uninterrupted."""
+    out = tmp_path_factory.mktemp("tutorial") / "1x4"
+    return train(out, 1, TUTORIAL, "model.name=tutorial", "train.grad_accum_steps=4", kill=False)
+
+
+def test_grad_accumulation_1x4_equals_2x2_equals_4x1_for_the_tutorial_net(tutorial_1x4, tmp_path):
+    net, one = "model.name=tutorial", tutorial_1x4
     two = train(tmp_path / "2x2", 2, TUTORIAL, net, "train.grad_accum_steps=2")
-    four = train(tmp_path / "4x1", 4, TUTORIAL, net, "train.grad_accum_steps=1")
+    four = train(tmp_path / "4x1", 4, TUTORIAL, net, "train.grad_accum_steps=1", kill=False)
     d2, d4 = max_diff(one, two), max_diff(one, four)
     REPORT.append(f"tutorial net, 2 epochs: 1 process x K=4 vs 2 ranks x K=2: {d2:.1e}; vs 4 ranks x K=1: {d4:.1e}")
     assert d2 < 1e-6 and d4 < 1e-6
     assert max_diff(one, train(tmp_path / "1x1", 1, TUTORIAL, net, kill=False)) < 1e-6  # and K=4 is K=1
 
 
-def test_a_run_of_4_ranks_continues_in_1_process_with_k_4(tmp_path):
+def test_a_run_of_4_ranks_continues_in_1_process_with_k_4(tutorial_1x4, tmp_path):
     """Fewer GPUs than the recipe: the same global batch in 4 micro-batches, the same run."""
-    net, argv = "model.name=tutorial", [str(TRAIN), *TUTORIAL, f"run.out_dir={tmp_path / 'run'}", "model.name=tutorial"]
+    argv = [str(TRAIN), *TUTORIAL, f"run.out_dir={tmp_path / 'run'}", "model.name=tutorial"]
     killed = torchrun(4, *argv, env=clean_env(DDP_CIFAR_FAULT="step:11"))
     assert killed.returncode != 0
     resumed = ok(python(*argv, "train.grad_accum_steps=4"))
     assert "saved at world_size 4, now 1 (grad_accum_steps 1, now 4); same global batch 16" in resumed.stdout
     assert "changed since: train.grad_accum_steps 1 -> 4" in resumed.stdout
     continued = torch.load(tmp_path / "run" / "checkpoints" / "last.pt", weights_only=True)["model"]
-    reference = train(tmp_path / "1x4", 1, TUTORIAL, net, "train.grad_accum_steps=4", kill=False)
-    diff = max_diff(reference, continued)
+    diff = max_diff(tutorial_1x4, continued)
     REPORT.append(f"tutorial net: 4 ranks x K=1 for 10 steps, then 1 process x K=4: {diff:.1e} from 1 x K=4 throughout")
     assert diff < 1e-6
 
@@ -100,7 +106,7 @@ def test_a_run_of_4_ranks_continues_in_1_process_with_k_4(tmp_path):
 def test_sync_bn_makes_1_2_and_4_ranks_one_computation(model, base, tmp_path):
     net = f"model.name={model}"
     one = train(tmp_path / "1", 1, base, net, kill=False)
-    two = train(tmp_path / "2", 2, base, net, "train.sync_bn=true")
+    two = train(tmp_path / "2", 2, base, net, "train.sync_bn=true", kill=False)
     four = train(tmp_path / "4", 4, base, net, "train.sync_bn=true")
     control = train(tmp_path / "2-plain", 2, base, net, kill=False)
     d2, d4, dc = max_diff(one, two), max_diff(one, four), max_diff(one, control)
@@ -114,7 +120,7 @@ def test_sync_bn_makes_1_2_and_4_ranks_one_computation(model, base, tmp_path):
 
 def test_fp16_gradient_compression_trains_and_differs_by_a_measured_amount(tmp_path):
     plain = train(tmp_path / "plain", 2, SMALL, "model.name=small", kill=False)
-    fp16 = train(tmp_path / "fp16", 2, SMALL, "model.name=small", "ddp.comm_hook=fp16")
+    fp16 = train(tmp_path / "fp16", 2, SMALL, "model.name=small", "ddp.comm_hook=fp16", kill=False)
     losses = [m["train_loss"] for m in metrics(tmp_path / "fp16")]
     diff = max_diff(plain, fp16)
     REPORT.append(

@@ -11,8 +11,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from ddp.errors import UsageError
-
 
 def seed_everything(seed: int) -> None:
     random.seed(seed)
@@ -40,11 +38,9 @@ def set_state(state: dict[str, Any], device: torch.device) -> None:
         torch.cuda.set_rng_state(state["cuda"], device)
 
 
-def deterministic(cudnn_benchmark: bool) -> None:
+def deterministic() -> None:
     """run.deterministic: only deterministic algorithms (an op without one is an error), cuDNN
     without autotuning, and cuBLAS's fixed workspace (read when CUDA creates its handle: set first)."""
-    if cudnn_benchmark:
-        raise UsageError("run.deterministic=true and run.cudnn_benchmark=true: cuDNN's autotuning is not deterministic")
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True)
     torch.backends.cudnn.deterministic = True

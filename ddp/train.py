@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     amp = autocast_dtype(cfg.run.amp, world.device)
     check_combinations(cfg, world)
     if cfg.run.deterministic:
-        rng.deterministic(cfg.run.cudnn_benchmark)  # before any CUDA work
+        rng.deterministic()  # before any CUDA work
     stop_signals = preemption.parse_signals(cfg.run.stop_signal)
     if cfg.run.tensorboard:
         logs.check_tensorboard()
@@ -131,6 +131,8 @@ def check_combinations(cfg: Config, world: World) -> None:
             "train.sync_bn=true needs DDP (nn.DataParallel computes BatchNorm per GPU): "
             "torchrun --standalone --nproc_per_node=N ddp/train.py ..."
         )
+    if cfg.run.deterministic and cfg.run.cudnn_benchmark:
+        raise UsageError("run.deterministic=true and run.cudnn_benchmark=true: cuDNN's autotuning is not deterministic")
     if cfg.ddp.static_graph and cfg.train.grad_accum_steps > 1:
         raise UsageError(
             "ddp.static_graph=true with train.grad_accum_steps>1: DDP's static graph breaks under no_sync "

@@ -9,12 +9,12 @@ fsyncs and renames it, so a final name never holds a partial file; each holds a 
 content. On resume the newest file whose checksum holds wins; a bad newer one is skipped.
 
     python -m ddp.checkpoint inspect PATH       epoch, step, world size, metrics, size, checksum
-    python -m ddp.checkpoint export PATH OUT    the model weights alone, for inference
+    python -m ddp.checkpoint export PATH OUT [--raw]   the model weights alone, for inference (the
+                                                moving average's if the run kept one; --raw: the trained ones)
 """
 
 from __future__ import annotations
 
-import hashlib
 import io
 import os
 import shutil
@@ -32,6 +32,7 @@ from ddp import config, distributed, faults, files, rng
 from ddp.cli import command
 from ddp.config import RunConfig
 from ddp.distributed import World
+from ddp.ema import EMA
 from ddp.errors import EXIT_FAILURE, EXIT_OK, CorruptCheckpoint, UsageError, WriteFailed
 from ddp.metrics import EpochLoss
 
@@ -47,6 +48,7 @@ class Trained:
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     scaler: torch.amp.GradScaler  # enabled for fp16 only
+    ema: EMA | None = None  # the weights' moving average (train.ema_decay > 0)
 
 
 @dataclass
@@ -82,6 +84,7 @@ def build_state(
         "optimizer": trained.optimizer.state_dict(),
         "scheduler": trained.scheduler.state_dict(),
         "scaler": trained.scaler.state_dict() if trained.scaler.is_enabled() else None,
+        "ema": trained.ema.state_dict() if trained.ema else None,  # {"weights": the model's keys, "updates"}
         "ranks": ranks,  # per rank: RNG states, and an unfinished epoch's loss sums
         "global_batch": info.config["train"]["batch_size"],
         "world_size": info.world_size,
@@ -95,17 +98,28 @@ def build_state(
 
 
 def rank_state(device: torch.device, epoch_loss: EpochLoss | None) -> dict[str, Any]:
-    """This rank's part of a checkpoint: its RNG states, an unfinished epoch's loss sums (or None)."""
-    return {"rng": rng.get_state(device), "partial": epoch_loss.sums.cpu() if epoch_loss is not None else None}
+    """This rank's part of a checkpoint: its RNG states, an unfinished epoch's loss sums and gradient
+    norms (or None)."""
+    unfinished = epoch_loss is not None
+    return {
+        "rng": rng.get_state(device),
+        "partial": epoch_loss.sums.cpu() if unfinished else None,
+        "grad_norms": epoch_loss.grad_norms.cpu() if unfinished else None,
+    }
 
 
-def load_weights(state: dict[str, Any], model: nn.Module) -> None:
-    """A checkpoint's weights into a plain model on any device, also when they were saved from a
-    DataParallel/DDP ("module.") or compiled ("_orig_mod.") wrapper."""
-    weights = dict(state["model"])
+def weights(state: dict[str, Any], raw: bool = False) -> dict[str, torch.Tensor]:
+    """The weights to evaluate or export: the moving average's when the run kept one, unless `raw`."""
+    return state["model"] if raw or not state.get("ema") else state["ema"]["weights"]
+
+
+def load_weights(state: dict[str, Any], model: nn.Module, raw: bool = True) -> None:
+    """A checkpoint's weights (the trained ones, or with raw=False those weights() picks) into a plain
+    model on any device, also when saved from a DataParallel/DDP ("module.") or compiled ("_orig_mod.") wrapper."""
+    weights_ = dict(weights(state, raw))
     for prefix in ("module.", "_orig_mod.", "module."):
-        consume_prefix_in_state_dict_if_present(weights, prefix)
-    model.load_state_dict(weights)
+        consume_prefix_in_state_dict_if_present(weights_, prefix)
+    model.load_state_dict(weights_)
 
 
 def restore(state: dict[str, Any], trained: Trained) -> None:
@@ -116,6 +130,8 @@ def restore(state: dict[str, Any], trained: Trained) -> None:
     trained.scheduler.load_state_dict(state["scheduler"])
     if state["scaler"] is not None and trained.scaler.is_enabled():
         trained.scaler.load_state_dict(state["scaler"])
+    if trained.ema and state.get("ema"):  # else the average starts at its first update, from these weights
+        trained.ema.load_state_dict(state["ema"])
 
 
 def restore_rank(state: dict[str, Any], world: World, epoch_loss: EpochLoss) -> bool:
@@ -128,6 +144,8 @@ def restore_rank(state: dict[str, Any], world: World, epoch_loss: EpochLoss) -> 
     partials = [r["partial"] for r in ranks if r["partial"] is not None]
     if partials:
         epoch_loss.sums.copy_(partials[world.rank] if same_world else sum(partials) * world.is_main)
+    if ranks[0].get("grad_norms") is not None:  # the same on every rank
+        epoch_loss.grad_norms.copy_(ranks[0]["grad_norms"])
     return same_world
 
 
@@ -237,32 +255,6 @@ def last_path(out_dir: str | Path) -> Path:
     return directory(out_dir) / "last.pt"
 
 
-def digest(obj: Any) -> str:
-    """sha256 over a checkpoint's content (tensors by dtype, shape and bytes), independent of how
-    torch.save lays it out, so it can be stored inside the file it checks."""
-    h = hashlib.sha256()
-
-    def walk(x: Any) -> None:
-        if isinstance(x, torch.Tensor):
-            t = x.detach().cpu().contiguous()
-            h.update(f"T{t.dtype}{tuple(t.shape)}".encode())
-            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-        elif isinstance(x, dict):
-            h.update(f"D{len(x)}".encode())
-            for k in sorted(x, key=repr):
-                walk(k)
-                walk(x[k])
-        elif isinstance(x, (list, tuple)):
-            h.update(f"L{len(x)}".encode())
-            for v in x:
-                walk(v)
-        else:
-            h.update(f"S{type(x).__name__}:{x!r}".encode())
-
-    walk(obj)
-    return h.hexdigest()
-
-
 def _atomic_write(obj: dict[str, Any], path: Path, fault_step: int | None = None) -> None:
     """torch.save `obj` to `path`, all or nothing (files.replace)."""
     buffer = io.BytesIO()
@@ -291,7 +283,7 @@ def save(state: dict[str, Any], out_dir: str | Path, keep_last: int) -> Path:
     """Write `state` as step-<global_step>.pt with its checksum, point last.pt at it, keep the
     newest `keep_last` numbered files. Rank 0 only. On a failed write (a full disk) the files
     already there are untouched, and the error says which one is the newest."""
-    state = {**state, "checksum": digest(state)}
+    state = {**state, "checksum": files.digest(state)}
     path = directory(out_dir) / f"step-{state['global_step']:09d}.pt"
     previous = step_files(out_dir)
     try:
@@ -325,7 +317,7 @@ def load(path: str | Path) -> dict[str, Any]:
     if not isinstance(state, dict) or not {"model", "epoch", "checksum"} <= state.keys():
         raise CorruptCheckpoint(f"{path} is not a ddp-cifar checkpoint (no model/epoch/checksum entries)")
     stored = state.pop("checksum")
-    if digest(state) != stored:
+    if files.digest(state) != stored:
         raise CorruptCheckpoint(f"{path} fails its checksum (the file was altered or damaged)")
     if state.get("format") != FORMAT:
         raise UsageError(f"{path} has checkpoint format {state.get('format')}; this ddp-cifar reads format {FORMAT}")
@@ -347,19 +339,21 @@ def newest_valid(out_dir: str | Path) -> tuple[Path | None, dict[str, Any] | Non
     return None, None, warnings
 
 
-def export(path: str | Path, out: str | Path) -> None:
-    """The model alone, with what inference needs to rebuild it: name, classes, normalisation."""
+def export(path: str | Path, out: str | Path, raw: bool = False) -> str:
+    """The model alone, with what inference needs to rebuild it: name, classes, normalisation. The
+    moving average's weights when the run kept one, unless `raw`. Returns which weights it took."""
     state = load(path)
-    weights = {
+    exported = {
         "format": "ddp-cifar-weights/1",
         "model_name": state["config"]["model"]["name"],
         "classes": state["classes"],
         "normalize": state["normalize"],
-        "model": state["model"],
+        "model": weights(state, raw),
     }
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    _atomic_write(weights, out)
+    _atomic_write(exported, out)
+    return "raw" if raw or not state.get("ema") else "ema"
 
 
 def describe(path: str | Path) -> tuple[str, bool]:
@@ -389,11 +383,13 @@ def main(argv: list[str]) -> int:
         return EXIT_OK if whole else EXIT_FAILURE
     if len(argv) == 2 and argv[0] == "inspect":
         raise UsageError(f"checkpoint not found: {argv[1]}")
-    if len(argv) == 3 and argv[0] == "export":
-        export(argv[1], argv[2])
-        print(f"wrote {argv[2]} (model weights only)")
+    raw = "--raw" in argv[3:]
+    if len(argv) == 3 + raw and argv[0] == "export" and argv[3:] in ([], ["--raw"]):
+        which = export(argv[1], argv[2], raw)
+        weights_of = "the moving average" if which == "ema" else "the trained model"
+        print(f"wrote {argv[2]} (model weights only: {weights_of}'s)")
         return EXIT_OK
-    raise UsageError("usage: python -m ddp.checkpoint inspect PATH | export PATH OUT")
+    raise UsageError("usage: python -m ddp.checkpoint inspect PATH | export PATH OUT [--raw]")
 
 
 if __name__ == "__main__":

@@ -18,8 +18,8 @@ from typing import Any
 
 import yaml
 
+from ddp import models
 from ddp.errors import UsageError
-from ddp.models import MODELS
 
 
 @dataclass(frozen=True)
@@ -68,13 +68,27 @@ class DataConfig:
     workers: int = opt(
         2, "DataLoader worker processes per rank for loader=torch (0 = load in the main process)", valid=NATURAL
     )
+    mixup_alpha: float = opt(
+        0.0, "MixUp: blend each training image with another, weight ~ Beta(alpha, alpha) (0 = off)", valid=Range(0)
+    )
+    cutmix_alpha: float = opt(
+        0.0, "CutMix: paste a box of another training image, area ~ Beta(alpha, alpha) (0 = off)", valid=Range(0)
+    )
+    mix_prob: float = opt(
+        1.0, "the share of training batches mixed when MixUp/CutMix is on (both on: each is half)", valid=Range(0, 1)
+    )
+    mix_off_epoch: int = opt(0, "no MixUp/CutMix from this epoch on (0 = mix to the end)", valid=NATURAL)
     synthetic_train: int = opt(2048, "train images for dataset=synthetic", valid=POSITIVE)
     synthetic_test: int = opt(512, "test images for dataset=synthetic", valid=POSITIVE)
+    synthetic_classes: int = opt(10, "classes for dataset=synthetic", valid=Range(2))
 
 
 @dataclass
 class ModelConfig:
-    name: str = opt("resnet18", "architecture", tuple(MODELS))
+    name: str = opt("resnet18", models.described(), tuple(models.MODELS))
+    dropout: float = opt(
+        0.0, "dropout probability inside each residual block (Wide ResNet's; wrn*, preact_resnet18)", valid=FRACTION
+    )
 
 
 @dataclass
@@ -86,6 +100,14 @@ class TrainConfig:
     eval_batch_size: int = opt(1024, "GLOBAL evaluation batch, split across ranks", valid=POSITIVE)
     label_smoothing: float = opt(0.0, "label smoothing of the cross-entropy loss (0 = off)", valid=FRACTION)
     tta_flip: bool = opt(False, "evaluate on each test image and its mirror image, averaging the logits")
+    ema_decay: float = opt(
+        0.0, "keep a moving average of the weights, decayed by this per step, and evaluate it (0 = off)",
+        valid=FRACTION,
+    )  # fmt: skip
+    ema_warmup: int = opt(
+        10, "update n of the average decays by min(ema_decay, (1+n)/(ema_warmup+n)) (0 = ema_decay from the start)",
+        valid=NATURAL,
+    )  # fmt: skip
     grad_accum_steps: int = opt(
         1,
         "K micro-batches per optimizer step: each rank runs K x batch_size/(world_size x K) images, "
@@ -164,6 +186,9 @@ class RunConfig:
     debug: bool = opt(False, "show the Python traceback of errors instead of one line (for bug reports)")
     tf32: bool = opt(False, "TensorFloat-32 for CUDA matmuls and cuDNN convolutions (faster, ~10-bit mantissa)")
     cudnn_benchmark: bool = opt(False, "let cuDNN time its convolution algorithms for the fixed input shapes")
+    profile: str = opt(
+        "", "A:B = a torch.profiler trace of global steps A..B-1 per rank in out_dir/profile, a top-10 (empty = off)"
+    )
     deterministic: bool = opt(
         False, "deterministic algorithms only (torch, cuDNN, cuBLAS): bitwise-repeatable runs, slower on GPU"
     )

@@ -125,7 +125,7 @@ def _synthetic(cfg: DataConfig) -> tuple[Split, Split, list[str]]:
     """Learnable noise: each class has its own colour, each image is that colour plus as much
     uniform per-pixel noise. Fixed seed: every rank and run sees the same images, whatever run.seed."""
     g = torch.Generator().manual_seed(1234)
-    num_classes = 10
+    num_classes = cfg.synthetic_classes
     colours = torch.randint(0, 256, (num_classes, 3, 1, 1), generator=g)
 
     def make(n: int) -> Split:

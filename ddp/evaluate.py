@@ -1,12 +1,14 @@
 """Evaluate any checkpoint on any device:
 
     python -m ddp.evaluate --checkpoint runs/quick/checkpoints/last.pt [--device cpu|cuda|cuda:N]
-                           [--json] [--batch-size 1024] [data.key=value ...]
+                           [--json] [--batch-size 1024] [--raw] [data.key=value ...]
 
 Prints the accuracy, a per-class table with class names (as the PyTorch CIFAR-10 tutorial prints
 it), the confusion matrix and images/s; --json prints the same as one JSON object. The model,
 dataset and normalisation come from the checkpoint (saved in any mode: plain, DataParallel, DDP,
-compiled); data.* overrides point at another copy of the data (e.g. data.path=... offline).
+compiled); data.* overrides point at another copy of the data (e.g. data.path=... offline). A run
+that kept a moving average of its weights (train.ema_decay) is evaluated with those, unless --raw.
+With more than 20 classes (CIFAR-100) the table lists the 10 best and the 10 worst classes.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from ddp.config import RunConfig
 from ddp.errors import UsageError
 
 
-def run(path: str, device: str, batch_size: int, overrides: list[str]) -> dict[str, Any]:
+def run(path: str, device: str, batch_size: int, overrides: list[str], raw: bool = False) -> dict[str, Any]:
     state = checkpoint.load(path)
     cfg = config.from_dict(state["config"])
     if bad := [o for o in overrides if not o.startswith("data.")]:
@@ -33,8 +35,8 @@ def run(path: str, device: str, batch_size: int, overrides: list[str]) -> dict[s
     world = distributed.resolve(RunConfig(device=device, parallel="none", launcher="none"))
     classes = state["classes"]
     test = datasets.load_test(cfg.data, world, classes)  # no training set needed
-    model = models.build(cfg.model.name, len(classes)).to(world.device)
-    checkpoint.load_weights(state, model)
+    model = models.build(cfg.model.name, len(classes), cfg.model.dropout).to(world.device)
+    checkpoint.load_weights(state, model, raw)
     loader = loaders.eval_loader(test, batch_size, world, 0, "device")
     norm = state["normalize"]  # the training split's statistics, as the model saw them
     to_input = loaders.input_fn(norm["mean"], norm["std"], world.device, channels_last=False)
@@ -48,6 +50,7 @@ def run(path: str, device: str, batch_size: int, overrides: list[str]) -> dict[s
         "dataset": cfg.data.dataset,
         "device": str(world.device),
         "epoch": state["epoch"],
+        "weights": "raw" if raw or not state.get("ema") else "ema",
         "test_images": int(confusion.sum()),
         "accuracy": metrics.accuracy(confusion),
         "classes": classes,
@@ -59,13 +62,21 @@ def run(path: str, device: str, batch_size: int, overrides: list[str]) -> dict[s
 
 def table(r: dict[str, Any]) -> str:
     lines = [
-        f"{r['checkpoint']}: {r['model']} after {r['epoch']} epoch(s), on {r['dataset']} ({r['test_images']} test "
+        f"{r['checkpoint']}: {r['model']} ({'moving average' if r['weights'] == 'ema' else 'trained'} weights) "
+        f"after {r['epoch']} epoch(s), on {r['dataset']} ({r['test_images']} test "
         f"images), {r['device']}, {r['images_per_s']:.0f} images/s",
         f"Accuracy of the network on the {r['test_images']} test images: {100 * r['accuracy']:.1f} %",
     ]
     width = max(len(c) for c in r["classes"])
-    for name, acc in zip(r["classes"], r["per_class_accuracy"]):
-        lines.append(f"Accuracy for class: {name:{width}s} is " + (f"{100 * acc:.1f} %" if acc is not None else "n/a"))
+    rows = [
+        f"Accuracy for class: {name:{width}s} is " + (f"{100 * acc:.1f} %" if acc is not None else "n/a")
+        for name, acc in zip(r["classes"], r["per_class_accuracy"])
+    ]
+    if len(rows) > 20:  # the 10 best and the 10 worst (classes without test images count as worst)
+        order = sorted(range(len(rows)), key=lambda i: r["per_class_accuracy"][i] or -1, reverse=True)
+        lines.append(f"The 10 best and the 10 worst of {len(rows)} classes (--json for all):")
+        rows = [rows[i] for i in order[:10]] + ["..."] + [rows[i] for i in order[-10:]]
+    lines += rows
     if len(r["classes"]) <= 20:  # a 100 x 100 matrix is for --json
         lines.append("Confusion matrix (rows: true class, columns: predicted):")
         cell = max(5, *(len(str(v)) + 1 for row in r["confusion"] for v in row))
@@ -82,9 +93,10 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     parser.add_argument("--batch-size", type=int, default=1024)
     parser.add_argument("--json", action="store_true", help="one JSON object instead of the tables")
+    parser.add_argument("--raw", action="store_true", help="the trained weights, not their moving average")
     parser.add_argument("overrides", nargs="*", help="data.key=value, e.g. data.path=cifar10-subset.npz")
     args = parser.parse_args(argv)
-    result = run(args.checkpoint, args.device, args.batch_size, args.overrides)
+    result = run(args.checkpoint, args.device, args.batch_size, args.overrides, args.raw)
     print(json.dumps(result) if args.json else table(result))
 
 

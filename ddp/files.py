@@ -6,11 +6,15 @@ hold is their owners' (checkpoint.py, logs.py)."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
+
+import torch
 
 from ddp.errors import WriteFailed
 
@@ -84,3 +88,29 @@ def append(path: Path, text: str) -> None:
         raise failure(path, len(data), e) from None
     finally:
         os.close(fd)
+
+
+def digest(obj: Any) -> str:
+    """sha256 over a checkpoint's content (tensors by dtype, shape and bytes), independent of how
+    torch.save lays it out, so it can be stored inside the file it checks."""
+    h = hashlib.sha256()
+
+    def walk(x: Any) -> None:
+        if isinstance(x, torch.Tensor):
+            t = x.detach().cpu().contiguous()
+            h.update(f"T{t.dtype}{tuple(t.shape)}".encode())
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+        elif isinstance(x, dict):
+            h.update(f"D{len(x)}".encode())
+            for k in sorted(x, key=repr):
+                walk(k)
+                walk(x[k])
+        elif isinstance(x, (list, tuple)):
+            h.update(f"L{len(x)}".encode())
+            for v in x:
+                walk(v)
+        else:
+            h.update(f"S{type(x).__name__}:{x!r}".encode())
+
+    walk(obj)
+    return h.hexdigest()

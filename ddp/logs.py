@@ -1,5 +1,5 @@
-"""What a run shows and leaves behind, on rank 0 only: the epoch line, metrics.jsonl, config.yaml,
-the progress bar, TensorBoard scalars. Callers guard with `if world.is_main`; nothing here talks to
+"""What a run shows and leaves behind, on rank 0 only: the start line, the epoch line, metrics.jsonl,
+config.yaml, the progress bar, TensorBoard scalars. Callers guard with `if world.is_main`; nothing here talks to
 other ranks."""
 
 from __future__ import annotations
@@ -9,13 +9,19 @@ import sys
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from tqdm import tqdm
 
 from ddp import files
 from ddp.errors import UsageError
+
+if TYPE_CHECKING:
+    from ddp.checkpoint import Resumed
+    from ddp.config import Config
+    from ddp.data import Data
+    from ddp.distributed import World
 
 
 def start(out_dir: str, config_yaml: str, resumed_epoch: int) -> None:
@@ -48,12 +54,67 @@ def epoch_line(m: dict[str, Any], epochs: int) -> str:
         f"epoch {m['epoch']}/{epochs}  loss {m['train_loss']:.4f}  test_acc {100 * m['test_acc']:.2f}%  "
         f"{m['images_per_s']:.0f} img/s  {m['seconds']:.1f} s"
     )
+    if "raw_test_acc" in m:  # test_acc is the moving average's
+        line += f"  (test_acc of the EMA; raw weights {100 * m['raw_test_acc']:.2f}%)"
+    if "grad_norm_mean" in m:
+        line += f"  grad_norm {m['grad_norm_mean']:.3g} (max {m['grad_norm_max']:.3g})"
     if "gpu_allocated_mb" in m:
         line += (
             f"  gpu {m['gpu_allocated_mb']:.0f} MB allocated / {m['gpu_reserved_mb']:.0f} MB reserved, "
             f"peak {m['gpu_peak_mb']:.0f} MB"
         )
     return line
+
+
+def start_line(cfg: Config, world: World, data: Data, params: int, resumed: Resumed | None) -> str:
+    """What rank 0 says before the first step: where it resumed from, then what runs where (a model
+    of `params` parameters)."""
+    lines = []
+    if resumed:
+        done = resumed.position
+        lines.append(
+            f"resumed from {resumed.path}: {done.epochs_done} epoch(s) + {done.step_in_epoch} step(s) done "
+            f"(global step {done.global_step}); saved at world_size {resumed.saved_world_size}, now {world.world_size}"
+            + accum_change(resumed.saved_accum_steps, cfg.train.grad_accum_steps)
+            + f"; same global batch {cfg.train.batch_size} and data order"
+            + ("" if resumed.same_world else "; RNG states not restored (world size changed)")
+            + ("; changed since: " + ", ".join(resumed.changes) if resumed.changes else "")
+        )
+        if done.epochs_done >= cfg.train.epochs:
+            lines.append(f"nothing to do: {done.epochs_done} of train.epochs={cfg.train.epochs} already done")
+    lines.append(
+        f"{cfg.model.name} ({params / 1e6:.2f}M params) on {cfg.data.dataset} "
+        f"({len(data.train.labels)} train / {len(data.test.labels)} test, {data.num_classes} classes); "
+        f"launcher={world.launcher} parallel={world.parallel} world_size={world.world_size} device={world.device} "
+        f"global batch {cfg.train.batch_size} ({batch_split(cfg, world)}), sync_bn={cfg.train.sync_bn}, "
+        f"amp={cfg.run.amp}{toolbox(cfg)}; loader={cfg.data.loader} tf32={cfg.run.tf32} "
+        f"cudnn_benchmark={cfg.run.cudnn_benchmark} "
+        f"threads={torch.get_num_threads()} deterministic={cfg.run.deterministic}"
+    )
+    return "\n".join(lines)
+
+
+def accum_change(saved: int, now: int) -> str:
+    """For the resume line: " (grad_accum_steps 1, now 4)" when micro-batching is or was on."""
+    return "" if saved == now == 1 else f" (grad_accum_steps {saved}, now {now})"
+
+
+def batch_split(cfg: Config, world: World) -> str:
+    """How the global batch is split: "128 per rank" or "64 per rank = 4 micro-batches of 16"."""
+    per_rank, accum = cfg.train.batch_size // world.world_size, cfg.train.grad_accum_steps
+    return f"{per_rank} per rank" + (f" = {accum} micro-batches of {per_rank // accum}" if accum > 1 else "")
+
+
+def toolbox(cfg: Config) -> str:
+    """For the start line: the recipe options that are on (EMA, MixUp/CutMix, clipping, dropout)."""
+    on = {
+        "train.ema_decay": cfg.train.ema_decay,
+        "model.dropout": cfg.model.dropout,
+        "data.mixup_alpha": cfg.data.mixup_alpha,
+        "data.cutmix_alpha": cfg.data.cutmix_alpha,
+        "optim.clip_grad_norm": cfg.optim.clip_grad_norm,
+    }
+    return "".join(f", {key.split('.')[1]}={value:g}" for key, value in on.items() if value > 0)
 
 
 def say(text: str) -> None:
@@ -122,6 +183,9 @@ class Board:
         add("train/lr", m["lr"], step)
         add("train/images_per_s", m["images_per_s"], step)
         add("test/accuracy", m["test_acc"], step)
+        for key in ("raw_test_acc", "grad_norm_mean", "grad_norm_max"):
+            if key in m:
+                add(("test/" if key.startswith("raw") else "train/") + key, m[key], step)
         for name, acc in zip(m["classes"], m["per_class_acc"]):
             if acc is not None:
                 add(f"test_per_class/{name}", acc, step)

@@ -23,10 +23,13 @@ class EpochLoss:
     """This rank's running sums for the epoch's mean training loss, kept on the training device so
     that adding a step's loss needs no sync: loss x images, and images. Also whether the loss is
     still finite: the last finite loss and the global step of the first one that was not, tracked
-    on the device and read only at boundaries that sync anyway (a checkpoint, an epoch's end)."""
+    on the device and read only at boundaries that sync anyway (a checkpoint, an epoch's end). And
+    the gradients' total norm before clipping, per optimizer step: its sum, count and maximum (the
+    same on every rank: it is taken after the all-reduce)."""
 
     def __init__(self, device: torch.device) -> None:
         self.sums = torch.zeros(2, dtype=torch.float64, device=device)  # (loss x images, images)
+        self.grad_norms = torch.zeros(3, dtype=torch.float64, device=device)  # (sum, steps, max)
         self.last_finite = torch.full((), float("nan"), dtype=torch.float64, device=device)
         self.first_non_finite_step = torch.full((), -1, dtype=torch.int64, device=device)  # -1: none yet
 
@@ -38,6 +41,17 @@ class EpochLoss:
         self.last_finite = torch.where(finite, loss, self.last_finite)
         seen = finite | (self.first_non_finite_step >= 0)
         self.first_non_finite_step = torch.where(seen, self.first_non_finite_step, global_step)
+
+    def add_grad_norm(self, norm: torch.Tensor) -> None:
+        norm = norm.detach().double()
+        self.grad_norms[0] += norm
+        self.grad_norms[1] += 1
+        self.grad_norms[2] = torch.maximum(self.grad_norms[2], norm)
+
+    def grad_norm(self) -> dict[str, float]:
+        """The epoch's grad_norm_mean and grad_norm_max (before clipping), for metrics.jsonl."""
+        total, steps, largest = self.grad_norms.tolist()
+        return {"grad_norm_mean": total / steps, "grad_norm_max": largest} if steps else {}
 
     def images(self) -> int:
         """Images this rank has added (a sync on a GPU: call it once an epoch)."""
@@ -51,6 +65,7 @@ class EpochLoss:
     def reset(self) -> None:
         """For the next epoch (the finiteness record carries on)."""
         self.sums.zero_()
+        self.grad_norms.zero_()
 
 
 @torch.no_grad()

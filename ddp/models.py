@@ -1,5 +1,5 @@
-"""CIFAR models by name: MODELS = {"name": builder(num_classes) -> nn.Module}, the one list of models
-(model.name's choices come from it). Inputs are 3x32x32.
+"""CIFAR models by name: MODELS = {"name": builder(num_classes, dropout) -> nn.Module}, the one list of
+models (model.name's choices and their parameter counts in --help come from it). Inputs are 3x32x32.
 
 Models only compute logits; devices, memory format, compile and wrapping belong to train.py and
 distributed.py.
@@ -18,7 +18,7 @@ from ddp.errors import UsageError
 class TutorialNet(nn.Module):
     """The PyTorch "Training a Classifier" CIFAR-10 tutorial net: 2 conv + 3 linear, no BatchNorm."""
 
-    def __init__(self, num_classes: int = 10) -> None:
+    def __init__(self, num_classes: int = 10, dropout: float = 0.0) -> None:
         super().__init__()
         self.conv1 = nn.Conv2d(3, 6, 5)
         self.pool = nn.MaxPool2d(2, 2)
@@ -40,7 +40,7 @@ def _conv_bn(c_in: int, c_out: int) -> nn.Sequential:
     return nn.Sequential(nn.Conv2d(c_in, c_out, 3, padding=1, bias=False), nn.BatchNorm2d(c_out), nn.ReLU())
 
 
-def small(num_classes: int = 10) -> nn.Module:
+def small(num_classes: int = 10, dropout: float = 0.0) -> nn.Module:
     """Three conv-BN-ReLU stages (32-64-128 channels) and a linear head: ~0.1M parameters,
     trains an epoch of 6k images in seconds on a laptop CPU."""
     return nn.Sequential(
@@ -76,7 +76,7 @@ def _fast_block(c_in: int, c_out: int) -> nn.Sequential:
     )
 
 
-def fast(num_classes: int = 10) -> nn.Module:
+def fast(num_classes: int = 10, dropout: float = 0.0) -> nn.Module:
     """The layout of the fast CIFAR-10 speed-run nets (airbench): a 2x2 stem, three blocks of two
     3x3 convs with BatchNorm and GELU at 64-256-256 channels (32 -> 16 -> 8 -> 4 px), global max-pool,
     a linear head. ~2M parameters; made for large batches, bf16 and channels_last on a GPU."""
@@ -94,7 +94,7 @@ def fast(num_classes: int = 10) -> nn.Module:
     )
 
 
-def resnet18(num_classes: int = 10) -> nn.Module:
+def resnet18(num_classes: int = 10, dropout: float = 0.0) -> nn.Module:
     """torchvision's ResNet-18 adapted to 32x32: a 3x3 stride-1 stem and no max-pool, so the
     first stage sees 32x32 instead of ImageNet's 8x8 (the usual CIFAR variant, ~11M parameters)."""
     import torchvision  # here, not at the top: 1-2 s of every start that does not build a ResNet
@@ -105,15 +105,94 @@ def resnet18(num_classes: int = 10) -> nn.Module:
     return net
 
 
-MODELS: dict[str, Callable[[int], nn.Module]] = {
+class PreActBlock(nn.Module):
+    """A pre-activation residual block (He et al., "Identity Mappings in Deep Residual Networks"):
+    BN-ReLU-conv3x3-[dropout]-BN-ReLU-conv3x3 added to the input, through a 1x1 conv when the shape
+    changes. The Wide ResNet block (Zagoruyko & Komodakis) is the same, with dropout between the convs."""
+
+    def __init__(self, c_in: int, c_out: int, stride: int, dropout: float) -> None:
+        super().__init__()
+        self.bn1, self.bn2 = nn.BatchNorm2d(c_in), nn.BatchNorm2d(c_out)
+        self.conv1 = nn.Conv2d(c_in, c_out, 3, stride=stride, padding=1, bias=False)
+        self.conv2 = nn.Conv2d(c_out, c_out, 3, padding=1, bias=False)
+        self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        same = stride == 1 and c_in == c_out
+        self.shortcut = None if same else nn.Conv2d(c_in, c_out, 1, stride=stride, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.relu(self.bn1(x))
+        skip = x if self.shortcut is None else self.shortcut(out)  # the projection sees the activated input
+        out = self.conv1(out)
+        out = self.conv2(self.dropout(torch.relu(self.bn2(out))))
+        return out + skip
+
+
+def _preact_net(widths: list[int], blocks: int, stem: int, num_classes: int, dropout: float) -> nn.Module:
+    """A 3x3 stem conv of `stem` channels, a stage of `blocks` PreActBlocks per width (every stage
+    after the first halves the resolution), BN-ReLU, global average pool, linear head."""
+    layers: list[nn.Module] = [nn.Conv2d(3, stem, 3, padding=1, bias=False)]
+    c_in = stem
+    for stage, width in enumerate(widths):
+        for b in range(blocks):
+            layers.append(PreActBlock(c_in, width, 2 if stage > 0 and b == 0 else 1, dropout))
+            c_in = width
+    layers += [nn.BatchNorm2d(c_in), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(c_in, num_classes)]
+    return nn.Sequential(*layers)
+
+
+def preact_resnet18(num_classes: int = 10, dropout: float = 0.0) -> nn.Module:
+    """Pre-activation ResNet-18 for CIFAR: 3x3 stem, 4 stages of 2 blocks at 64-128-256-512 channels."""
+    return _preact_net([64, 128, 256, 512], 2, 64, num_classes, dropout)
+
+
+def wide_resnet(depth: int, k: int, num_classes: int = 10, dropout: float = 0.0) -> nn.Module:
+    """WRN-depth-k as in Zagoruyko & Komodakis (2016): a 16-channel 3x3 stem, 3 stages of (depth-4)/6
+    blocks at 16k-32k-64k channels (32 -> 16 -> 8 px), dropout between each block's convs."""
+    return _preact_net([16 * k, 32 * k, 64 * k], (depth - 4) // 6, 16, num_classes, dropout)
+
+
+def wrn16_8(num_classes: int = 10, dropout: float = 0.0) -> nn.Module:
+    return wide_resnet(16, 8, num_classes, dropout)
+
+
+def wrn28_10(num_classes: int = 10, dropout: float = 0.0) -> nn.Module:
+    return wide_resnet(28, 10, num_classes, dropout)
+
+
+MODELS: dict[str, Callable[[int, float], nn.Module]] = {
     "tutorial": TutorialNet,
     "small": small,
     "fast": fast,
     "resnet18": resnet18,
+    "preact_resnet18": preact_resnet18,
+    "wrn16_8": wrn16_8,
+    "wrn28_10": wrn28_10,
 }
+# Parameters of each with 10 classes, for --help without building them (tests/test_models.py checks).
+PARAMS = {
+    "tutorial": 62_006,
+    "small": 94_762,
+    "fast": 1_972_816,
+    "resnet18": 11_173_962,
+    "preact_resnet18": 11_172_170,
+    "wrn16_8": 10_961_370,
+    "wrn28_10": 36_479_194,
+}
+HAS_DROPOUT = ("wrn16_8", "wrn28_10", "preact_resnet18")
 
 
-def build(name: str, num_classes: int) -> nn.Module:
+def described() -> str:
+    """model.name's help: each model with its parameter count."""
+    return "architecture: " + ", ".join(f"{name} ({PARAMS[name] / 1e6:.2f}M params)" for name in MODELS)
+
+
+def check(name: str, dropout: float) -> None:
     if name not in MODELS:
         raise UsageError(f"model.name={name!r} is not one of {', '.join(MODELS)}")
-    return MODELS[name](num_classes)
+    if dropout > 0 and name not in HAS_DROPOUT:
+        raise UsageError(f"model.dropout={dropout:g}: {name} has no dropout; models with one: {', '.join(HAS_DROPOUT)}")
+
+
+def build(name: str, num_classes: int, dropout: float = 0.0) -> nn.Module:
+    check(name, dropout)
+    return MODELS[name](num_classes, dropout)

@@ -36,3 +36,11 @@ def make_optimizer(
         return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total_steps - warmup))))
 
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def clip_gradients(model: nn.Module, max_norm: float) -> torch.Tensor:
+    """The total L2 norm of the model's gradients, before clipping them to `max_norm` (0 = no clipping)."""
+    if max_norm > 0:
+        return nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))) if grads else torch.zeros(())

@@ -3,7 +3,8 @@
 Reads each run's metrics.jsonl and writes PNGs (headless, matplotlib's Agg backend) into --out
 (default: the first RUN_DIR):
 - curves.png: train loss and test accuracy per epoch, one line per run (e.g. 1 vs 2 vs 4 processes);
-- per_class.png: per-class test accuracy of each run's last epoch, bars with class names;
+- per_class.png: per-class test accuracy of each run's last epoch, bars with class names (with more
+  than 20 classes, as for CIFAR-100: the first run's 10 best and 10 worst classes);
 - confusion-<run>.png: the confusion matrix of each run's last evaluation.
 matplotlib is an optional extra: pip install 'ddp-cifar[plot]'.
 """
@@ -58,14 +59,17 @@ def plot(run_dirs: list[Path], out: Path) -> list[Path]:
     acc_ax.legend(fontsize="small")
     written.append(_save(fig, out / "curves.png", plt))
 
-    classes = runs[0][1][-1]["classes"]
+    first = runs[0][1][-1]
+    shown = shown_classes(first["per_class_acc"])
+    classes = [first["classes"][c] for c in shown]
     fig, ax = plt.subplots(figsize=(10, 4), dpi=DPI)
     width = 0.8 / len(runs)
     for i, (d, rows) in enumerate(runs):
-        accs = [100 * (a or 0) for a in rows[-1]["per_class_acc"]]
+        accs = [100 * (rows[-1]["per_class_acc"][c] or 0) for c in shown]
         ax.bar([c + (i - (len(runs) - 1) / 2) * width for c in range(len(accs))], accs, width, label=label(d, rows))
-    ax.set_xticks(range(len(classes)), classes, rotation=45 if len(classes) <= 20 else 90, fontsize="small")
-    ax.set(title="per-class test accuracy, last epoch", ylabel="%", ylim=(0, 100))
+    ax.set_xticks(range(len(classes)), classes, rotation=45, fontsize="small")
+    some = "" if len(shown) == len(first["classes"]) else f": the 10 best and 10 worst of {len(first['classes'])}"
+    ax.set(title=f"per-class test accuracy, last epoch{some}", ylabel="%", ylim=(0, 100))
     ax.legend(fontsize="small")
     written.append(_save(fig, out / "per_class.png", plt))
 
@@ -86,6 +90,14 @@ def plot(run_dirs: list[Path], out: Path) -> list[Path]:
         ax.set(title=f"confusion, epoch {last['epoch']} ({d.name})", xlabel="predicted", ylabel="true")
         written.append(_save(fig, out / f"confusion-{d.name}.png", plt))
     return written
+
+
+def shown_classes(accuracies: list[float | None]) -> list[int]:
+    """The classes a per-class chart shows: all up to 20, else the 10 best and the 10 worst."""
+    if len(accuracies) <= 20:
+        return list(range(len(accuracies)))
+    order = sorted(range(len(accuracies)), key=lambda c: accuracies[c] or 0, reverse=True)
+    return order[:10] + order[-10:]
 
 
 def _save(fig: Any, path: Path, plt: Any) -> Path:

@@ -8,8 +8,12 @@ A second Ctrl-C (SIGINT) while a stop is pending interrupts at once, as Ctrl-C u
 from __future__ import annotations
 
 import signal
+import subprocess
+from pathlib import Path
 from types import FrameType, TracebackType
 
+from ddp import distributed, launchers, logs
+from ddp.distributed import World
 from ddp.errors import Stopped, UsageError
 
 
@@ -59,3 +63,17 @@ class StopRequest:
             return
         for sig, previous in self._previous.items():
             signal.signal(sig, previous)
+
+
+def finish_stop(signal_name: str | None, saved: Path | None, world: World) -> None:
+    """After the stop checkpoint: rank 0 asks SLURM to requeue the job (if in one); all ranks leave."""
+    cause = signal_name or "a signal to another rank"
+    if world.is_main:
+        logs.say(f"stopping on {cause}: checkpoint {saved}")
+        requeue = launchers.requeue_command()
+        if requeue:
+            result = subprocess.run(requeue, capture_output=True, text=True)
+            logs.say(f"{' '.join(requeue)}: " + ("requeued" if result.returncode == 0 else result.stderr.strip()))
+    distributed.all_agree(True, world)  # leave together, after rank 0's checkpoint is on disk
+    why = f"stopped on {cause}; run the same command to resume"
+    raise Stopped(why if world.is_main else "")  # other ranks print nothing but errors

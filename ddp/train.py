@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import signal
-import subprocess
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,20 +27,24 @@ if __package__ in (None, ""):  # run as a file (python/torchrun ddp/train.py): i
 
 import torch
 from torch import nn
+from torch.profiler import record_function
 from torch.utils.data import DataLoader
 
 from ddp import (
     checkpoint,
     config,
     distributed,
+    ema,
     faults,
     launchers,
     loaders,
     logs,
     metrics,
+    mixing,
     models,
     optim,
     preemption,
+    profiling,
     rng,
     rundir,
     sync_bn,
@@ -51,7 +54,7 @@ from ddp.checkpoint import Position
 from ddp.cli import command, parse_args
 from ddp.config import Config
 from ddp.distributed import World
-from ddp.errors import Diverged, Stopped, UsageError
+from ddp.errors import Diverged, UsageError
 
 USAGE = """usage: python ddp/train.py [--config FILE.yaml] [section.key=value ...] [--print-config]
        torchrun --standalone --nproc_per_node=N ddp/train.py [the same arguments]
@@ -78,6 +81,7 @@ class Job:
     criterion: nn.Module
     amp: torch.dtype | None  # autocast dtype, None for float32
     steps_per_epoch: int  # global batches per epoch (the last partial batch is dropped)
+    startup_s: float | None = None  # process start to the end of its first step (metrics.jsonl, first epoch)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any] | None:
@@ -103,6 +107,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     with rundir.lock(cfg.run.out_dir, world):  # one run at a time in out_dir (rank 0 holds it)
         rundir.check_resume_setting(cfg.run.resume, cfg.run.out_dir)
         data = datasets.load(cfg.data, world)  # a file that lies stops every rank alike, before the group
+        profiling.parse(cfg.run.profile, steps_per_epoch(cfg, len(data.train.labels)) * cfg.train.epochs)
         with distributed.setup(world, cfg.run.timeout_s) as world:
             return train(cfg, world, data, per_rank_batch, amp, stop_signals)
 
@@ -119,13 +124,15 @@ def preflight(cfg: Config, processes: int) -> None:
     preemption.parse_signals(cfg.run.stop_signal)
     if cfg.run.tensorboard:
         logs.check_tensorboard()
-    steps_per_epoch(cfg, len(datasets.load(cfg.data, alone).train.labels))
+    steps = steps_per_epoch(cfg, len(datasets.load(cfg.data, alone).train.labels))
+    profiling.parse(cfg.run.profile, steps * cfg.train.epochs)
     with rundir.lock(cfg.run.out_dir, alone):
         rundir.check_resume_setting(cfg.run.resume, cfg.run.out_dir)
 
 
 def check_combinations(cfg: Config, world: World) -> None:
     """Settings that each parse but do not work together."""
+    models.check(cfg.model.name, cfg.model.dropout)
     if cfg.train.sync_bn and world.parallel == "dp":
         raise UsageError(
             "train.sync_bn=true needs DDP (nn.DataParallel computes BatchNorm per GPU): "
@@ -160,14 +167,15 @@ def build(
     torch.backends.cudnn.benchmark = cfg.run.cudnn_benchmark
     n_train = len(data.train.labels)
     steps = steps_per_epoch(cfg, n_train)
-    model = models.build(cfg.model.name, data.num_classes).to(world.device)  # raw module: the one we save
+    model = models.build(cfg.model.name, data.num_classes, cfg.model.dropout).to(world.device)  # the one we save
     if cfg.train.sync_bn and world.parallel == "ddp":
         model = sync_bn.convert(model, world.device)  # same parameters and state-dict keys
     if cfg.run.channels_last:
         model = model.to(memory_format=torch.channels_last)
     optimizer, scheduler = optim.make_optimizer(model, cfg.optim, cfg.train.epochs * steps, steps)
     scaler = torch.amp.GradScaler(world.device.type, enabled=cfg.run.amp == "fp16")
-    trained = checkpoint.Trained(model, optimizer, scheduler, scaler)
+    average = ema.EMA(model, cfg.train.ema_decay, cfg.train.ema_warmup) if cfg.train.ema_decay > 0 else None
+    trained = checkpoint.Trained(model, optimizer, scheduler, scaler, average)
     normalize = {"mean": list(data.mean), "std": list(data.std)}
     info = checkpoint.RunInfo(config.to_dict(cfg), world.world_size, n_train, normalize, data.classes)
     checkpoints = checkpoint.Checkpointer(cfg.run, world, trained, info)
@@ -192,27 +200,35 @@ def steps_per_epoch(cfg: Config, n_train: int) -> int:
     return n_train // cfg.train.batch_size
 
 
-def train_step(job: Job, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """One optimizer step on this rank's batch, in train.grad_accum_steps micro-batches: forward and
-    backward of each (DDP averages the gradients over the ranks in the last one's backward), then
-    clip, step, schedule. Returns the batch's mean loss, still on the device (reading it syncs)."""
-    accum = job.cfg.train.grad_accum_steps
+def train_step(job: Job, images: torch.Tensor, labels: torch.Tensor, mix: mixing.Mix | None = None) -> torch.Tensor:
+    """One optimizer step on this rank's batch (mixed by `mix`, if any), in train.grad_accum_steps
+    micro-batches: forward and backward of each (DDP averages the gradients over the ranks in the
+    last one's backward), then the gradients' norm (clipped to optim.clip_grad_norm), step, schedule,
+    the moving average. Returns the batch's mean loss, still on the device (reading it syncs)."""
+    accum, device = job.cfg.train.grad_accum_steps, job.world.device
     optimizer, scaler = job.trained.optimizer, job.trained.scaler
     optimizer.zero_grad(set_to_none=True)
-    x, y = job.to_input(images), labels.to(job.world.device, non_blocking=True)
-    total = torch.zeros((), device=job.world.device)
+    with record_function("data"):
+        y = labels.to(device, non_blocking=True)
+        x, y = mixing.apply(mix, job.to_input(images), y, job.data.num_classes)  # y: class probabilities if mixed
+    total = torch.zeros((), device=device)
     for micro, xs, ys in zip(distributed.micro_batches(job.wrapped, accum), x.chunk(accum), y.chunk(accum)):
         with micro:  # forward and backward both inside no_sync
-            with torch.autocast(job.world.device.type, dtype=job.amp, enabled=job.amp is not None):
+            with record_function("forward"), torch.autocast(device.type, dtype=job.amp, enabled=job.amp is not None):
                 loss = job.criterion(forward(job.wrapped, xs), ys) / accum  # the big batch's mean
-            scaler.scale(loss).backward()
+            with record_function("backward"):
+                scaler.scale(loss).backward()
         total += loss.detach()
-    if job.cfg.optim.clip_grad_norm > 0:
-        scaler.unscale_(optimizer)  # clip the true gradients, not fp16's scaled ones
-        nn.utils.clip_grad_norm_(job.trained.model.parameters(), job.cfg.optim.clip_grad_norm)
-    scaler.step(optimizer)
-    scaler.update()
-    job.trained.scheduler.step()
+    with record_function("clip"):
+        scaler.unscale_(optimizer)  # the true gradients' norm, not fp16's scaled ones
+        job.epoch_loss.add_grad_norm(optim.clip_gradients(job.trained.model, job.cfg.optim.clip_grad_norm))
+    with record_function("optimizer"):
+        scaler.step(optimizer)
+        scaler.update()
+        job.trained.scheduler.step()
+    if job.trained.ema:
+        with record_function("ema"):
+            job.trained.ema.update(job.trained.model)
     return total
 
 
@@ -245,60 +261,103 @@ def train(
     last_metrics = resumed.metrics if resumed else None
     rundir.start(cfg.run.out_dir, config.dump(cfg), position.epochs_done, world)
     if world.is_main:
-        logs.say(start_line(job, resumed))
+        params = sum(p.numel() for p in job.trained.model.parameters())
+        logs.say(logs.start_line(cfg, world, data, params, resumed))
     board = logs.Board(cfg.run.out_dir) if cfg.run.tensorboard and world.is_main else None
-    first_epoch, startup_s = position.epochs_done + 1, None  # startup_s: reported with this process's first epoch
-    with contextlib.closing(board) if board else contextlib.nullcontext(), preemption.StopRequest(stop_signals) as stop:
+    profile_steps = profiling.parse(cfg.run.profile, job.steps_per_epoch * cfg.train.epochs)
+    first_epoch = position.epochs_done + 1
+    with (
+        contextlib.closing(board) if board else contextlib.nullcontext(),
+        preemption.StopRequest(stop_signals) as stop,
+        profiling.Profile(profile_steps, cfg.run.out_dir, world) as profile,
+    ):
         for epoch in range(first_epoch, cfg.train.epochs + 1):
             started, images_before = metrics.epoch_start(world.device), job.epoch_loss.images()
-            job.train_loader.sampler.set_position(epoch, position.step_in_epoch)  # this epoch's order, from there on
-            job.wrapped.train()
-            progress = logs.Progress(
-                job.train_loader, world.is_main and cfg.run.progress, f"epoch {epoch}", world.world_size
-            )
-            for images, labels in progress:
-                loss = train_step(job, images, labels)
-                position.step_in_epoch += 1
-                position.global_step += 1
-                job.epoch_loss.add(loss, len(labels), position.global_step)
-                startup_s = startup_s or metrics.seconds_since_process_start()
-                faults.maybe_kill("step", position.global_step, world.rank, cfg.run.out_dir)
-                stopping = distributed.any_rank(stop.requested, world)
-                if job.checkpoints.due(position, job.steps_per_epoch, stopping):
-                    stop_if_diverged(job, position)  # a checkpoint is never written with NaN weights
-                    saved = job.checkpoints.save(position, job.epoch_loss, last_metrics)
-                    if stopping:
-                        finish_stop(stop.received, saved, world)
-                progress.update(loss, job.trained.scheduler.get_last_lr()[0], len(labels))
+            position = train_epoch(job, epoch, position, stop, profile, last_metrics)
             stop_if_diverged(job, position)
             images_trained = (job.epoch_loss.images() - images_before) * world.world_size  # all ranks'
             images_per_s = images_trained / metrics.elapsed(started, world.device)
-            last_metrics = epoch_metrics(job, epoch, started, images_per_s, startup_s if epoch == first_epoch else None)
+            startup_s = job.startup_s if epoch == first_epoch else None  # reported with this process's first epoch
+            last_metrics = epoch_metrics(job, epoch, started, images_per_s, startup_s)
             distributed.on_rank0(world, logs.record_epoch, last_metrics, cfg.train.epochs, cfg.run.out_dir, board)
             position = Position(epoch, 0, position.global_step)
             saved = job.checkpoints.save(position, job.epoch_loss, last_metrics)
             job.epoch_loss.reset()
             if epoch < cfg.train.epochs and distributed.any_rank(stop.requested, world):  # done is done
-                finish_stop(stop.received, saved, world)
+                preemption.finish_stop(stop.received, saved, world)
     return last_metrics
 
 
+def train_epoch(
+    job: Job,
+    epoch: int,
+    position: Position,
+    stop: preemption.StopRequest,
+    profile: profiling.Profile,
+    last_metrics: dict[str, Any] | None,
+) -> Position:
+    """The steps of `epoch` from `position` on, each followed by the step boundary: a checkpoint
+    when one is due (never of diverged weights), and leaving when a stop was requested. Returns
+    the position after the epoch's last step."""
+    cfg, world = job.cfg, job.world
+    job.train_loader.sampler.set_position(epoch, position.step_in_epoch)  # this epoch's order, from there on
+    job.wrapped.train()
+    progress = logs.Progress(job.train_loader, world.is_main and cfg.run.progress, f"epoch {epoch}", world.world_size)
+    for images, labels in progress:
+        mix = mixing.draw(cfg.data, cfg.run.seed, epoch, position.step_in_epoch, world.rank)
+        profile.before_step(position.global_step + 1)
+        loss = train_step(job, images, labels, mix)
+        position.step_in_epoch += 1
+        position.global_step += 1
+        profile.after_step(position.global_step)
+        job.epoch_loss.add(loss, len(labels), position.global_step)
+        job.startup_s = job.startup_s or metrics.seconds_since_process_start()
+        faults.maybe_kill("step", position.global_step, world.rank, cfg.run.out_dir)
+        stopping = distributed.any_rank(stop.requested, world)
+        if job.checkpoints.due(position, job.steps_per_epoch, stopping):
+            stop_if_diverged(job, position)  # a checkpoint is never written with NaN weights
+            if job.trained.ema:  # the average's BatchNorm statistics, as at an epoch's end (exact resume)
+                distributed.sync_buffers(job.trained.ema.module, world, bn_agreement(cfg))
+            saved = job.checkpoints.save(position, job.epoch_loss, last_metrics)
+            if stopping:
+                preemption.finish_stop(stop.received, saved, world)
+        progress.update(loss, job.trained.scheduler.get_last_lr()[0], len(labels))
+    return position
+
+
+def bn_agreement(cfg: Config) -> str:
+    """How the ranks' BatchNorm statistics become one (distributed.sync_buffers): with sync_bn they
+    agree already, so rank 0's are everyone's; else train.dist_bn."""
+    return "broadcast" if cfg.train.sync_bn else cfg.train.dist_bn
+
+
 def epoch_metrics(job: Job, epoch: int, started: float, images_per_s: float, startup_s: float | None) -> dict[str, Any]:
-    """The epoch's record: the whole test set evaluated once over the ranks (after rank 0's BatchNorm
-    statistics are made everyone's), the mean training loss over the ranks, lr, speed, and seconds
-    since `started` (training and evaluation)."""
-    how = "broadcast" if job.cfg.train.sync_bn else job.cfg.train.dist_bn  # with sync_bn they agree already
-    distributed.sync_buffers(job.trained.model, job.world, how)
-    module = distributed.for_eval(job.wrapped)
-    confusion = metrics.evaluate(
-        module, job.eval_loader, job.to_input, job.data.num_classes, job.world, job.amp, job.cfg.train.tta_flip
-    )
-    train_loss = job.epoch_loss.mean_over_ranks(job.world)
+    """The epoch's record: the whole test set evaluated once over the ranks (after the ranks' BatchNorm
+    statistics are made one), by the moving average if there is one (the trained weights' accuracy
+    beside it as raw_test_acc), the mean training loss over the ranks, the gradients' norm, lr,
+    speed, and seconds since `started` (training and evaluation)."""
+    how, world = bn_agreement(job.cfg), job.world
+    distributed.sync_buffers(job.trained.model, world, how)
+    confusion = evaluate(job, distributed.for_eval(job.wrapped))
     extra = {} if startup_s is None else {"startup_s": startup_s}
+    if job.trained.ema:
+        distributed.sync_buffers(job.trained.ema.module, world, how)
+        extra["raw_test_acc"] = metrics.accuracy(confusion)
+        confusion = evaluate(job, job.trained.ema.module)
+    train_loss = job.epoch_loss.mean_over_ranks(world)
     return metrics.epoch_record(
-        epoch, train_loss, confusion, job.data.classes, job.world, lr=job.trained.scheduler.get_last_lr()[0],
-        images_per_s=images_per_s, seconds=metrics.elapsed(started, job.world.device), **extra,
+        epoch, train_loss, confusion, job.data.classes, world, lr=job.trained.scheduler.get_last_lr()[0],
+        images_per_s=images_per_s, seconds=metrics.elapsed(started, world.device),
+        **job.epoch_loss.grad_norm(), **extra,
     )  # fmt: skip
+
+
+def evaluate(job: Job, module: nn.Module) -> torch.Tensor:
+    """The confusion matrix of `module` over the whole test set (every rank calls it)."""
+    cfg = job.cfg
+    return metrics.evaluate(
+        module, job.eval_loader, job.to_input, job.data.num_classes, job.world, job.amp, cfg.train.tta_flip
+    )
 
 
 def stop_if_diverged(job: Job, position: Position) -> None:
@@ -323,59 +382,6 @@ def stop_if_diverged(job: Job, position: Position) -> None:
         f"lr {job.trained.scheduler.get_last_lr()[0]:.3g}); nothing was saved after it and {kept}. "
         f"Try a lower optim.lr (now {job.cfg.optim.lr:g}), optim.clip_grad_norm=1.0{fp16}"
     )
-
-
-def start_line(job: Job, resumed: checkpoint.Resumed | None) -> str:
-    """What rank 0 says before the first step: where it resumed from, then what runs where."""
-    cfg, world, data = job.cfg, job.world, job.data
-    lines = []
-    if resumed:
-        done = resumed.position
-        lines.append(
-            f"resumed from {resumed.path}: {done.epochs_done} epoch(s) + {done.step_in_epoch} step(s) done "
-            f"(global step {done.global_step}); saved at world_size {resumed.saved_world_size}, now {world.world_size}"
-            + accum_change(resumed.saved_accum_steps, cfg.train.grad_accum_steps)
-            + f"; same global batch {cfg.train.batch_size} and data order"
-            + ("" if resumed.same_world else "; RNG states not restored (world size changed)")
-            + ("; changed since: " + ", ".join(resumed.changes) if resumed.changes else "")
-        )
-        if done.epochs_done >= cfg.train.epochs:
-            lines.append(f"nothing to do: {done.epochs_done} of train.epochs={cfg.train.epochs} already done")
-    params = sum(p.numel() for p in job.trained.model.parameters())
-    lines.append(
-        f"{cfg.model.name} ({params / 1e6:.2f}M params) on {cfg.data.dataset} "
-        f"({len(data.train.labels)} train / {len(data.test.labels)} test, {data.num_classes} classes); "
-        f"launcher={world.launcher} parallel={world.parallel} world_size={world.world_size} device={world.device} "
-        f"global batch {cfg.train.batch_size} ({batch_split(cfg, world)}), sync_bn={cfg.train.sync_bn}, "
-        f"amp={cfg.run.amp}; loader={cfg.data.loader} tf32={cfg.run.tf32} cudnn_benchmark={cfg.run.cudnn_benchmark} "
-        f"threads={torch.get_num_threads()} deterministic={cfg.run.deterministic}"
-    )
-    return "\n".join(lines)
-
-
-def accum_change(saved: int, now: int) -> str:
-    """For the resume line: " (grad_accum_steps 1, now 4)" when micro-batching is or was on."""
-    return "" if saved == now == 1 else f" (grad_accum_steps {saved}, now {now})"
-
-
-def batch_split(cfg: Config, world: World) -> str:
-    """How the global batch is split: "128 per rank" or "64 per rank = 4 micro-batches of 16"."""
-    per_rank, accum = cfg.train.batch_size // world.world_size, cfg.train.grad_accum_steps
-    return f"{per_rank} per rank" + (f" = {accum} micro-batches of {per_rank // accum}" if accum > 1 else "")
-
-
-def finish_stop(signal_name: str | None, saved: Path | None, world: World) -> None:
-    """After the stop checkpoint: rank 0 asks SLURM to requeue the job (if in one); all ranks leave."""
-    cause = signal_name or "a signal to another rank"
-    if world.is_main:
-        logs.say(f"stopping on {cause}: checkpoint {saved}")
-        requeue = launchers.requeue_command()
-        if requeue:
-            result = subprocess.run(requeue, capture_output=True, text=True)
-            logs.say(f"{' '.join(requeue)}: " + ("requeued" if result.returncode == 0 else result.stderr.strip()))
-    distributed.all_agree(True, world)  # leave together, after rank 0's checkpoint is on disk
-    why = f"stopped on {cause}; run the same command to resume"
-    raise Stopped(why if world.is_main else "")  # other ranks print nothing but errors
 
 
 def cli(argv: list[str] | None = None) -> int:

@@ -2,7 +2,7 @@ import pytest
 import torch
 from torch import nn
 
-from ddp import models
+from ddp import config, models
 from ddp.errors import UsageError
 
 
@@ -33,5 +33,36 @@ def test_small_is_small():
 
 
 def test_unknown_model():
-    with pytest.raises(UsageError, match="model.name='vgg' is not one of tutorial, small, fast, resnet18"):
+    with pytest.raises(UsageError, match="model.name='vgg' is not one of tutorial, small, fast, resnet18, preact"):
         models.build("vgg", 10)
+
+
+@pytest.mark.parametrize("name", sorted(models.MODELS))
+def test_parameter_counts_in_help_are_the_models(name):
+    assert sum(p.numel() for p in models.build(name, 10).parameters()) == models.PARAMS[name]
+    assert f"{name} ({models.PARAMS[name] / 1e6:.2f}M params)" in config.reference()
+
+
+def test_wide_resnets_are_the_papers():
+    """Zagoruyko & Komodakis (2016), table 1: WRN-28-10 36.5M parameters, WRN-16-8 11.0M; a 3x3
+    stem of 16 channels; (depth - 4) / 6 blocks per stage at 16k, 32k, 64k channels."""
+    assert round(models.PARAMS["wrn28_10"] / 1e6, 1) == 36.5
+    assert round(models.PARAMS["wrn16_8"] / 1e6, 1) == 11.0
+    net = models.build("wrn16_8", 10, dropout=0.3)
+    assert net[0].kernel_size == (3, 3) and net[0].out_channels == 16
+    blocks = [m for m in net if isinstance(m, models.PreActBlock)]
+    assert [b.conv2.out_channels for b in blocks] == [128, 128, 256, 256, 512, 512]
+    assert all(isinstance(b.dropout, nn.Dropout) and b.dropout.p == 0.3 for b in blocks)
+    assert len([m for m in models.build("wrn28_10", 10) if isinstance(m, models.PreActBlock)]) == 12
+
+
+def test_dropout_is_active_in_training_only():
+    net = models.build("preact_resnet18", 10, dropout=0.5)
+    x = torch.randn(2, 3, 32, 32)
+    net.train()
+    torch.manual_seed(0)
+    a = net(x)
+    torch.manual_seed(1)
+    assert not torch.equal(a, net(x))
+    net.eval()
+    assert torch.equal(net(x), net(x))

@@ -46,10 +46,16 @@ def assert_bitwise(a: Path, b: Path) -> None:
     assert x["epoch"] == y["epoch"] == 3
     for key in x["model"]:
         assert torch.equal(x["model"][key], y["model"][key]), f"model {key} differs"
+    assert (x["ema"] is None) == (y["ema"] is None)
+    if x["ema"] is not None:
+        assert x["ema"]["updates"] == y["ema"]["updates"] == STEPS
+        for key in x["ema"]["weights"]:
+            assert torch.equal(x["ema"]["weights"][key], y["ema"]["weights"][key]), f"moving average {key} differs"
     for i, state in x["optimizer"]["state"].items():
         for name, value in state.items():
             assert torch.equal(value, y["optimizer"]["state"][i][name]), f"optimizer {i}.{name} differs"
-    assert [m["train_loss"] for m in metrics(a)] == [m["train_loss"] for m in metrics(b)]
+    for key in ("train_loss", "grad_norm_mean", "grad_norm_max"):
+        assert [m[key] for m in metrics(a)] == [m[key] for m in metrics(b)], key
 
 
 @pytest.fixture(scope="module")
@@ -58,6 +64,38 @@ def reference(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("reference")
     ok(subprocess.run(train_cmd(out), cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=300))
     return out
+
+
+# The recipe toolbox all on: the moving average (its BatchNorm statistics averaged over the ranks),
+# MixUp and CutMix (off for the last epoch), clipping, 2 micro-batches per step.
+TOOLBOX = [
+    "train.ema_decay=0.9", "train.ema_warmup=5", "data.mixup_alpha=0.4", "data.cutmix_alpha=1.0",
+    "data.mix_prob=0.8", "data.mix_off_epoch=3", "optim.clip_grad_norm=0.5", "train.grad_accum_steps=2",
+    "train.dist_bn=reduce",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def toolbox_reference(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("toolbox-reference")
+    ok(subprocess.run(train_cmd(out, *TOOLBOX), cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=300))
+    return out
+
+
+def test_killed_with_the_toolbox_on_then_resumes_bitwise(toolbox_reference, tmp_path):
+    """EMA + MixUp/CutMix + clipping + accumulation: the weights, their moving average, the optimizer
+    state and the logged gradient norms of a run killed at a random step and resumed are the
+    uninterrupted run's, bit for bit."""
+    step, rank = RNG.randint(1, STEPS - 1), RNG.randint(0, 1)
+    env = clean_env(DDP_CIFAR_FAULT=f"step:{step}:r{rank}")
+    first = subprocess.run(
+        train_cmd(tmp_path, *TOOLBOX), cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert first.returncode != 0 and list(tmp_path.glob("fault-fired.*"))
+    ok(subprocess.run(train_cmd(tmp_path, *TOOLBOX), cwd=REPO, env=env, capture_output=True, text=True, timeout=300))
+    assert_bitwise(toolbox_reference, tmp_path)
+    assert all(0 < m["grad_norm_mean"] <= m["grad_norm_max"] for m in metrics(tmp_path))
+    REPORT.append(f"toolbox on, kill -9 of rank {rank} after global step {step}/{STEPS}: resumed bitwise identical")
 
 
 def _stat(pid: int) -> list[str] | None:

@@ -1,0 +1,87 @@
+"""run.profile=A:B: a torch.profiler trace of global steps A to B-1, on every rank, written to
+out_dir/profile/rank<r>.json (Chrome trace format: open it in https://ui.perfetto.dev or
+chrome://tracing), and on rank 0 a printed top-10 of operators by self time. train_step labels its
+parts (data, forward, backward, clip, optimizer, ema) with record_function, and DDP's all-reduce
+shows as gloo:all_reduce or nccl:all_reduce, so the trace says where a step's time goes."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from types import TracebackType
+
+from torch.profiler import ProfilerActivity, profile
+
+from ddp import files, logs
+from ddp.distributed import World
+from ddp.errors import UsageError
+
+
+def parse(text: str, total_steps: int) -> range | None:
+    """run.profile's steps (global, 1-based), checked against the run's `total_steps`; None when off."""
+    if not text:
+        return None
+    first, colon, end = text.partition(":")
+    try:
+        steps = range(int(first), int(end)) if colon else None
+    except ValueError:
+        steps = None
+    if steps is None or steps.start < 1 or len(steps) == 0:
+        raise UsageError(f"run.profile={text!r}: expected A:B, global steps A to B-1 with 1 <= A < B, e.g. 10:20")
+    if steps.start > total_steps:
+        raise UsageError(f"run.profile={text}: the run has {total_steps} steps; profile within 1:{total_steps + 1}")
+    return steps
+
+
+def trace_path(out_dir: str, rank: int) -> Path:
+    return Path(out_dir) / "profile" / f"rank{rank}.json"
+
+
+class Profile:
+    """Call before_step(n) before global step n and after_step(n) after it; closing it (the end of a
+    `with`) finishes a trace that the run's end or a stop cut short."""
+
+    def __init__(self, steps: range | None, out_dir: str, world: World) -> None:
+        self.steps, self.out_dir, self.world = steps, out_dir, world
+        self.profiler: profile | None = None
+        self.last_step = 0  # the last step profiled
+
+    def before_step(self, step: int) -> None:
+        if self.steps is not None and self.profiler is None and step == self.steps.start:
+            cuda = [ProfilerActivity.CUDA] if self.world.device.type == "cuda" else []
+            self.profiler = profile(activities=[ProfilerActivity.CPU, *cuda], record_shapes=False)
+            self.profiler.start()
+
+    def after_step(self, step: int) -> None:
+        if self.profiler is not None:
+            self.last_step = step
+            if step >= self.steps.stop - 1:
+                self.finish()
+
+    def finish(self) -> None:
+        profiler, self.profiler = self.profiler, None
+        profiler.stop()
+        path = trace_path(self.out_dir, self.world.rank)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            profiler.export_chrome_trace(str(tmp))
+            os.replace(tmp, path)
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            raise files.failure(path, 0, e) from None
+        if self.world.is_main:
+            by = "self_cuda_time_total" if self.world.device.type == "cuda" else "self_cpu_time_total"
+            table = profiler.key_averages().table(sort_by=by, row_limit=10)
+            logs.say(f"profile of global steps {self.steps.start}-{self.last_step} (rank 0; every rank's trace: "
+                     f"{path.parent}/rank<r>.json):\n{table}")  # fmt: skip
+
+    def __enter__(self) -> Profile:
+        return self
+
+    def __exit__(self, kind: type | None, error: BaseException | None, tb: TracebackType | None) -> None:
+        if self.profiler is not None:
+            if error is None:
+                self.finish()
+            else:
+                self.profiler.stop()  # a failing run: no trace, the error is what matters

@@ -228,8 +228,9 @@ def changed(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
 
 def check_compatible(state: dict[str, Any], info: RunInfo, path: str | Path) -> None:
     """Refuse to continue a run of another model, dataset or batch in this one."""
-    for section, key in (("model", "name"), ("data", "dataset"), ("train", "batch_size")):
-        old, new = state["config"][section][key], info.config[section][key]
+    defaults = config.to_dict(config.Config())  # for keys a checkpoint of an older version lacks
+    for section, key in (("model", "name"), ("model", "width"), ("data", "dataset"), ("train", "batch_size")):
+        old, new = state["config"][section].get(key, defaults[section][key]), info.config[section][key]
         if old != new:
             raise UsageError(
                 f"{path} was trained with {section}.{key}={old} but this run has {section}.{key}={new}; "

@@ -89,6 +89,11 @@ class ModelConfig:
     dropout: float = opt(
         0.0, "dropout probability inside each residual block (Wide ResNet's; wrn*, preact_resnet18)", valid=FRACTION
     )
+    width: float = opt(
+        1.0,
+        "channel counts x this, for small and fast (parameters grow as its square)",
+        valid=Range(0, 8, low_open=True),
+    )
 
 
 @dataclass

@@ -35,7 +35,7 @@ def run(path: str, device: str, batch_size: int, overrides: list[str], raw: bool
     world = distributed.resolve(RunConfig(device=device, parallel="none", launcher="none"))
     classes = state["classes"]
     test = datasets.load_test(cfg.data, world, classes)  # no training set needed
-    model = models.build(cfg.model.name, len(classes), cfg.model.dropout).to(world.device)
+    model = models.build(cfg.model.name, len(classes), cfg.model.dropout, cfg.model.width).to(world.device)
     checkpoint.load_weights(state, model, raw)
     loader = loaders.eval_loader(test, batch_size, world, 0, "device")
     norm = state["normalize"]  # the training split's statistics, as the model saw them

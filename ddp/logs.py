@@ -110,6 +110,7 @@ def toolbox(cfg: Config) -> str:
     on = {
         "train.ema_decay": cfg.train.ema_decay,
         "model.dropout": cfg.model.dropout,
+        "model.width": cfg.model.width * (cfg.model.width != 1),
         "data.mixup_alpha": cfg.data.mixup_alpha,
         "data.cutmix_alpha": cfg.data.cutmix_alpha,
         "optim.clip_grad_norm": cfg.optim.clip_grad_norm,

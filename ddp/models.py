@@ -1,5 +1,5 @@
-"""CIFAR models by name: MODELS = {"name": builder(num_classes, dropout) -> nn.Module}, the one list of
-models (model.name's choices and their parameter counts in --help come from it). Inputs are 3x32x32.
+"""CIFAR models by name: MODELS = {"name": builder(num_classes, dropout[, width]) -> nn.Module}, the one
+list of models (model.name's choices and their parameter counts in --help come from it). Inputs are 3x32x32.
 
 Models only compute logits; devices, memory format, compile and wrapping belong to train.py and
 distributed.py.
@@ -36,22 +36,28 @@ class TutorialNet(nn.Module):
         return self.fc3(x)
 
 
+def _scaled(channels: tuple[int, ...], width: float) -> list[int]:
+    """model.width: each layer's channel count times `width` (at least 8)."""
+    return [max(8, round(c * width)) for c in channels]
+
+
 def _conv_bn(c_in: int, c_out: int) -> nn.Sequential:
     return nn.Sequential(nn.Conv2d(c_in, c_out, 3, padding=1, bias=False), nn.BatchNorm2d(c_out), nn.ReLU())
 
 
-def small(num_classes: int = 10, dropout: float = 0.0) -> nn.Module:
-    """Three conv-BN-ReLU stages (32-64-128 channels) and a linear head: ~0.1M parameters,
+def small(num_classes: int = 10, dropout: float = 0.0, width: float = 1.0) -> nn.Module:
+    """Three conv-BN-ReLU stages (32-64-128 channels x width) and a linear head: ~0.1M parameters,
     trains an epoch of 6k images in seconds on a laptop CPU."""
+    c1, c2, c3 = _scaled((32, 64, 128), width)
     return nn.Sequential(
-        _conv_bn(3, 32),
+        _conv_bn(3, c1),
         nn.MaxPool2d(2),  # 16x16
-        _conv_bn(32, 64),
+        _conv_bn(c1, c2),
         nn.MaxPool2d(2),  # 8x8
-        _conv_bn(64, 128),
+        _conv_bn(c2, c3),
         nn.AdaptiveMaxPool2d(1),
         nn.Flatten(),
-        nn.Linear(128, num_classes),
+        nn.Linear(c3, num_classes),
     )
 
 
@@ -76,20 +82,22 @@ def _fast_block(c_in: int, c_out: int) -> nn.Sequential:
     )
 
 
-def fast(num_classes: int = 10, dropout: float = 0.0) -> nn.Module:
+def fast(num_classes: int = 10, dropout: float = 0.0, width: float = 1.0) -> nn.Module:
     """The layout of the fast CIFAR-10 speed-run nets (airbench): a 2x2 stem, three blocks of two
-    3x3 convs with BatchNorm and GELU at 64-256-256 channels (32 -> 16 -> 8 -> 4 px), global max-pool,
-    a linear head. ~2M parameters; made for large batches, bf16 and channels_last on a GPU."""
+    3x3 convs with BatchNorm and GELU at 64-256-256 channels x width (32 -> 16 -> 8 -> 4 px), global
+    max-pool, a linear head. ~2M parameters; made for large batches, bf16 and channels_last on a GPU
+    (model.width=0.25 makes it a CPU net: 1/16 of the convolutions' work)."""
+    stem, c1, c2, c3 = _scaled((24, 64, 256, 256), width)
     return nn.Sequential(
-        nn.Conv2d(3, 24, 2, padding=1, bias=False),  # 33x33
-        nn.BatchNorm2d(24),
+        nn.Conv2d(3, stem, 2, padding=1, bias=False),  # 33x33
+        nn.BatchNorm2d(stem),
         nn.GELU(),
-        _fast_block(24, 64),  # 16x16
-        _fast_block(64, 256),  # 8x8
-        _fast_block(256, 256),  # 4x4
+        _fast_block(stem, c1),  # 16x16
+        _fast_block(c1, c2),  # 8x8
+        _fast_block(c2, c3),  # 4x4
         nn.AdaptiveMaxPool2d(1),
         nn.Flatten(),
-        nn.Linear(256, num_classes, bias=False),
+        nn.Linear(c3, num_classes, bias=False),
         _Scale(1 / 8),  # max-pooled GELU features are large: small initial logits let a high LR start
     )
 
@@ -179,6 +187,7 @@ PARAMS = {
     "wrn28_10": 36_479_194,
 }
 HAS_DROPOUT = ("wrn16_8", "wrn28_10", "preact_resnet18")
+HAS_WIDTH = ("small", "fast")
 
 
 def described() -> str:
@@ -186,13 +195,16 @@ def described() -> str:
     return "architecture: " + ", ".join(f"{name} ({PARAMS[name] / 1e6:.2f}M params)" for name in MODELS)
 
 
-def check(name: str, dropout: float) -> None:
+def check(name: str, dropout: float = 0.0, width: float = 1.0) -> None:
     if name not in MODELS:
         raise UsageError(f"model.name={name!r} is not one of {', '.join(MODELS)}")
     if dropout > 0 and name not in HAS_DROPOUT:
         raise UsageError(f"model.dropout={dropout:g}: {name} has no dropout; models with one: {', '.join(HAS_DROPOUT)}")
+    if width != 1 and name not in HAS_WIDTH:
+        raise UsageError(f"model.width={width:g}: {name} has a fixed width; models with model.width: small, fast")
 
 
-def build(name: str, num_classes: int, dropout: float = 0.0) -> nn.Module:
-    check(name, dropout)
-    return MODELS[name](num_classes, dropout)
+def build(name: str, num_classes: int, dropout: float = 0.0, width: float = 1.0) -> nn.Module:
+    check(name, dropout, width)
+    builder = MODELS[name]
+    return builder(num_classes, dropout, width) if name in HAS_WIDTH else builder(num_classes, dropout)

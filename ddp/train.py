@@ -132,7 +132,7 @@ def preflight(cfg: Config, processes: int) -> None:
 
 def check_combinations(cfg: Config, world: World) -> None:
     """Settings that each parse but do not work together."""
-    models.check(cfg.model.name, cfg.model.dropout)
+    models.check(cfg.model.name, cfg.model.dropout, cfg.model.width)
     if cfg.train.sync_bn and world.parallel == "dp":
         raise UsageError(
             "train.sync_bn=true needs DDP (nn.DataParallel computes BatchNorm per GPU): "
@@ -167,7 +167,8 @@ def build(
     torch.backends.cudnn.benchmark = cfg.run.cudnn_benchmark
     n_train = len(data.train.labels)
     steps = steps_per_epoch(cfg, n_train)
-    model = models.build(cfg.model.name, data.num_classes, cfg.model.dropout).to(world.device)  # the one we save
+    m = cfg.model
+    model = models.build(m.name, data.num_classes, m.dropout, m.width).to(world.device)  # the raw one we save
     if cfg.train.sync_bn and world.parallel == "ddp":
         model = sync_bn.convert(model, world.device)  # same parameters and state-dict keys
     if cfg.run.channels_last:

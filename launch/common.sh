@@ -8,6 +8,18 @@ omp_threads() {
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$((cores / $1 > 0 ? cores / $1 : 1))}
 }
 
+# gpu_count_or_2: the GPUs torch sees here, or 2 (CPU processes) without any. A machine with no GPU
+# driver (no /dev/nvidia*, /dev/kfd, nvidia-smi or rocm-smi) answers 2 at once instead of paying a
+# torch import (2 s on a laptop CPU) to learn that it has none.
+gpu_count_or_2() {
+  if compgen -G "/dev/nvidia[0-9]*" >/dev/null || [ -e /dev/kfd ] || command -v nvidia-smi >/dev/null ||
+    command -v rocm-smi >/dev/null; then
+    python -c 'import torch; print(torch.cuda.device_count() or 2)'
+  else
+    echo 2
+  fi
+}
+
 # preflight N ARGS...: ddp/train.py --preflight N ARGS, before the launcher starts N processes. A
 # mistake every rank would make (the config, the global batch, the data, run.out_dir) is then one
 # line and exit 2, here, instead of one error per rank and the launcher's traceback.

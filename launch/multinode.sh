@@ -12,7 +12,7 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 : "${NNODES:?set NNODES (how many machines)}" "${NODE_RANK:?set NODE_RANK (0 on the machine at MASTER_ADDR)}"
 : "${MASTER_ADDR:?set MASTER_ADDR (the address of node 0, as the other nodes reach it)}"
 source "$root/launch/common.sh"
-nproc=${NPROC:-$(python -c 'import torch; print(torch.cuda.device_count() or 2)')}
+nproc=${NPROC:-$(gpu_count_or_2)}
 omp_threads "$nproc"
 if [ "$NODE_RANK" = 0 ]; then  # once, on the node that starts first; the lock is rank 0's
   preflight $((NNODES * nproc)) "$@"

@@ -5,7 +5,7 @@
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 source "$root/launch/common.sh"
-nproc=${NPROC:-$(python -c 'import torch; print(torch.cuda.device_count() or 2)')}
+nproc=${NPROC:-$(gpu_count_or_2)}
 omp_threads "$nproc"
 preflight "$nproc" "$@"
 cmd=(torchrun --standalone --nproc_per_node="$nproc" "$root/ddp/train.py" "$@")

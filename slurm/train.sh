@@ -31,11 +31,11 @@ cd "$root"
 job=${SLURM_ARRAY_JOB_ID:+${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}}
 job=${job:-${SLURM_JOB_ID:?not inside a SLURM job: submit with sbatch slurm/train.sh}}
 read -r addr port < <(python -c 'from ddp.launchers import slurm_rendezvous; print(*slurm_rendezvous())')
+source "$root/launch/common.sh"
 nproc=${NPROC:-${SLURM_GPUS_ON_NODE:-0}}
 if [ "$nproc" = 0 ]; then
-  nproc=$(python -c 'import torch; print(torch.cuda.device_count() or 2)')
+  nproc=$(gpu_count_or_2)
 fi
-source "$root/launch/common.sh"
 omp_threads "$nproc" "${SLURM_CPUS_ON_NODE:-}"  # the cores SLURM gave this node, shared by its processes
 preflight $((SLURM_JOB_NUM_NODES * nproc)) run.out_dir="${OUT_ROOT:-runs}/slurm-$job" "$@"  # on the first node
 echo "job $job (restart ${SLURM_RESTART_COUNT:-0}) on ${SLURM_JOB_NUM_NODES} node(s) [$SLURM_JOB_NODELIST]," \

@@ -26,13 +26,29 @@ import torch
 from bench import harness
 from ddp import config, distributed, metrics, mixing, models, train
 
+CUTMIX = mixing.Mix(0.75, (8, 24, 8, 24))
 CASES = [  # (what, settings, the mix each step takes)
     ("none", [], None),
     ("EMA (train.ema_decay=0.99)", ["train.ema_decay=0.99"], None),
     ("MixUp (data.mixup_alpha=0.8)", [], mixing.Mix(0.7)),
-    ("CutMix (data.cutmix_alpha=1)", [], mixing.Mix(0.75, (8, 24, 8, 24))),
-    ("EMA + CutMix + clip_grad_norm=1", ["train.ema_decay=0.99", "optim.clip_grad_norm=1"], mixing.Mix(0.75, (8, 24, 8, 24))),
+    ("CutMix (data.cutmix_alpha=1)", [], CUTMIX),
+    ("EMA + CutMix + clip_grad_norm=1", ["train.ema_decay=0.99", "optim.clip_grad_norm=1"], CUTMIX),
 ]
+
+
+def alone(world, args) -> list[tuple[str, float]]:
+    """The added operations by themselves: an EMA update of the model, mixing a normalised batch."""
+    width = f"model.width={args.width}"
+    job = harness.job(args.model, args.batch, args.batch * 4, world, width, "train.ema_decay=0.99")
+    images, labels = harness.cycle(job.train_loader)()
+    x, classes = job.to_input(images), job.data.num_classes
+    ops = [
+        ("EMA update", lambda: job.trained.ema.update(job.trained.model)),
+        ("MixUp of the batch", lambda: mixing.apply(mixing.Mix(0.7), x, labels, classes)),
+        ("CutMix of the batch", lambda: mixing.apply(CUTMIX, x, labels, classes)),
+        ("mixing.draw", lambda: mixing.draw(config.load(None, ["data.cutmix_alpha=1"]).data, 0, 1, 2, 0)),
+    ]
+    return [(what, harness.seconds_per_call(op, world.device, 5, 50, 5) * 1e3) for what, op in ops]
 
 
 def costs(world, args) -> list[tuple[str, float]]:
@@ -72,13 +88,14 @@ def main() -> None:
     args = parser.parse_args()
     world = distributed.resolve(config.load(None, ["run.parallel=none", "run.launcher=none"]).run)
     started = time.perf_counter()
-    rows = costs(world, args)
+    rows, ops = costs(world, args), alone(world, args)
     model_rows = model_times(world, args.models_batch)
     metrics.synchronize(world.device)
     base = rows[0][1]
     lines = [
-        f"# The recipe toolbox's cost ({harness.device_name(world.device)}, {platform.processor() or platform.machine()}, "
-        f"{torch.get_num_threads()} threads, torch {torch.__version__}, one process)",
+        f"# The recipe toolbox's cost ({harness.device_name(world.device)}, "
+        f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
+        "one process)",
         "",
         f"Command: `python bench/toolbox.py --model {args.model} --width {args.width} --batch {args.batch} "
         f"--steps {args.steps} --repeats {args.repeats} --models-batch {args.models_batch}` "
@@ -91,6 +108,12 @@ def main() -> None:
         "| setting | ms per step | vs none |",
         "| --- | --- | --- |",
         *[f"| {what} | {ms:.1f} | {ms / base - 1:+.1%} |" for what, ms in rows],
+        "",
+        "The operations alone (median of 5 windows of 50 calls), against the step without them:",
+        "",
+        "| operation | ms | share of a step |",
+        "| --- | --- | --- |",
+        *[f"| {what} | {ms:.3f} | {ms / base:.2%} |" for what, ms in ops],
         "",
         f"## Each model: one training step of batch {args.models_batch} (SGD, fp32, 32x32 inputs)",
         "",

@@ -96,3 +96,25 @@ def test_deterministic_mode_gives_bitwise_equal_weights_twice(tmp_path):
         assert "deterministic=True" in proc.stdout
         states.append(torch.load(tmp_path / name / "checkpoints" / "last.pt", map_location="cpu", weights_only=True))
     assert all(torch.equal(states[0]["model"][k], states[1]["model"][k]) for k in states[0]["model"])
+
+
+@needs_gpu
+def test_fp16_clipping_unscales_first(tmp_path):
+    """Under fp16 the GradScaler's gradients are the true ones x 65536: clipping and the logged norm
+    must see the true ones. The same first step in fp32 gives the reference norm."""
+    from ddp import config, data
+    from ddp.distributed import World
+
+    norms, clipped = {}, {}
+    for amp in ("off", "fp16"):
+        settings = [f"run.out_dir={tmp_path / amp}", "run.resume=never", "optim.clip_grad_norm=0.01", f"run.amp={amp}"]
+        cfg = config.load(None, [*TINY, *settings])
+        world = World(0, 0, 1, torch.device("cuda", 0), "none")
+        job, _ = train.build(cfg, world, data.load(cfg.data, world), 32, train.autocast_dtype(amp, world.device))
+        assert job.trained.scaler.is_enabled() == (amp == "fp16")
+        train.train_step(job, *next(iter(job.train_loader)))
+        norms[amp] = job.epoch_loss.grad_norm()["grad_norm_max"]
+        grads = [p.grad.float().norm() for p in job.trained.model.parameters()]
+        clipped[amp] = float(torch.linalg.vector_norm(torch.stack(grads)))
+    assert norms["fp16"] == pytest.approx(norms["off"], rel=0.05)  # not 65536 x it
+    assert clipped["fp16"] <= 0.01 * 1.001 and clipped["off"] <= 0.01 * 1.001

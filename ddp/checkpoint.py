@@ -374,6 +374,8 @@ def describe(path: str | Path) -> tuple[str, bool]:
     ]
     if metrics:
         lines.append(f"  last epoch: test_acc {metrics['test_acc']:.4f}, train_loss {metrics['train_loss']:.4f}")
+    if state.get("ema"):
+        lines.append(f"  moving average of the weights: {state['ema']['updates']} updates (evaluate/export take it)")
     return "\n".join(lines), True
 
 

@@ -76,8 +76,8 @@ def run_steps(cfg, world) -> dict:
 
 
 class WithUnusedLayer(models.TutorialNet):
-    def __init__(self, num_classes: int = 10):
-        super().__init__(num_classes)
+    def __init__(self, num_classes: int = 10, dropout: float = 0.0):
+        super().__init__(num_classes, dropout)
         self.never_used = nn.Linear(4, 4)
 
 

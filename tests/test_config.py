@@ -138,7 +138,7 @@ def test_there_are_recipes():
 def test_print_config_shows_the_resolved_values_as_a_script():
     out = ok(python(str(TRAIN), "--config", "configs/quick.yaml", "optim.lr=0.25", "--print-config")).stdout
     cfg = config.from_dict(yaml.safe_load(out))
-    assert cfg.optim.lr == 0.25 and cfg.model.name == "small"
+    assert cfg.optim.lr == 0.25 and cfg.model.name == "fast" and cfg.model.width == 0.25
 
 
 def test_help_lists_every_key_as_a_module():

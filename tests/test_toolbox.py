@@ -191,3 +191,19 @@ def test_bad_toolbox_values_are_one_line_and_exit_2(override, message, tmp_path,
 def test_a_bad_value_from_the_command_line_is_exit_2():
     proc = python(str(TRAIN), *TINY, "data.mix_prob=2", env=clean_env())
     assert proc.returncode == 2 and "data.mix_prob=2.0 is out of range: it must be in [0, 1]" in proc.stderr
+
+
+def test_a_checkpoint_of_another_width_is_refused_on_resume(tmp_path):
+    """model.width changes every tensor's shape: continuing is refused with the fix, not a traceback
+    from load_state_dict. (A checkpoint from before model.width existed counts as width 1.)"""
+    from ddp import checkpoint
+
+    saved = config.to_dict(config.load(None, ["model.name=fast", "model.width=0.25"]))
+    now = config.to_dict(config.load(None, ["model.name=fast", "model.width=0.5"]))
+    state = {"config": saved, "classes": list("abcdefghij"), "train_images": 100}
+    info = checkpoint.RunInfo(now, 1, 100, {}, list("abcdefghij"))
+    with pytest.raises(UsageError, match="trained with model.width=0.25 but this run has model.width=0.5"):
+        checkpoint.check_compatible(state, info, "old.pt")
+    del saved["model"]["width"]  # an older checkpoint
+    info = checkpoint.RunInfo(config.to_dict(config.load(None, ["model.name=fast"])), 1, 100, {}, list("abcdefghij"))
+    checkpoint.check_compatible(state, info, "old.pt")  # width 1 both: nothing raised

@@ -93,6 +93,8 @@ def test_export_takes_the_moving_average_unless_raw(cifar100_run, tmp_path, caps
         assert all(torch.equal(weights[k], expected[k]) for k in expected)
     assert command(checkpoint.main, ["export", last, str(tmp_path / "x.pt"), "--rw"]) == 2
     assert "export PATH OUT [--raw]" in capsys.readouterr().err
+    assert command(checkpoint.main, ["inspect", last]) == 0
+    assert "moving average of the weights: 32 updates" in capsys.readouterr().out
 
 
 def test_the_per_class_chart_of_100_classes_shows_20_bars(cifar100_run, tmp_path):

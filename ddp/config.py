@@ -168,6 +168,12 @@ class RunConfig:
     out_dir: str = opt("runs/default", "where checkpoints, metrics.jsonl and config.yaml go")
     device: str = opt("auto", "auto | cpu | cuda | cuda:N (under torchrun: auto/cuda = cuda:<local_rank>)")
     parallel: str = opt("auto", "auto = ddp under a launcher else none", ("auto", "none", "dp", "ddp"))
+    backend: str = opt(
+        "auto",
+        "the process group's backend: auto = nccl on GPUs, gloo on CPUs | gloo on GPUs lets several ranks share "
+        "one GPU (for testing multi-rank CUDA paths on a 1-GPU machine) | nccl",
+        ("auto", "nccl", "gloo"),
+    )
     launcher: str = opt(
         "auto",
         "who started the processes; auto = torchrun/accelerate variables, then SLURM (srun), then one process",

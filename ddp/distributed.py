@@ -58,6 +58,7 @@ class World:
     parallel: str  # "none" | "dp" | "ddp", resolved from run.parallel
     launcher: str = "none"  # who started the processes: torchrun | accelerate | slurm | none
     init_method: str | None = None  # tcp://host:port for slurm and MPI; None = torchrun's env://
+    backend: str = "auto"  # run.backend: "gloo" on a GPU lets ranks share it; auto = nccl on CUDA, gloo on CPU
     # Set by setup() on CUDA: a gloo group for CPU-side flags, which must not wait on the CUDA stream.
     control: Any = field(default=None, compare=False, repr=False)
 
@@ -65,6 +66,11 @@ class World:
     def is_main(self) -> bool:
         """Rank 0: the one process that prints and writes files."""
         return self.rank == 0
+
+    @property
+    def process_group_backend(self) -> str:
+        """nccl for CUDA devices unless run.backend=gloo; gloo for CPUs."""
+        return "nccl" if self.device.type == "cuda" and self.backend != "gloo" else "gloo"
 
     @property
     def is_local_main(self) -> bool:
@@ -101,8 +107,9 @@ class World:
         )
 
 
-def resolve_device(spec: str, launch: Launch | None, cuda_count: int) -> torch.device:
-    """run.device as a torch.device; launch is None for a single process."""
+def resolve_device(spec: str, launch: Launch | None, cuda_count: int, backend: str = "auto") -> torch.device:
+    """run.device as a torch.device; launch is None for a single process. With backend gloo, ranks
+    beyond the visible GPUs share them (local rank r takes cuda:<r mod GPUs>): nccl refuses that."""
     m = _DEVICE.match(spec)
     if not m:
         raise UsageError(f"run.device={spec!r} is not a device; use auto, cpu, cuda or cuda:N (e.g. cuda:0)")
@@ -124,10 +131,13 @@ def resolve_device(spec: str, launch: Launch | None, cuda_count: int) -> torch.d
         index = 0
     elif cuda_count == 1 and (launch.launcher == "slurm" or launch.local_world_size == 1):
         index = 0  # SLURM (--gpus-per-task=1) or CUDA_VISIBLE_DEVICES gave this process its own GPU
+    elif backend == "gloo":
+        index = launch.local_rank % cuda_count  # ranks share GPUs: for testing, gloo only
     elif cuda_count == 1:
         raise UsageError(
             f"{launch.local_world_size} processes on this node but 1 GPU is visible to each: ranks cannot "
-            "share a GPU under nccl; start one process per GPU (e.g. --nproc_per_node=1) or use run.device=cpu"
+            "share a GPU under nccl; start one process per GPU (e.g. --nproc_per_node=1), use run.device=cpu, "
+            "or run.backend=gloo to test several ranks on one GPU"
         )
     else:
         index = launch.local_rank
@@ -148,6 +158,8 @@ def resolve(run: RunConfig, env: Env = os.environ, cuda_count: int | None = None
     """
     launch = launchers.detect_launch(env, run.launcher)
     cuda_count = torch.cuda.device_count() if cuda_count is None else cuda_count
+    if run.backend == "nccl" and (run.device == "cpu" or cuda_count == 0):
+        raise UsageError("run.backend=nccl needs CUDA GPUs (nccl has no CPU path); use run.backend=auto or gloo")
     if launch.launcher == "none":
         device = resolve_device(run.device, None, cuda_count)
         parallel = "none" if run.parallel == "auto" else run.parallel
@@ -176,12 +188,13 @@ def resolve(run: RunConfig, env: Env = os.environ, cuda_count: int | None = None
             f"run.parallel=none under {launch.launcher} with world size {launch.world_size} would train "
             f"{launch.world_size} unrelated models; use run.parallel=ddp (or auto)"
         )
-    device = resolve_device(run.device, launch, cuda_count)
+    device = resolve_device(run.device, launch, cuda_count, run.backend)
     if parallel != "ddp":
-        return World(0, launch.local_rank, 1, device, parallel, launch.launcher)
+        return World(0, launch.local_rank, 1, device, parallel, launch.launcher, backend=run.backend)
     return World(
-        launch.rank, launch.local_rank, launch.world_size, device, parallel, launch.launcher, launch.init_method
-    )
+        launch.rank, launch.local_rank, launch.world_size, device, parallel, launch.launcher, launch.init_method,
+        backend=run.backend,
+    )  # fmt: skip
 
 
 def _rendezvous(world: World, timeout_s: float) -> tuple[dict[str, Any], dist.Store | None]:
@@ -255,7 +268,7 @@ def setup(world: World, timeout_s: float) -> Iterator[World]:
     try:
         if world.parallel == "ddp":
             rendezvous, store = _rendezvous(world, timeout_s)
-            backend = "nccl" if world.device.type == "cuda" else "gloo"
+            backend = world.process_group_backend
             dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), **rendezvous)
             if backend == "nccl":
                 world = replace(world, control=dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s)))
@@ -293,19 +306,13 @@ def _compress_hook(name: str, world: World) -> Callable[..., Any]:
     default_hooks); bf16 only where the backend can all-reduce it."""
     if name == "fp16":
         return default_hooks.fp16_compress_hook
-    if world.device.type == "cuda":
-        ok = torch.cuda.is_bf16_supported() and torch.cuda.nccl.version() >= (2, 10)
-    else:  # gloo: ask it
-        try:
-            dist.all_reduce(torch.zeros(1, dtype=torch.bfloat16))
-            ok = True
-        except RuntimeError:
-            ok = False
-    if not ok:
+    try:  # ask the backend, on this device (nccl needs 2.10+ and a bf16 GPU; gloo builds differ)
+        dist.all_reduce(torch.zeros(1, dtype=torch.bfloat16, device=world.device))
+    except RuntimeError:
         raise UsageError(
             f"ddp.comm_hook=bf16: the {dist.get_backend()} backend here cannot all-reduce bfloat16; "
             "use ddp.comm_hook=fp16"
-        )
+        ) from None
     return default_hooks.bf16_compress_hook
 
 

@@ -85,7 +85,8 @@ def start_line(cfg: Config, world: World, data: Data, params: int, resumed: Resu
     lines.append(
         f"{cfg.model.name} ({params / 1e6:.2f}M params) on {cfg.data.dataset} "
         f"({len(data.train.labels)} train / {len(data.test.labels)} test, {data.num_classes} classes); "
-        f"launcher={world.launcher} parallel={world.parallel} world_size={world.world_size} device={world.device} "
+        f"launcher={world.launcher} parallel={world.parallel} world_size={world.world_size} device={world.device}"
+        f"{backend(world)} "
         f"global batch {cfg.train.batch_size} ({batch_split(cfg, world)}), sync_bn={cfg.train.sync_bn}, "
         f"amp={cfg.run.amp}{toolbox(cfg)}; loader={cfg.data.loader} tf32={cfg.run.tf32} "
         f"cudnn_benchmark={cfg.run.cudnn_benchmark} "
@@ -103,6 +104,15 @@ def batch_split(cfg: Config, world: World) -> str:
     """How the global batch is split: "128 per rank" or "64 per rank = 4 micro-batches of 16"."""
     per_rank, accum = cfg.train.batch_size // world.world_size, cfg.train.grad_accum_steps
     return f"{per_rank} per rank" + (f" = {accum} micro-batches of {per_rank // accum}" if accum > 1 else "")
+
+
+def backend(world: World) -> str:
+    """For the start line: the process group's backend under DDP, and a warning for gloo on GPUs."""
+    if world.parallel != "ddp":
+        return ""
+    name = world.process_group_backend
+    testing = " (gloo on GPUs: ranks may share a GPU; for testing the multi-rank CUDA paths, not for speed)"
+    return f" backend={name}" + (testing if name == "gloo" and world.device.type == "cuda" else "")
 
 
 def toolbox(cfg: Config) -> str:

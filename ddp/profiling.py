@@ -17,8 +17,9 @@ from ddp.distributed import World
 from ddp.errors import UsageError
 
 
-def parse(text: str, total_steps: int) -> range | None:
-    """run.profile's steps (global, 1-based), checked against the run's `total_steps`; None when off."""
+def parse(text: str, total_steps: int, steps_done: int = 0) -> range | None:
+    """run.profile's steps (global, 1-based), checked against the run's `total_steps`; None when off,
+    or when a resumed run has done `steps_done` steps, all of them (a resume inside them profiles the rest)."""
     if not text:
         return None
     first, colon, end = text.partition(":")
@@ -30,7 +31,7 @@ def parse(text: str, total_steps: int) -> range | None:
         raise UsageError(f"run.profile={text!r}: expected A:B, global steps A to B-1 with 1 <= A < B, e.g. 10:20")
     if steps.start > total_steps:
         raise UsageError(f"run.profile={text}: the run has {total_steps} steps; profile within 1:{total_steps + 1}")
-    return steps
+    return None if steps_done >= steps.stop - 1 and steps_done > 0 else steps
 
 
 def trace_path(out_dir: str, rank: int) -> Path:
@@ -44,13 +45,14 @@ class Profile:
     def __init__(self, steps: range | None, out_dir: str, world: World) -> None:
         self.steps, self.out_dir, self.world = steps, out_dir, world
         self.profiler: profile | None = None
-        self.last_step = 0  # the last step profiled
+        self.first_step = self.last_step = 0  # the steps profiled
 
     def before_step(self, step: int) -> None:
-        if self.steps is not None and self.profiler is None and step == self.steps.start:
+        if self.steps is not None and self.profiler is None and step in self.steps and not self.last_step:
             cuda = [ProfilerActivity.CUDA] if self.world.device.type == "cuda" else []
             self.profiler = profile(activities=[ProfilerActivity.CPU, *cuda], record_shapes=False)
             self.profiler.start()
+            self.first_step = step
 
     def after_step(self, step: int) -> None:
         if self.profiler is not None:
@@ -73,7 +75,7 @@ class Profile:
         if self.world.is_main:
             by = "self_cuda_time_total" if self.world.device.type == "cuda" else "self_cpu_time_total"
             table = profiler.key_averages().table(sort_by=by, row_limit=10)
-            logs.say(f"profile of global steps {self.steps.start}-{self.last_step} (rank 0; every rank's trace: "
+            logs.say(f"profile of global steps {self.first_step}-{self.last_step} (rank 0; every rank's trace: "
                      f"{path.parent}/rank<r>.json):\n{table}")  # fmt: skip
 
     def __enter__(self) -> Profile:

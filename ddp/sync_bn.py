@@ -84,10 +84,11 @@ class GlooSyncBatchNorm(_BatchNorm):
         self.running_var.lerp_(unbiased, momentum)
 
 
-def convert(model: nn.Module, device: torch.device) -> nn.Module:
-    """Every BatchNorm of `model` made synchronised (torch's on CUDA, GlooSyncBatchNorm elsewhere),
-    sharing the parameters and buffers, so the optimizer and the checkpoint see the same tensors."""
-    if device.type == "cuda":
+def convert(model: nn.Module, device: torch.device, backend: str = "nccl") -> nn.Module:
+    """Every BatchNorm of `model` made synchronised (torch's on CUDA with nccl, GlooSyncBatchNorm with
+    gloo, on CPUs or GPUs), sharing the parameters and buffers, so the optimizer and the checkpoint see
+    the same tensors."""
+    if device.type == "cuda" and backend == "nccl":
         return nn.SyncBatchNorm.convert_sync_batchnorm(model)
     return _to_gloo_sync(model)
 

@@ -170,7 +170,7 @@ def build(
     m = cfg.model
     model = models.build(m.name, data.num_classes, m.dropout, m.width).to(world.device)  # the raw one we save
     if cfg.train.sync_bn and world.parallel == "ddp":
-        model = sync_bn.convert(model, world.device)  # same parameters and state-dict keys
+        model = sync_bn.convert(model, world.device, world.process_group_backend)  # same parameters, same keys
     if cfg.run.channels_last:
         model = model.to(memory_format=torch.channels_last)
     optimizer, scheduler = optim.make_optimizer(model, cfg.optim, cfg.train.epochs * steps, steps)
@@ -265,7 +265,9 @@ def train(
         params = sum(p.numel() for p in job.trained.model.parameters())
         logs.say(logs.start_line(cfg, world, data, params, resumed))
     board = logs.Board(cfg.run.out_dir) if cfg.run.tensorboard and world.is_main else None
-    profile_steps = profiling.parse(cfg.run.profile, job.steps_per_epoch * cfg.train.epochs)
+    profile_steps = profiling.parse(cfg.run.profile, job.steps_per_epoch * cfg.train.epochs, position.global_step)
+    if cfg.run.profile and profile_steps is None and world.is_main:
+        logs.say(f"run.profile={cfg.run.profile}: resumed after global step {position.global_step}, nothing to profile")
     first_epoch = position.epochs_done + 1
     with (
         contextlib.closing(board) if board else contextlib.nullcontext(),

@@ -4,7 +4,7 @@ import pytest
 import torch
 from launch_envs import SRUN, TORCHRUN
 
-from ddp import distributed, launchers
+from ddp import distributed, launchers, logs
 from ddp.config import RunConfig
 from ddp.errors import UsageError
 
@@ -83,10 +83,42 @@ def test_srun_tasks_are_ranks_with_a_rendezvous_on_the_first_node():
 
 
 def test_one_gpu_shared_by_two_torchrun_ranks_is_refused():
-    with pytest.raises(UsageError, match="2 processes on this node but 1 GPU is visible"):
+    with pytest.raises(UsageError, match="2 processes on this node but 1 GPU is visible.*or run.backend=gloo"):
         resolve(1, {**TORCHRUN, "LOCAL_WORLD_SIZE": "2"})
     world = resolve(1, {**TORCHRUN, "LOCAL_WORLD_SIZE": "1", "LOCAL_RANK": "0"})  # 2 nodes x 1 GPU
     assert world.device == torch.device("cuda", 0)
+
+
+@pytest.mark.parametrize("gpus, expected", [(1, [0, 0, 0]), (2, [0, 1, 0])])
+def test_with_gloo_ranks_share_the_gpus(gpus, expected):
+    """run.backend=gloo: 3 local ranks on 1 or 2 GPUs, local rank r on cuda:<r mod GPUs>, and the
+    process group is gloo (nccl refuses two ranks on one GPU)."""
+    env = {**TORCHRUN, "WORLD_SIZE": "3", "LOCAL_WORLD_SIZE": "3"}
+    worlds = [resolve(gpus, {**env, "RANK": str(r), "LOCAL_RANK": str(r)}, backend="gloo") for r in range(3)]
+    assert [w.device for w in worlds] == [torch.device("cuda", i) for i in expected]
+    assert {w.process_group_backend for w in worlds} == {"gloo"}
+    assert "backend=gloo (gloo on GPUs: ranks may share a GPU; for testing" in logs.backend(worlds[0])
+
+
+def test_the_backend_follows_the_device_unless_named():
+    assert resolve(2, TORCHRUN).process_group_backend == "nccl"
+    assert resolve(0, TORCHRUN).process_group_backend == "gloo"
+    assert resolve(2, TORCHRUN, backend="gloo").process_group_backend == "gloo"
+    assert resolve(0, TORCHRUN, backend="gloo").process_group_backend == "gloo"
+    assert logs.backend(resolve(0, TORCHRUN)) == " backend=gloo" and logs.backend(resolve(0)) == ""
+    for gpus, device in ((0, "auto"), (2, "cpu")):
+        with pytest.raises(UsageError, match="run.backend=nccl needs CUDA GPUs"):
+            resolve(gpus, TORCHRUN, backend="nccl", device=device)
+
+
+def test_sync_bn_under_gloo_on_a_gpu_is_the_gloo_implementation():
+    """torch's SyncBatchNorm needs nccl's all_gather_into_tensor; with run.backend=gloo on a GPU the
+    BatchNorms become GlooSyncBatchNorm (conversion touches no CUDA memory, so this runs anywhere)."""
+    from ddp import models, sync_bn
+
+    cuda = torch.device("cuda", 0)
+    assert isinstance(sync_bn.convert(models.build("small", 10), cuda, "gloo")[0][1], sync_bn.GlooSyncBatchNorm)
+    assert isinstance(sync_bn.convert(models.build("small", 10), cuda, "nccl")[0][1], torch.nn.SyncBatchNorm)
 
 
 def test_global_batch_splits_evenly_or_says_what_would():

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 import torch
-from conftest import TINY, TRAIN, metrics, ok
+from conftest import BIN, TINY, TRAIN, metrics, ok
 
 from ddp import models, train
 
@@ -118,3 +118,18 @@ def test_fp16_clipping_unscales_first(tmp_path):
         clipped[amp] = float(torch.linalg.vector_norm(torch.stack(grads)))
     assert norms["fp16"] == pytest.approx(norms["off"], rel=0.05)  # not 65536 x it
     assert clipped["fp16"] <= 0.01 * 1.001 and clipped["off"] <= 0.01 * 1.001
+
+
+@needs_gpu
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_several_ranks_share_one_gpu_with_gloo(tmp_path, ranks):
+    """run.backend=gloo: 2 and 3 torchrun ranks on cuda:0 (nccl refuses that), synchronised BatchNorm
+    on, the CUDA paths of a multi-rank run (per-rank CUDA RNG, buffer sync, exact evaluation with CUDA
+    tensors) on a one-GPU machine."""
+    settings = ["train.batch_size=48", "run.backend=gloo", "run.device=cuda", "train.sync_bn=true"]
+    cmd = [str(BIN / "torchrun"), "--standalone", f"--nproc_per_node={ranks}", str(TRAIN), *TINY, *settings,
+           f"run.out_dir={tmp_path}"]  # fmt: skip
+    proc = ok(subprocess.run(cmd, env=gpu_env(), capture_output=True, text=True, timeout=300))
+    assert "backend=gloo (gloo on GPUs: ranks may share a GPU" in proc.stdout
+    last = metrics(tmp_path)[-1]
+    assert last["world_size"] == ranks and last["device"] == "cuda:0" and last["test_images"] == 101

@@ -207,3 +207,17 @@ def test_a_checkpoint_of_another_width_is_refused_on_resume(tmp_path):
     del saved["model"]["width"]  # an older checkpoint
     info = checkpoint.RunInfo(config.to_dict(config.load(None, ["model.name=fast"])), 1, 100, {}, list("abcdefghij"))
     checkpoint.check_compatible(state, info, "old.pt")  # width 1 both: nothing raised
+
+
+def test_a_profile_resumed_inside_its_steps_traces_the_rest(tmp_path, capsys):
+    """run.profile=2:5 and a run resumed after step 2: steps 3 and 4 are profiled; resumed after
+    step 4 or later, nothing is left (and parse says so with None)."""
+    assert profiling.parse("2:5", 10, steps_done=4) is None and profiling.parse("2:5", 10, steps_done=2) == range(2, 5)
+    world = World(0, 0, 1, torch.device("cpu"), "none")
+    with profiling.Profile(range(2, 5), str(tmp_path), world) as profile:
+        for step in (3, 4, 5):
+            profile.before_step(step)
+            torch.ones(64, 64) @ torch.ones(64, 64)
+            profile.after_step(step)
+    assert "profile of global steps 3-4 (rank 0" in capsys.readouterr().out
+    assert "aten::mm" in (tmp_path / "profile" / "rank0.json").read_text()

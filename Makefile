@@ -16,7 +16,7 @@ ifneq ($(DATA),)
   endif
 endif
 
-.PHONY: install system-packages train test bench lint format clean
+.PHONY: install system-packages train test bench lint format clean gpu-check gpu-carry
 install: $(STAMP)
 
 # --system-site-packages: a machine that already has torch + torchvision (a GPU VM with a torch that
@@ -54,3 +54,14 @@ format: $(STAMP)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
+
+# make gpu-check: every CUDA path run and measured on a GPU machine (bench/gpu_check.sh says what);
+# needs nothing installed but torch (it runs from the checkout). make gpu-carry, here, first: the
+# subset and airbench's source archive into .gpu/, the folder the device call carries.
+gpu-check:
+	bash bench/gpu_check.sh $(ARGS)
+
+gpu-carry:
+	@mkdir -p .gpu
+	cp ../shared/data/cifar10-subset.npz .gpu/
+	python3 -m pip download -q --no-deps --no-binary :all: -d .gpu airbench==0.1.8

@@ -1,0 +1,51 @@
+"""The figures of a `make gpu-check` folder as markdown (the end of its summary.md): per-epoch test
+accuracy and time of the fast and resnet18 runs, airbench94 on the same subset, and where the
+bench's own report is.
+
+    python bench/gpu_summary.py OUT_DIR
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+def runs(out: Path) -> list[str]:
+    lines = [
+        "| run | epochs | final test accuracy | training + evaluation s | per epoch (acc %, s) |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for name in ("fast", "resnet18"):
+        path = out / name / "metrics.jsonl"
+        if not path.is_file():
+            lines.append(f"| {name} | - | no metrics.jsonl | - | - |")
+            continue
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        per_epoch = ", ".join(f"{100 * r['test_acc']:.1f}/{r['seconds']:.1f}" for r in rows)
+        total = sum(r["seconds"] for r in rows)
+        lines.append(f"| {name} | {len(rows)} | {100 * rows[-1]['test_acc']:.2f}% | {total:.1f} | {per_epoch} |")
+    return lines
+
+
+def airbench(out: Path) -> list[str]:
+    path = out / "airbench.json"
+    if not path.is_file():
+        return ["airbench94: not run"]
+    r = json.loads(path.read_text())
+    if "skipped" in r:
+        return [f"airbench94: skipped ({r['skipped']})"]
+    return [
+        f"airbench94 on the same {r['train_images']} / {r['test_images']} images, {r['device']}: "
+        f"{100 * r['accuracy']:.2f}% in {r['seconds']:.1f} s ({r['epochs']} epochs)"
+    ]
+
+
+def main(out: Path) -> None:
+    reports = sorted(p.name for p in out.glob("*.md") if p.name != "summary.md")
+    print("\n".join([*runs(out), "", *airbench(out), "", "bench report: " + (", ".join(reports) or "none")]))
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))

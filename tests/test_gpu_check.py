@@ -1,0 +1,31 @@
+"""`make gpu-check --dry-run` on this CPU: bench/gpu_check.sh runs every step end to end at toy sizes
+(so that on a lent GPU machine it cannot fail for a typo), writes each step's log and summary.md, and
+its exit status counts the failed steps."""
+
+import subprocess
+import sys
+
+from conftest import REPO, clean_env
+
+
+def test_gpu_check_dry_run_runs_every_step(tmp_path):
+    env = clean_env(GPU_CHECK_OUT=str(tmp_path), PYTHON=sys.executable)
+    proc = subprocess.run(["bash", "bench/gpu_check.sh", "--dry-run"], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=600)  # fmt: skip
+    summary = (tmp_path / "summary.md").read_text()
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for step in ("env", "tests", "bench", "fast", "resnet18", "ranks"):
+        assert f"| {step} | ok (" in summary, (step, summary)
+        assert (tmp_path / f"{step}.log").is_file()
+    assert "| airbench |" in summary  # skipped here without .gpu/ (or run, with it)
+    assert (tmp_path / "ranks-3" / "metrics.jsonl").read_text().count('"epoch"') == 2  # killed, resumed, done
+    assert "| fast | 1 |" in summary and "| resnet18 | 1 |" in summary
+
+
+def test_a_failing_step_is_counted_in_the_exit_status(tmp_path):
+    """A broken step (here: ddp/train.py given a python that is not there for the bench) fails the
+    command with the number of failed steps, and the summary names it."""
+    env = clean_env(GPU_CHECK_OUT=str(tmp_path), PYTHON="/nonexistent/python")
+    proc = subprocess.run(["bash", "bench/gpu_check.sh", "--dry-run"], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    assert proc.returncode >= 5 and "FAILED" in (tmp_path / "summary.md").read_text()

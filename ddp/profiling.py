@@ -39,8 +39,9 @@ def trace_path(out_dir: str, rank: int) -> Path:
 
 
 class Profile:
-    """Call before_step(n) before global step n and after_step(n) after it; closing it (the end of a
-    `with`) finishes a trace that the run's end or a stop cut short."""
+    """Call before_step(n) before global step n and after_step(n) after it. Leaving the `with` at the
+    run's end writes a trace that the last step cut short; leaving on an error (a stop too) only
+    stops the profiler."""
 
     def __init__(self, steps: range | None, out_dir: str, world: World) -> None:
         self.steps, self.out_dir, self.world = steps, out_dir, world

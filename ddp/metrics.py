@@ -43,10 +43,13 @@ class EpochLoss:
         self.first_non_finite_step = torch.where(seen, self.first_non_finite_step, global_step)
 
     def add_grad_norm(self, norm: torch.Tensor) -> None:
+        """A step's norm; not one that is inf or NaN: fp16's GradScaler skips those steps (a
+        divergence shows in the loss and the weights, stop_if_diverged's business)."""
         norm = norm.detach().double()
-        self.grad_norms[0] += norm
-        self.grad_norms[1] += 1
-        self.grad_norms[2] = torch.maximum(self.grad_norms[2], norm)
+        finite = torch.isfinite(norm)
+        self.grad_norms[0] += torch.where(finite, norm, 0.0)
+        self.grad_norms[1] += finite.double()
+        self.grad_norms[2] = torch.where(finite, torch.maximum(self.grad_norms[2], norm), self.grad_norms[2])
 
     def grad_norm(self) -> dict[str, float]:
         """The epoch's grad_norm_mean and grad_norm_max (before clipping), for metrics.jsonl."""

@@ -221,3 +221,16 @@ def test_a_profile_resumed_inside_its_steps_traces_the_rest(tmp_path, capsys):
             profile.after_step(step)
     assert "profile of global steps 3-4 (rank 0" in capsys.readouterr().out
     assert "aten::mm" in (tmp_path / "profile" / "rank0.json").read_text()
+
+
+def test_a_step_the_grad_scaler_skips_leaves_the_norm_statistics_alone():
+    """fp16's first steps often overflow (inf gradients) and are skipped: their norm is not a figure."""
+    from ddp.metrics import EpochLoss
+
+    sums = EpochLoss(torch.device("cpu"))
+    for norm in (2.0, math.inf, math.nan, 4.0):
+        sums.add_grad_norm(torch.tensor(norm))
+    assert sums.grad_norm() == {"grad_norm_mean": 3.0, "grad_norm_max": 4.0}
+    sums.reset()
+    sums.add_grad_norm(torch.tensor(math.inf))
+    assert sums.grad_norm() == {}

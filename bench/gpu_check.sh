@@ -14,6 +14,7 @@
 # into .gpu/ (git-ignored); the call carries it: run(command="bash bench/gpu_check.sh", carry=[".gpu"]).
 # --dry-run: the same steps on this machine's CPU at toy sizes (tests/test_gpu_check.py runs it), so
 # the script cannot fail on the GPU machine for a typo. Exit status: the number of failed steps.
+# Run again into the same folder, it replaces the earlier check's run folders (fast, resnet18, ranks-N).
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
@@ -58,9 +59,10 @@ fi
 data_args=(data.dataset=npz "data.path=$data")
 [ $dry = 1 ] && data_args=(data.dataset=synthetic data.synthetic_train=256 data.synthetic_test=64)
 
-train() {  # train OUT_NAME ARGS...: ddp/train.py on the subset into $out/OUT_NAME
+train() {  # train OUT_NAME ARGS...: ddp/train.py on the subset into $out/OUT_NAME (an earlier check's, replaced)
   local name=$1
   shift
+  rm -rf "${out:?}/$name"
   "$py" ddp/train.py "${data_args[@]}" "run.out_dir=$out/$name" run.resume=never run.progress=false "$@"
 }
 

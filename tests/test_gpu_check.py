@@ -9,6 +9,10 @@ from conftest import REPO, clean_env
 
 
 def test_gpu_check_dry_run_runs_every_step(tmp_path):
+    """Into a folder an earlier check left (its checkpoints would stop run.resume=never), as a rerun is."""
+    for name in ("fast", "resnet18", "ranks-3"):
+        (tmp_path / name / "checkpoints").mkdir(parents=True)
+        (tmp_path / name / "checkpoints" / "step-000000004.pt").write_bytes(b"an earlier check's")
     env = clean_env(GPU_CHECK_OUT=str(tmp_path), PYTHON=sys.executable)
     proc = subprocess.run(["bash", "bench/gpu_check.sh", "--dry-run"], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=600)  # fmt: skip

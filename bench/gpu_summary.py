@@ -11,6 +11,9 @@ import json
 import sys
 from pathlib import Path
 
+from ddp.errors import UsageError
+from ddp.plot import read_run
+
 
 def runs(out: Path) -> list[str]:
     lines = [
@@ -18,11 +21,11 @@ def runs(out: Path) -> list[str]:
         "| --- | --- | --- | --- | --- |",
     ]
     for name in ("fast", "resnet18"):
-        path = out / name / "metrics.jsonl"
-        if not path.is_file():
-            lines.append(f"| {name} | - | no metrics.jsonl | - | - |")
+        try:
+            rows = read_run(out / name)
+        except UsageError:  # the step failed before an epoch ended
+            lines.append(f"| {name} | - | no finished epoch (no metrics.jsonl or an empty one) | - | - |")
             continue
-        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
         per_epoch = ", ".join(f"{100 * r['test_acc']:.1f}/{r['seconds']:.1f}" for r in rows)
         total = sum(r["seconds"] for r in rows)
         lines.append(f"| {name} | {len(rows)} | {100 * rows[-1]['test_acc']:.2f}% | {total:.1f} | {per_epoch} |")

@@ -31,7 +31,7 @@ def parse(text: str, total_steps: int, steps_done: int = 0) -> range | None:
         raise UsageError(f"run.profile={text!r}: expected A:B, global steps A to B-1 with 1 <= A < B, e.g. 10:20")
     if steps.start > total_steps:
         raise UsageError(f"run.profile={text}: the run has {total_steps} steps; profile within 1:{total_steps + 1}")
-    return None if steps_done >= steps.stop - 1 and steps_done > 0 else steps
+    return None if steps_done >= steps.stop - 1 else steps  # stop - 1 >= 1: a fresh run always profiles
 
 
 def trace_path(out_dir: str, rank: int) -> Path:

@@ -21,7 +21,7 @@ import torch
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from bench import harness
-from ddp import config, distributed
+from ddp import config, devices, distributed
 
 CASES = [  # (what, settings)
     ("K=1", ["train.grad_accum_steps=1"]),
@@ -52,7 +52,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--out", default="bench/results/accumulation-cpu.md")
     args = parser.parse_args()
-    world = distributed.resolve(config.load(None, []).run)
+    world = devices.resolve(config.load(None, []).run)
     with distributed.setup(world, timeout_s=300) as world:
         rows = [(what, measure(world, args.model, args.batch, args.steps, settings)) for what, settings in CASES]
     if world.is_main:

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import torch
 
-from ddp import checkpoint, config, models, optim
+from ddp import checkpoint, config, metrics, models, optim
+from ddp.devices import World
 
 
 def main() -> None:
@@ -36,13 +37,13 @@ def main() -> None:
     trained = checkpoint.Trained(model, optimizer, scheduler, torch.amp.GradScaler("cpu", enabled=False))
     normalize, classes = {"mean": [0.5] * 3, "std": [0.25] * 3}, [str(c) for c in range(10)]
     info = checkpoint.RunInfo(config.to_dict(cfg), 1, 50000, normalize, classes)
-    ranks = [checkpoint.rank_state(torch.device("cpu"), None)]
+    world = World(0, 0, 1, torch.device("cpu"), "none")
     saves, loads = [], []
     with tempfile.TemporaryDirectory() as out_dir:
+        checkpoints = checkpoint.Checkpoints(config.RunConfig(out_dir=out_dir, keep_last=2), world, trained, info)
         for i in range(args.repeats + 1):
             started = time.perf_counter()
-            state = checkpoint.build_state(trained, checkpoint.Position(1, 0, 100 + i), ranks, info, None)
-            path = checkpoint.save(state, out_dir, keep_last=2)
+            path = checkpoints.save(checkpoint.Position(1, 0, 100 + i), metrics.StepStats(world.device), None)
             saved = time.perf_counter()
             checkpoint.load(path)
             loaded = time.perf_counter()

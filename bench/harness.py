@@ -27,10 +27,9 @@ from PIL import Image
 from torch import nn
 from torchvision import transforms
 
-from ddp import config, distributed, loaders, metrics, models, train
-from ddp import data as datasets
+from ddp import checks, config, datasets, distributed, loaders, metrics, models, train
 from ddp.config import DataConfig
-from ddp.distributed import World
+from ddp.devices import World
 
 REPO = Path(__file__).resolve().parent.parent
 CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
@@ -80,10 +79,11 @@ def job(name: str, global_batch: int, images: int, world: World, *extra: str) ->
         *extra,
     ]
     cfg = config.load(None, settings)
-    data = datasets.load(cfg.data, world)
-    per_rank = world.split(global_batch, "batch", cfg.train.grad_accum_steps)
-    built, _ = train.build(cfg, world, data, per_rank, train.autocast_dtype(amp, world.device))
-    built.train_loader.sampler.set_position(1, 0)
+    data = datasets.read(cfg.data, world)
+    per_rank = checks.split_batch(global_batch, world.world_size, "batch", cfg.train.grad_accum_steps)
+    steps = checks.steps_per_epoch(cfg, images)
+    built, _ = train.build(cfg, world, data, checks.Plan(per_rank, steps, checks.autocast_dtype(amp, world.device)))
+    built.train_loader.sampler.set_epoch(1, start_step=0)
     return built
 
 
@@ -96,8 +96,8 @@ def cycle(loader: Any) -> Callable[[], Batch]:
             return next(state["it"])
         except StopIteration:
             state["epoch"] += 1
-            if hasattr(loader.sampler, "set_position"):
-                loader.sampler.set_position(state["epoch"], 0)
+            if hasattr(loader.sampler, "set_epoch"):
+                loader.sampler.set_epoch(state["epoch"])
             state["it"] = iter(loader)
             return next(state["it"])
 
@@ -209,7 +209,7 @@ def data_path(sizes: dict, devices: list[torch.device]) -> list[dict]:
     for device in devices:
         world = World(0, 0, 1, device, "none")
         loader = loaders.train_loader(split, batch, world, True, 0, 0, "device")
-        loader.sampler.set_position(1, 0)
+        loader.sampler.set_epoch(1, start_step=0)
         to_input, ours = loaders.input_fn(CIFAR_MEAN, CIFAR_STD, device, True), cycle(loader)
         s = seconds_per_call(lambda: to_input(ours()[0]), device, 2, calls, sizes["repeats"])  # noqa: B023
         rows.append({"device": device_name(device), "loader": "device-resident (ours)", "img_s": batch / s})
@@ -349,7 +349,7 @@ def time_to_accuracy(npz: Path, out_dir: Path, tutorial_epochs: int) -> dict:
 def tutorial_run(npz: Path, epochs: int) -> list[dict]:
     """The PyTorch CIFAR-10 tutorial's training, as written there, on the same data: accuracy and
     cumulative seconds per epoch."""
-    data = datasets.load(DataConfig(dataset="npz", path=str(npz)), World(0, 0, 1, torch.device("cpu"), "none"))
+    data = datasets.read(DataConfig(dataset="npz", path=str(npz)), World(0, 0, 1, torch.device("cpu"), "none"))
     torch.manual_seed(0)
     net = models.build("tutorial", 10)
     optimizer = torch.optim.SGD(net.parameters(), lr=0.001, momentum=0.9)

@@ -24,7 +24,7 @@ if __package__ in (None, ""):
 import torch
 
 from bench import harness
-from ddp import config, distributed, metrics, mixing, models, train
+from ddp import config, devices, metrics, mixing, models, train
 
 CUTMIX = mixing.Mix(0.75, (8, 24, 8, 24))
 CASES = [  # (what, settings, the mix each step takes)
@@ -86,7 +86,7 @@ def main() -> None:
     parser.add_argument("--models-batch", type=int, default=16)
     parser.add_argument("--out", default="bench/results/toolbox-cpu.md")
     args = parser.parse_args()
-    world = distributed.resolve(config.load(None, ["run.parallel=none", "run.launcher=none"]).run)
+    world = devices.resolve(config.load(None, ["run.parallel=none", "run.launcher=none"]).run)
     started = time.perf_counter()
     rows, ops = costs(world, args), alone(world, args)
     model_rows = model_times(world, args.models_batch)

@@ -1,24 +1,18 @@
-"""Checkpoints: what one holds (`build_state`: the schema), when one is taken (`Checkpointer.due`: at
-each epoch's end after its evaluation, every run.save_every_steps steps, when a stop is requested),
-resuming from one (`Checkpointer.resume`), and the files. The only torch.save / torch.load.
-
-A checkpoint holds everything an exact continuation needs, as tensors and plain types only, so it
-loads with weights_only=True and never runs code. Files: checkpoints/step-<global_step>.pt (the
-newest run.keep_last kept) and last.pt, a hard link to the newest; rank 0 writes a temporary file,
-fsyncs and renames it, so a final name never holds a partial file; each holds a sha256 of its
-content. On resume the newest file whose checksum holds wins; a bad newer one is skipped.
+"""Checkpoints: what one holds (`build_state`), when one is taken (`Checkpoints.due`), writing one
+(`Checkpoints.save`: rank 0, all or nothing, with a checksum) and continuing from one
+(`Checkpoints.resume`, `load`); the only torch.save and torch.load of a run.
 
     python -m ddp.checkpoint inspect PATH       epoch, step, world size, metrics, size, checksum
-    python -m ddp.checkpoint export PATH OUT [--raw]   the model weights alone, for inference (the
-                                                moving average's if the run kept one; --raw: the trained ones)
+    python -m ddp.checkpoint export PATH OUT [--raw] [--state-dict]
+        the model weights alone, for inference: the moving average's if the run kept one (--raw: the
+        trained ones); --state-dict writes the bare state dict that model.load_state_dict(torch.load(OUT)) takes
 """
 
 from __future__ import annotations
 
-import io
-import os
-import shutil
+import contextlib
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,16 +22,14 @@ from torch import nn
 from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 
 from ddp import __version__ as ddp_version
-from ddp import config, distributed, faults, files, rng
-from ddp.cli import command
+from ddp import cli, config, distributed, files, rng, rundir
 from ddp.config import RunConfig
-from ddp.distributed import World
+from ddp.devices import World
 from ddp.ema import EMA
 from ddp.errors import EXIT_FAILURE, EXIT_OK, CorruptCheckpoint, UsageError, WriteFailed
-from ddp.metrics import EpochLoss
+from ddp.metrics import StepStats
 
 FORMAT = 2
-_STEP_FILES = "step-" + "[0-9]" * 9 + ".pt"  # step-<global_step, 9 digits>.pt: by name is by step
 
 
 @dataclass
@@ -97,14 +89,14 @@ def build_state(
     }
 
 
-def rank_state(device: torch.device, epoch_loss: EpochLoss | None) -> dict[str, Any]:
+def rank_state(device: torch.device, stats: StepStats | None) -> dict[str, Any]:
     """This rank's part of a checkpoint: its RNG states, an unfinished epoch's loss sums and gradient
     norms (or None)."""
-    unfinished = epoch_loss is not None
+    unfinished = stats is not None
     return {
         "rng": rng.get_state(device),
-        "partial": epoch_loss.sums.cpu() if unfinished else None,
-        "grad_norms": epoch_loss.grad_norms.cpu() if unfinished else None,
+        "partial": stats.sums.cpu() if unfinished else None,
+        "grad_norms": stats.grad_norms.cpu() if unfinished else None,
     }
 
 
@@ -134,7 +126,7 @@ def restore(state: dict[str, Any], trained: Trained) -> None:
         trained.ema.load_state_dict(state["ema"])
 
 
-def restore_rank(state: dict[str, Any], world: World, epoch_loss: EpochLoss) -> bool:
+def restore_rank(state: dict[str, Any], world: World, stats: StepStats) -> bool:
     """This rank's RNG states (same world size only; data order and augmentation need none) and
     loss sums (all on rank 0 if the world size changed). Returns whether the world size is the same."""
     ranks = state["ranks"]
@@ -143,9 +135,9 @@ def restore_rank(state: dict[str, Any], world: World, epoch_loss: EpochLoss) -> 
         rng.set_state(ranks[world.rank]["rng"], world.device)
     partials = [r["partial"] for r in ranks if r["partial"] is not None]
     if partials:
-        epoch_loss.sums.copy_(partials[world.rank] if same_world else sum(partials) * world.is_main)
+        stats.sums.copy_(partials[world.rank] if same_world else sum(partials) * world.is_main)
     if ranks[0].get("grad_norms") is not None:  # the same on every rank
-        epoch_loss.grad_norms.copy_(ranks[0]["grad_norms"])
+        stats.grad_norms.copy_(ranks[0]["grad_norms"])
     return same_world
 
 
@@ -162,41 +154,42 @@ class Resumed:
     changes: list[str]  # "section.key old -> new" for every setting that differs from the checkpoint's
 
 
-class Checkpointer:
-    """One run's checkpoints in run.out_dir: resume from there (or run.resume), save when due.
-    Every rank calls resume and save at the same points (they gather and compare); rank 0 writes."""
+class Checkpoints:
+    """One run's checkpoints in run.out_dir. Every rank calls resume and save at the same points (they
+    compare and gather); rank 0 writes."""
 
     def __init__(self, run: RunConfig, world: World, trained: Trained, info: RunInfo) -> None:
         self.run, self.world, self.trained, self.info = run, world, trained, info
 
-    def resume(self, epoch_loss: EpochLoss) -> Resumed | None:
-        """Restore the newest valid checkpoint (run.resume=auto) or the named one into `trained`
-        and `epoch_loss`; None when there is none (or run.resume=never)."""
-        if self.run.resume == "never":
-            return None
-        if self.run.resume == "auto":
-            path, state, warnings = newest_valid(self.run.out_dir)
-        else:
-            path, state, warnings = Path(self.run.resume), load(self.run.resume), []
-        for warning in warnings if self.world.is_main else []:
-            print(warning, file=sys.stderr, flush=True)
-        if not distributed.same_on_all_ranks(state["global_step"] if state else -1, self.world):
-            raise UsageError(f"ranks found different checkpoints in {self.run.out_dir}: is it on a shared filesystem?")
+    def resume(self, stats: StepStats) -> Resumed | None:
+        """Load the newest checkpoint in run.out_dir whose checksum holds (run.resume=auto; a damaged
+        newer one is skipped with a warning), or run.resume's file, into the raw model and the rest of
+        `trained` (before compile and wrap) and this rank's `stats`. None: nothing to resume."""
+        run, world = self.run, self.world
+        auto = run.resume == "auto"
+        paths = rundir.step_files(run.out_dir) if auto else [] if run.resume == "never" else [Path(run.resume)]
+        path, state, skipped = None, None, [] if auto else None
+        for path in paths:  # newest first
+            with _reading(path, skipped):
+                # Every tensor to the CPU first: a file saved on any GPU loads on a CPU-only machine and on
+                # every rank's device; load_state_dict copies each into the tensor it replaces, on its device.
+                state = _verified(torch.load(path, map_location="cpu", weights_only=True), path)
+                break
+        for warning in skipped if world.is_main and skipped else []:
+            print(f"warning: skipping {warning}; falling back to the previous checkpoint", file=sys.stderr, flush=True)
+        if paths and state is None:
+            raise UsageError(f"no valid checkpoint in {rundir.checkpoint_dir(run.out_dir)}: {'; '.join(skipped)}")
+        if not distributed.same_on_all_ranks(state["global_step"] if state else -1, world):
+            raise UsageError(f"ranks found different checkpoints in {run.out_dir}: is it on a shared filesystem?")
         if state is None:
             return None
         check_compatible(state, self.info, path)
-        restore(state, self.trained)
-        same_world = restore_rank(state, self.world, epoch_loss)
+        restore(state, self.trained)  # model.load_state_dict(...): the raw model, as it was saved
+        same_world = restore_rank(state, world, stats)
+        accum_steps = state["config"]["train"].get("grad_accum_steps", 1)
         position = Position(state["epoch"], state["step"], state["global_step"])
-        return Resumed(
-            path,
-            position,
-            state["metrics"],
-            state["world_size"],
-            state["config"]["train"].get("grad_accum_steps", 1),
-            same_world,
-            changed(state["config"], self.info.config),
-        )
+        changes = changed(state["config"], self.info.config)
+        return Resumed(path, position, state["metrics"], state["world_size"], accum_steps, same_world, changes)
 
     def due(self, position: Position, steps_per_epoch: int, stopping: bool) -> bool:
         """Whether to save after the step that led to `position` (mid-epoch: the epoch's last step
@@ -205,17 +198,70 @@ class Checkpointer:
         periodic = every > 0 and position.global_step % every == 0
         return position.step_in_epoch < steps_per_epoch and (stopping or periodic)
 
-    def save(self, position: Position, epoch_loss: EpochLoss, metrics: dict[str, Any] | None) -> Path | None:
-        """Every rank calls this at the same boundary (it gathers their RNG states); rank 0 writes and
-        gets the file's path, the others None."""
-        mid_epoch = position.step_in_epoch > 0
-        ranks = distributed.gather_objects(rank_state(self.world.device, epoch_loss if mid_epoch else None), self.world)
+    def save(self, position: Position, stats: StepStats, metrics: dict[str, Any] | None) -> Path | None:
+        """Every rank calls this at the same step boundary: it gathers every rank's RNG states (and an
+        unfinished epoch's sums); rank 0 writes step-<global_step>.pt, points last.pt at it and keeps
+        the newest run.keep_last. Returns the file on rank 0, None on the others."""
+        out_dir, world, mid_epoch = self.run.out_dir, self.world, position.step_in_epoch > 0
+        ranks = distributed.gather_objects(rank_state(world.device, stats if mid_epoch else None), world)
+        path = rundir.step_path(out_dir, position.global_step)
+        with distributed.fail_together(world):  # a failed write (a full disk) stops every rank, none waits
+            if world.is_main:
+                state = build_state(self.trained, position, ranks, self.info, metrics)  # the unwrapped model
+                state["checksum"] = files.digest(state)
+                with _previous_kept(out_dir):
+                    with files.atomic(path) as f:  # a temporary file, fsynced, renamed: all or nothing
+                        torch.save(state, f)
+                    files.link(path, rundir.last_path(out_dir))  # last.pt: the newest
+                for old in rundir.step_files(out_dir)[max(1, self.run.keep_last) :]:
+                    old.unlink(missing_ok=True)
+        return path if world.is_main else None
 
-        def write() -> Path:  # on rank 0
-            state = build_state(self.trained, position, ranks, self.info, metrics)
-            return save(state, self.run.out_dir, self.run.keep_last)
 
-        return distributed.on_rank0(self.world, write)
+@contextlib.contextmanager
+def _previous_kept(out_dir: str) -> Iterator[None]:
+    """A failed write (WriteFailed: the file, the bytes, the space free) also says which checkpoint
+    is the newest left intact."""
+    previous = rundir.step_files(out_dir)
+    try:
+        yield
+    except WriteFailed as e:
+        intact = f"the previous checkpoint, {previous[0]}, is intact" if previous else "no checkpoint was written yet"
+        raise WriteFailed(f"{e}; {intact}") from None
+
+
+@contextlib.contextmanager
+def _reading(path: Path, skipped: list[str] | None = None) -> Iterator[None]:
+    """torch.load's failures as one line naming `path`: a missing file is a UsageError, one that is not
+    a whole, unaltered checkpoint a CorruptCheckpoint. With `skipped`, a damaged file is noted there
+    instead, and the code after the `with` goes on (resume then tries the file before it)."""
+    try:
+        try:
+            yield
+        except FileNotFoundError:
+            raise UsageError(f"checkpoint not found: {path}") from None
+        except UsageError:  # CorruptCheckpoint is one: the file's own checks said what is wrong
+            raise
+        except Exception as e:  # truncated, not a checkpoint, or a pickle that wants to run code
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise CorruptCheckpoint(f"{path} is not a loadable checkpoint ({type(e).__name__}: {first})") from None
+    except CorruptCheckpoint as e:
+        if skipped is None:
+            raise
+        skipped.append(f"{path}: {e}")
+
+
+def _verified(state: Any, path: Path) -> dict[str, Any]:
+    """A loaded checkpoint whose checksum holds, of the format this version reads."""
+    if not isinstance(state, dict) or not {"model", "epoch", "checksum"} <= state.keys():
+        raise CorruptCheckpoint(f"{path} is not a ddp-cifar checkpoint (no model/epoch/checksum entries)")
+    stored = state.pop("checksum")
+    if files.digest(state) != stored:
+        raise CorruptCheckpoint(f"{path} fails its checksum (the file was altered or damaged)")
+    if state.get("format") != FORMAT:
+        raise UsageError(f"{path} has checkpoint format {state.get('format')}; this ddp-cifar reads format {FORMAT}")
+    state["checksum"] = stored
+    return state
 
 
 def changed(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
@@ -248,113 +294,29 @@ def check_compatible(state: dict[str, Any], info: RunInfo, path: str | Path) -> 
         )
 
 
-def directory(out_dir: str | Path) -> Path:
-    return Path(out_dir) / "checkpoints"
-
-
-def last_path(out_dir: str | Path) -> Path:
-    return directory(out_dir) / "last.pt"
-
-
-def _atomic_write(obj: dict[str, Any], path: Path, fault_step: int | None = None) -> None:
-    """torch.save `obj` to `path`, all or nothing (files.replace)."""
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    halfway = None if fault_step is None else lambda: faults.maybe_kill("write", fault_step, 0, path.parent.parent)
-    files.replace(path, buffer.getvalue(), halfway)
-
-
-def _point_last_at(path: Path) -> None:
-    """last.pt -> `path`, replaced atomically (a hard link: no second copy of the bytes)."""
-    tmp = path.parent / f".last.pt.{os.getpid()}.tmp"
-    tmp.unlink(missing_ok=True)
-    try:
-        os.link(path, tmp)
-    except OSError:  # a filesystem without hard links
-        shutil.copyfile(path, tmp)
-    os.replace(tmp, path.parent / "last.pt")
-
-
-def step_files(out_dir: str | Path) -> list[Path]:
-    """This run's numbered checkpoints, newest first."""
-    return sorted(directory(out_dir).glob(_STEP_FILES), reverse=True)
-
-
-def save(state: dict[str, Any], out_dir: str | Path, keep_last: int) -> Path:
-    """Write `state` as step-<global_step>.pt with its checksum, point last.pt at it, keep the
-    newest `keep_last` numbered files. Rank 0 only. On a failed write (a full disk) the files
-    already there are untouched, and the error says which one is the newest."""
-    state = {**state, "checksum": files.digest(state)}
-    path = directory(out_dir) / f"step-{state['global_step']:09d}.pt"
-    previous = step_files(out_dir)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        _atomic_write(state, path, fault_step=state["global_step"])
-        _point_last_at(path)
-    except (OSError, WriteFailed) as e:
-        intact = f"the previous checkpoint, {previous[0]}, is intact" if previous else "no checkpoint was written yet"
-        reason = e if isinstance(e, WriteFailed) else files.failure(path, 0, e)
-        raise WriteFailed(f"{reason}; {intact}") from None
-    for old in step_files(out_dir)[max(1, keep_last) :]:
-        old.unlink(missing_ok=True)
-    return path
-
-
-def remove_partial_writes(out_dir: str | Path) -> None:
-    """Temporary files left by a writer that was killed; never a complete checkpoint."""
-    for tmp in directory(out_dir).glob(".*.tmp"):
-        tmp.unlink(missing_ok=True)
-
-
 def load(path: str | Path) -> dict[str, Any]:
-    """A checkpoint's dict with every tensor on the CPU; its checksum verified; never unpickles code."""
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except FileNotFoundError:
-        raise UsageError(f"checkpoint not found: {path}") from None
-    except Exception as e:  # truncated, not a checkpoint, or a pickle that wants to run code
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise CorruptCheckpoint(f"{path} is not a loadable checkpoint ({type(e).__name__}: {first})") from None
-    if not isinstance(state, dict) or not {"model", "epoch", "checksum"} <= state.keys():
-        raise CorruptCheckpoint(f"{path} is not a ddp-cifar checkpoint (no model/epoch/checksum entries)")
-    stored = state.pop("checksum")
-    if files.digest(state) != stored:
-        raise CorruptCheckpoint(f"{path} fails its checksum (the file was altered or damaged)")
-    if state.get("format") != FORMAT:
-        raise UsageError(f"{path} has checkpoint format {state.get('format')}; this ddp-cifar reads format {FORMAT}")
-    state["checksum"] = stored
-    return state
+    """A checkpoint's dict with every tensor on the CPU, its checksum verified; never unpickles code."""
+    with _reading(Path(path)):
+        return _verified(torch.load(path, map_location="cpu", weights_only=True), Path(path))
 
 
-def newest_valid(out_dir: str | Path) -> tuple[Path | None, dict[str, Any] | None, list[str]]:
-    """(path, state, warnings) of the newest checkpoint in out_dir that loads and checks out."""
-    candidates = step_files(out_dir)
-    warnings = []
-    for path in candidates:
-        try:
-            return path, load(path), warnings
-        except CorruptCheckpoint as e:
-            warnings.append(f"warning: skipping {path}: {e}; falling back to the previous checkpoint")
-    if candidates:
-        raise UsageError(f"no valid checkpoint in {directory(out_dir)}: {'; '.join(warnings)}")
-    return None, None, warnings
-
-
-def export(path: str | Path, out: str | Path, raw: bool = False) -> str:
-    """The model alone, with what inference needs to rebuild it: name, classes, normalisation. The
-    moving average's weights when the run kept one, unless `raw`. Returns which weights it took."""
+def export(path: str | Path, out: str | Path, raw: bool = False, state_dict: bool = False) -> dict[str, Any]:
+    """The model alone, for inference: with what rebuilding it needs (name, classes, normalisation),
+    or with `state_dict` the bare state dict of the tutorial's `net.load_state_dict(torch.load(PATH))`.
+    The moving average's weights when the run kept one, unless `raw`. Returns the checkpoint."""
     state = load(path)
-    exported = {
-        "format": "ddp-cifar-weights/1",
-        "model_name": state["config"]["model"]["name"],
-        "classes": state["classes"],
-        "normalize": state["normalize"],
-        "model": weights(state, raw),
-    }
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    _atomic_write(exported, out)
-    return "raw" if raw or not state.get("ema") else "ema"
+    exported = weights(state, raw)
+    if not state_dict:
+        exported = {
+            "format": "ddp-cifar-weights/1",
+            "model_name": state["config"]["model"]["name"],
+            "classes": state["classes"],
+            "normalize": state["normalize"],
+            "model": exported,
+        }
+    with files.atomic(Path(out)) as f:
+        torch.save(exported, f)
+    return state
 
 
 def describe(path: str | Path) -> tuple[str, bool]:
@@ -379,21 +341,31 @@ def describe(path: str | Path) -> tuple[str, bool]:
     return "\n".join(lines), True
 
 
+USAGE = "usage: python -m ddp.checkpoint inspect PATH | export PATH OUT [--raw] [--state-dict]"
+
+
 def main(argv: list[str]) -> int:
-    if len(argv) == 2 and argv[0] == "inspect" and Path(argv[1]).is_file():
-        text, whole = describe(argv[1])
+    options, words = cli.parse(argv, USAGE, [cli.Option("--raw"), cli.Option("--state-dict")])
+    if len(words) == 2 and words[0] == "inspect" and not any(options.values()):
+        if not Path(words[1]).is_file():
+            raise UsageError(f"checkpoint not found: {words[1]}")
+        text, whole = describe(words[1])
         print(text)
         return EXIT_OK if whole else EXIT_FAILURE
-    if len(argv) == 2 and argv[0] == "inspect":
-        raise UsageError(f"checkpoint not found: {argv[1]}")
-    raw = "--raw" in argv[3:]
-    if len(argv) == 3 + raw and argv[0] == "export" and argv[3:] in ([], ["--raw"]):
-        which = export(argv[1], argv[2], raw)
-        weights_of = "the moving average" if which == "ema" else "the trained model"
-        print(f"wrote {argv[2]} (model weights only: {weights_of}'s)")
-        return EXIT_OK
-    raise UsageError("usage: python -m ddp.checkpoint inspect PATH | export PATH OUT [--raw]")
+    if len(words) != 3 or words[0] != "export":
+        raise UsageError(USAGE)
+    state = export(words[1], words[2], options["raw"], options["state_dict"])
+    weights_of = "the moving average" if state.get("ema") and not options["raw"] else "the trained model"
+    print(f"wrote {words[2]} (model weights only: {weights_of}'s)")
+    if options["state_dict"]:  # what the file itself does not hold
+        norm = state["normalize"]
+        print(
+            f"a bare state dict, for net.load_state_dict(torch.load({str(words[2])!r})); the model's inputs: "
+            f"transforms.ToTensor() then transforms.Normalize({norm['mean']}, {norm['std']}); "
+            f"its outputs: {state['classes']}"
+        )
+    return EXIT_OK
 
 
 if __name__ == "__main__":
-    sys.exit(command(main))
+    sys.exit(cli.command(main))

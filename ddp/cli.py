@@ -1,7 +1,6 @@
-"""How a module becomes a command: the command line that train and doctor share
-(`[--config FILE] [section.key=value ...] [--print-config]`), and `command`, the one wrapper that runs
-a main(argv) and turns how it ended into one line on stderr and an exit code of ddp.errors.
-"""
+"""How a module becomes a command: the one command-line parser every command uses (`parse`; train's
+and doctor's `[--config FILE] [section.key=value ...]` on top of it) and `command`, which runs a
+main(argv) and turns how it ended into one line on stderr and an exit code of ddp.errors."""
 
 from __future__ import annotations
 
@@ -14,6 +13,50 @@ from ddp import config, launchers
 from ddp.errors import EXIT_OK, Diverged, PeerLost, Stopped, UsageError, WriteFailed, exit_code
 
 
+def _text(value: str | None) -> str | None:
+    return value
+
+
+@dataclass(frozen=True)
+class Option:
+    """A command-line option: a flag (no metavar: True when given), or `--name VALUE` / `--name=VALUE`,
+    whose value `convert` turns into what the command gets (it gets None for a value that is missing,
+    and raises UsageError for a bad one). `default` when the option is not given."""
+
+    name: str
+    metavar: str = ""
+    convert: Callable[[str | None], Any] = _text
+    default: Any = None
+
+    @property
+    def key(self) -> str:
+        return self.name.lstrip("-").replace("-", "_")
+
+
+def parse(argv: list[str], usage: str, options: list[Option]) -> tuple[dict[str, Any], list[str]]:
+    """({option key: value}, the other words in order). -h/--help prints `usage` and exits 0; an
+    unknown option is a UsageError listing the known ones, and usage's first line."""
+    by_name = {o.name: o for o in options}
+    values: dict[str, Any] = {o.key: False if not o.metavar else o.default for o in options}
+    words, args = [], iter(argv)
+    for arg in args:
+        name, eq, inline = arg.partition("=")
+        if arg in ("-h", "--help"):
+            print(usage)
+            raise SystemExit(EXIT_OK)
+        if name in by_name and by_name[name].metavar:
+            option = by_name[name]
+            values[option.key] = option.convert(inline if eq else next(args, None))
+        elif arg in by_name:
+            values[by_name[arg].key] = True
+        elif arg.startswith("-"):
+            known = ", ".join(f"{o.name} {o.metavar}".strip() for o in options)
+            raise UsageError(f"unknown option {arg}; options are {known}, --help; {usage.splitlines()[0]}")
+        else:
+            words.append(arg)
+    return values, words
+
+
 @dataclass(frozen=True)
 class Args:
     config: str | None  # the YAML file, or None for the defaults
@@ -22,32 +65,35 @@ class Args:
     preflight: int | None = None  # --preflight N: check before a launcher starts N processes, then exit
 
 
+def _config_file(value: str | None) -> str:
+    if not value:
+        raise UsageError("--config needs a file: --config configs/quick.yaml")
+    return value
+
+
+def positive_int(needs: str) -> Callable[[str | None], int]:
+    """An Option's converter for a whole number >= 1; `needs` is the message's start, e.g. "--preflight
+    needs the number of processes to be started, e.g. 2" (", not '0'" follows it)."""
+
+    def convert(value: str | None) -> int:
+        if not (value or "").isdigit() or int(value) < 1:
+            raise UsageError(f"{needs}, not {value or ''!r}")
+        return int(value)
+
+    return convert
+
+
+TRAINING_OPTIONS = [
+    Option("--config", "FILE", _config_file),
+    Option("--print-config"),
+    Option("--preflight", "N", positive_int("--preflight needs the number of processes to be started, e.g. 2")),
+]
+
+
 def parse_args(argv: list[str], usage: str) -> Args:
-    """The shared command line; --help prints `usage` and every config key, then exits 0."""
-    path, overrides, print_config, preflight = None, [], False, None
-    args = iter(argv)
-    for arg in args:
-        if arg in ("-h", "--help"):
-            print(usage + config.reference())
-            raise SystemExit(EXIT_OK)
-        if arg == "--config":
-            path = next(args, None)
-            if path is None:
-                raise UsageError("--config needs a file: --config configs/quick.yaml")
-        elif arg.startswith("--config="):
-            path = arg.partition("=")[2]
-        elif arg == "--print-config":
-            print_config = True
-        elif arg == "--preflight":
-            count = next(args, "")
-            if not count.isdigit() or int(count) < 1:
-                raise UsageError(f"--preflight needs the number of processes to be started, e.g. 2, not {count!r}")
-            preflight = int(count)
-        elif arg.startswith("-"):
-            raise UsageError(f"unknown option {arg}; options are --config FILE, --print-config, --preflight N, --help")
-        else:
-            overrides.append(arg)
-    return Args(path, overrides, print_config, preflight)
+    """train's and doctor's command line; --help prints `usage` and every config key, then exits 0."""
+    values, overrides = parse(argv, usage + config.reference(), TRAINING_OPTIONS)
+    return Args(values["config"], overrides, values["print_config"], values["preflight"])
 
 
 def debug_requested(argv: list[str]) -> bool:

@@ -2,8 +2,8 @@
 
 `load(path, overrides)` resolves defaults < YAML file < `section.key=value` overrides, coercing every
 value to its field's type. Unknown sections or keys, bad values and bad choices raise UsageError with
-the valid alternatives. What a value *means* for devices, data or models is checked by the module
-that owns it (distributed, data, models), not here.
+the valid alternatives. What a value *means* (a device, a data file, a model) is checked where it is
+used, not here.
 """
 
 from __future__ import annotations

@@ -23,9 +23,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ddp import config, distributed, launchers, metrics
+from ddp import config, devices, distributed, launchers, metrics
 from ddp.cli import command, parse_args
-from ddp.distributed import World
+from ddp.devices import World
 from ddp.errors import EXIT_FAILURE, EXIT_OK
 
 
@@ -118,7 +118,7 @@ def print_report(r: dict[str, Any]) -> None:
 
 def diagnose(run: config.RunConfig) -> list[str]:
     """Problems found on this rank and, under a launcher, across ranks; prints the report."""
-    world = distributed.resolve(run)
+    world = devices.resolve(run)
     problems = []
     if mismatch := launchers.slurm_gpu_problem(torch.cuda.device_count()):
         problems.append(mismatch)
@@ -161,7 +161,7 @@ def diagnose(run: config.RunConfig) -> list[str]:
             elif shared[0]:
                 print(f"run.out_dir {Path(run.out_dir).resolve()}: writable, the same directory on every rank")
             problems += sorted({m for _, _, m in reports if m and m != mismatch})
-        distributed.all_agree(True, world)  # everyone has looked before rank 0 removes the file
+        distributed.barrier(world)  # everyone has looked before rank 0 removes the file
         if world.is_main and shared[0]:
             (Path(run.out_dir) / shared[0]).unlink()
     return problems if world.is_main else []

@@ -1,14 +1,10 @@
-"""The exponential moving average of the weights (train.ema_decay > 0): torch's AveragedModel holding
-the average (parameters and buffers, so BatchNorm's running statistics too) and get_ema_multi_avg_fn
-doing the arithmetic, updated after every optimizer step on every rank. DDP's replicas are equal
-after each step, so every rank's average is the same without any communication (its BatchNorm
-statistics are made one like the model's, distributed.sync_buffers, before evaluating and saving).
+"""The exponential moving average of the weights (train.ema_decay > 0): torch's AveragedModel holds it
+(parameters and buffers, BatchNorm's statistics too) and get_ema_multi_avg_fn does the arithmetic,
+after every optimizer step on every rank. DDP's replicas are equal after a step: no communication.
 
 Warm-up (train.ema_warmup = W): the first update copies the weights; update n after it (n = 1, 2,
 ...) decays by min(ema_decay, (1 + n) / (W + n)), so early updates move the average far and the
 initialisation does not dominate it; W = 0 decays by ema_decay from update 1 on.
-
-What the checkpoint holds of it, and which weights evaluate and export take, is checkpoint.py's.
 """
 
 from __future__ import annotations

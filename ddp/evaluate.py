@@ -1,40 +1,37 @@
-"""Evaluate any checkpoint on any device:
+"""`python -m ddp.evaluate`: any checkpoint on any device, its accuracy, a per-class table with class
+names (as the PyTorch CIFAR-10 tutorial prints it), the confusion matrix and images/s.
 
     python -m ddp.evaluate --checkpoint runs/quick/checkpoints/last.pt [--device cpu|cuda|cuda:N]
                            [--json] [--batch-size 1024] [--raw] [data.key=value ...]
 
-Prints the accuracy, a per-class table with class names (as the PyTorch CIFAR-10 tutorial prints
-it), the confusion matrix and images/s; --json prints the same as one JSON object. The model,
-dataset and normalisation come from the checkpoint (saved in any mode: plain, DataParallel, DDP,
-compiled); data.* overrides point at another copy of the data (e.g. data.path=... offline). A run
+The model, dataset and normalisation come from the checkpoint (saved in any mode: plain, DataParallel,
+DDP, compiled); data.* overrides point at another copy of the data (e.g. data.path=... offline). A run
 that kept a moving average of its weights (train.ema_decay) is evaluated with those, unless --raw.
 With more than 20 classes (CIFAR-100) the table lists the 10 best and the 10 worst classes.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
 from typing import Any
 
-from ddp import checkpoint, config, distributed, loaders, metrics, models
-from ddp import data as datasets
-from ddp.cli import command
+from ddp import checkpoint, cli, config, datasets, devices, loaders, metrics, models
 from ddp.config import RunConfig
 from ddp.errors import UsageError
 
 
-def run(path: str, device: str, batch_size: int, overrides: list[str], raw: bool = False) -> dict[str, Any]:
+def measure(path: str, device: str, batch_size: int, overrides: list[str], raw: bool = False) -> dict[str, Any]:
+    """The checkpoint at `path` evaluated on `device` over the whole test set: accuracy, per class, confusion."""
     state = checkpoint.load(path)
     cfg = config.from_dict(state["config"])
     if bad := [o for o in overrides if not o.startswith("data.")]:
         raise UsageError(f"{', '.join(bad)}: only data.* settings can change for evaluation (e.g. data.path=FILE)")
     config.override(cfg, overrides)
-    world = distributed.resolve(RunConfig(device=device, parallel="none", launcher="none"))
+    world = devices.resolve(RunConfig(device=device, parallel="none", launcher="none"))
     classes = state["classes"]
-    test = datasets.load_test(cfg.data, world, classes)  # no training set needed
+    test = datasets.read_test(cfg.data, world, classes)  # no training set needed
     model = models.build(cfg.model.name, len(classes), cfg.model.dropout, cfg.model.width).to(world.device)
     checkpoint.load_weights(state, model, raw)
     loader = loaders.eval_loader(test, batch_size, world, 0, "device")
@@ -42,7 +39,7 @@ def run(path: str, device: str, batch_size: int, overrides: list[str], raw: bool
     to_input = loaders.input_fn(norm["mean"], norm["std"], world.device, channels_last=False)
     metrics.synchronize(world.device)
     start = time.perf_counter()
-    confusion = metrics.evaluate(model, loader, to_input, len(classes), world, None, cfg.train.tta_flip)
+    confusion = metrics.confusion_matrix(model, loader, to_input, len(classes), world, None, cfg.train.tta_flip)
     seconds = metrics.elapsed(start, world.device)
     return {
         "checkpoint": str(path),
@@ -72,10 +69,10 @@ def table(r: dict[str, Any]) -> str:
         f"Accuracy for class: {name:{width}s} is " + (f"{100 * acc:.1f} %" if acc is not None else "n/a")
         for name, acc in zip(r["classes"], r["per_class_accuracy"])
     ]
-    if len(rows) > 20:  # the 10 best and the 10 worst (classes without test images count as worst)
-        order = sorted(range(len(rows)), key=lambda i: r["per_class_accuracy"][i] or -1, reverse=True)
+    shown = metrics.shown_classes(r["per_class_accuracy"])
+    if len(shown) < len(rows):  # the 10 best and the 10 worst
         lines.append(f"The 10 best and the 10 worst of {len(rows)} classes (--json for all):")
-        rows = [rows[i] for i in order[:10]] + ["..."] + [rows[i] for i in order[-10:]]
+        rows = [rows[i] for i in shown[:10]] + ["..."] + [rows[i] for i in shown[10:]]
     lines += rows
     if len(r["classes"]) <= 20:  # a 100 x 100 matrix is for --json
         lines.append("Confusion matrix (rows: true class, columns: predicted):")
@@ -87,18 +84,31 @@ def table(r: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _checkpoint(value: str | None) -> str:
+    if not value:
+        raise UsageError("--checkpoint needs a file: --checkpoint runs/quick/checkpoints/last.pt")
+    return value
+
+
+OPTIONS = [
+    cli.Option("--checkpoint", "PATH", _checkpoint),
+    cli.Option("--device", "DEVICE", default="auto"),
+    cli.Option("--batch-size", "N", cli.positive_int("--batch-size needs a number of images, e.g. 1024"), default=1024),
+    cli.Option("--json"),
+    cli.Option("--raw"),
+]
+
+
+USAGE = "usage: python -m ddp.evaluate --checkpoint PATH [--device D] [--batch-size N] [--json] [--raw] [data.k=v ...]"
+
+
 def main(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(prog="python -m ddp.evaluate", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--checkpoint", required=True, help="a checkpoint written by ddp/train.py")
-    parser.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    parser.add_argument("--batch-size", type=int, default=1024)
-    parser.add_argument("--json", action="store_true", help="one JSON object instead of the tables")
-    parser.add_argument("--raw", action="store_true", help="the trained weights, not their moving average")
-    parser.add_argument("overrides", nargs="*", help="data.key=value, e.g. data.path=cifar10-subset.npz")
-    args = parser.parse_args(argv)
-    result = run(args.checkpoint, args.device, args.batch_size, args.overrides, args.raw)
-    print(json.dumps(result) if args.json else table(result))
+    options, overrides = cli.parse(argv, f"{USAGE}\n\n{__doc__}", OPTIONS)
+    if options["checkpoint"] is None:
+        raise UsageError("--checkpoint is required: python -m ddp.evaluate --checkpoint PATH [...]")
+    result = measure(options["checkpoint"], options["device"], options["batch_size"], overrides, options["raw"])
+    print(json.dumps(result) if options["json"] else table(result))
 
 
 if __name__ == "__main__":
-    sys.exit(command(main))
+    sys.exit(cli.command(main))

@@ -1,30 +1,61 @@
-"""Fault injection for the kill-and-resume tests: does nothing unless DDP_CIFAR_FAULT is set.
+"""Fault injection for the kill-and-resume tests: DDP_CIFAR_FAULT, read once when training starts
+(`arm`); unset, nothing is installed and nothing runs. SIGKILL is what a kill -9, the OOM killer or
+a lost node does: no handler runs, nothing is flushed.
 
-    DDP_CIFAR_FAULT=step:N[:rR]   SIGKILL rank R (default 0) right after global step N
-    DDP_CIFAR_FAULT=write:N       SIGKILL rank 0 halfway through writing the checkpoint of global step N
+    DDP_CIFAR_FAULT=step:N[:rR]   SIGKILL rank R (default 0) in global step N, once its optimizer step is taken
+    DDP_CIFAR_FAULT=write:N       SIGKILL rank 0 as it writes the checkpoint of global step N: the
+                                  temporary file is left cut in half, as a kill halfway through leaves it
 
-A fault fires once per run directory: it leaves `fault-fired.<point>.<N>` in out_dir first, so the
-restarted job (same command, same environment) runs through. SIGKILL is what a kill -9, the OOM killer or a
-lost node does: no handler runs, nothing is flushed.
+A fault fires once per run directory: it leaves rundir.fault_marker there first, so the restarted
+job (same command, same environment) runs through.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
+import sys
 from pathlib import Path
+from typing import Any
+
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+from ddp import rundir
 
 VAR = "DDP_CIFAR_FAULT"
 
 
-def maybe_kill(point: str, n: int, rank: int, out_dir: str | Path) -> None:
+def arm(out_dir: str, rank: int, steps_done: int) -> None:
+    """Install this rank's fault, if DDP_CIFAR_FAULT names one for it that has not fired in out_dir
+    (a run resumed after `steps_done` global steps)."""
     spec = os.environ.get(VAR)
     if not spec:
         return
-    where, at, *who = spec.split(":")
-    target = int(who[0].removeprefix("r")) if who else 0
-    marker = Path(out_dir) / f"fault-fired.{where}.{at}"
-    if where != point or int(at) != n or rank != target or marker.exists():
+    point, at, *who = spec.split(":")
+    target, step = (int(who[0].removeprefix("r")) if who else 0), int(at)
+    marker = rundir.fault_marker(out_dir, point, step)
+    if rank != target or marker.exists():
         return
+    if point == "step":
+        steps = itertools.count(steps_done + 1)  # the global step each optimizer step completes
+
+        def after_optimizer_step(*_: Any) -> None:
+            if next(steps) == step:
+                _kill(marker, spec)
+
+        register_optimizer_step_post_hook(after_optimizer_step)
+    elif point == "write":
+        temporary = f".{rundir.step_path(out_dir, step).name}."  # files.replace's temporary file of that checkpoint
+
+        def on_rename(event: str, args: tuple) -> None:  # a Python audit hook: called for audited events
+            if event == "os.rename" and Path(args[0]).name.startswith(temporary):
+                os.truncate(args[0], os.path.getsize(args[0]) // 2)
+                _kill(marker, spec)
+
+        sys.addaudithook(on_rename)
+
+
+def _kill(marker: Path, spec: str) -> None:
     marker.write_text(spec)
     os.kill(os.getpid(), signal.SIGKILL)

@@ -1,22 +1,24 @@
-"""Writing a run's files so that a failure (a full disk, a quota, a read-only filesystem, a kill)
-never leaves a half-written one: `replace` writes a temporary file beside the target, fsyncs and
-renames it over the target; `append` cuts the file back to where it was if the write fails. Either
-raises WriteFailed naming the file, the bytes it needed and the space that was free. What the files
-hold is their owners' (checkpoint.py, logs.py)."""
+"""Writing a run's files all or nothing, the one place that does: a new content goes to a temporary
+file beside its target, fsynced, then renamed over it (`replace`, `atomic`, `link`); `append` cuts a
+failed addition off. A failure is one WriteFailed: the file, the bytes it needed, the space free."""
 
 from __future__ import annotations
 
 import hashlib
+import io
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from ddp.errors import WriteFailed
+
+TEMPORARY = ".*.tmp"  # what a writer killed before its rename leaves beside the target (never a final name)
 
 
 def failure(path: Path, needed: int, error: OSError) -> WriteFailed:
@@ -40,36 +42,64 @@ def _write_all(fd: int, data: bytes | memoryview) -> None:
         view = view[os.write(fd, view) :]
 
 
-def replace(path: Path, data: bytes, halfway: Callable[[], None] | None = None) -> None:
-    """`data` as the new content of `path`, all or nothing; `halfway` runs with half of it written
-    (the kill-during-a-write tests)."""
-    tmp = None
+def _fsync_dir(directory: Path) -> None:
+    """Make a rename in `directory` itself durable."""
+    fd = os.open(directory, os.O_RDONLY)
     try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def replace(path: Path, data: bytes | memoryview) -> None:
+    """`data` as the new content of `path` (its folder made if missing), all or nothing."""
+    path, tmp = Path(path), None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
         try:
             os.fchmod(fd, 0o666 & ~_umask())  # as open() would make it, not mkstemp's 0600
-            _write_all(fd, data[: len(data) // 2])
-            if halfway:
-                halfway()
-            _write_all(fd, data[len(data) // 2 :])
+            _write_all(fd, data)
             os.fsync(fd)
         finally:
             os.close(fd)
         os.replace(tmp, path)
         tmp = None
-        dir_fd = os.open(path.parent, os.O_RDONLY)  # make the rename itself durable
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+        _fsync_dir(path.parent)
     except OSError as e:
         if tmp is not None:  # first, so that the free space reported is what is really free
             Path(tmp).unlink(missing_ok=True)
             tmp = None
         raise failure(path, len(data), e) from None
     finally:
-        if tmp is not None:  # killed by an exception other than a failed write
+        if tmp is not None:  # left by an exception other than a failed write
             Path(tmp).unlink(missing_ok=True)
+
+
+@contextmanager
+def atomic(path: Path) -> Iterator[io.BytesIO]:
+    """`with atomic(path) as f: torch.save(state, f)`: what is written to f becomes `path`'s content
+    when the `with` ends without an error, whole (replace); an error inside leaves `path` as it was.
+    The bytes go to memory first, so a full disk is an OSError here, never a half-written zip."""
+    buffer = io.BytesIO()
+    yield buffer
+    replace(path, buffer.getbuffer())
+
+
+def link(target: Path, name: Path) -> None:
+    """`name` made another name of `target`, atomically (a hard link: no second copy of the bytes; a
+    copy on a filesystem without hard links)."""
+    tmp = name.parent / f".{name.name}.{os.getpid()}.tmp"
+    try:
+        tmp.unlink(missing_ok=True)
+        try:
+            os.link(target, tmp)
+        except OSError:
+            shutil.copyfile(target, tmp)
+        os.replace(tmp, name)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise failure(name, 0, e) from None
 
 
 def append(path: Path, text: str) -> None:
@@ -88,6 +118,12 @@ def append(path: Path, text: str) -> None:
         raise failure(path, len(data), e) from None
     finally:
         os.close(fd)
+
+
+def remove_temporary(directory: Path) -> None:
+    """The temporary files that writers killed before their rename left in `directory`."""
+    for tmp in Path(directory).glob(TEMPORARY):
+        tmp.unlink(missing_ok=True)
 
 
 def digest(obj: Any) -> str:

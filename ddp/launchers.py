@@ -1,7 +1,7 @@
 """Who started this process: the launcher's environment variables, read here and nowhere else.
 
 Pure functions of an environment (os.environ unless one is given, so tests can ask about any launch
-on any machine); nothing here touches a device or the network. The process group is distributed.py's.
+on any machine); nothing here touches a device or the network.
 
 Launchers, in this order unless run.launcher names one (detect_launch):
 - torchrun (and `accelerate launch --multi_gpu`, which runs torchrun): RANK, LOCAL_RANK, WORLD_SIZE,

@@ -1,16 +1,6 @@
-"""Loaders: this rank's batches of a split, uint8 on the way and normalised on the device by
-`input_fn`. Two kinds:
-- device (data.loader=device, default): the split copied to the training device once; batches are
-  gathered and augmented there in one batched operation. No workers, no per-step copy.
-- torch (data.loader=torch): a DataLoader with worker processes augmenting image by image on the
-  CPU; a batch crosses to the GPU as uint8, a quarter of its float size.
-Both take the same images in the same order with the same crops and flips.
-
-Sharding: training uses a DistributedSampler (same permutation on every rank from (seed, epoch),
-each rank its slice) that can start mid-epoch, and augmentation drawn per image from a table of
-(seed, epoch), so a resumed run sees exactly the images and crops it would have seen. Evaluation
-gives rank r the images r, r + world_size, ... with no padding: each test image is counted once.
-Nothing here reads launcher variables or talks to other ranks.
+"""This rank's batches of a split, as uint8 (input_fn normalises them on the device): the
+device-resident path (data.loader=device) and the DataLoader path (torch), which take the same images
+in the same order with the same crops and flips; the shards of training (DistributedSampler) and of evaluation.
 """
 
 from __future__ import annotations
@@ -23,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
 
-from ddp.data import Split
-from ddp.distributed import World
+from ddp.datasets import Split
+from ddp.devices import World
 
 
 def augmentation_table(n: int, seed: int, epoch: int) -> torch.Tensor:
@@ -68,7 +58,8 @@ class ResumableSampler(DistributedSampler):
     """A DistributedSampler (the same permutation of (seed, epoch) on every rank, each rank its
     slice, drop_last) that yields (index, epoch) for the dataset's augmentation table and can start
     at a global step of the epoch. Steps count global batches, so a position means the same images
-    for any world size."""
+    for any world size. The augmentation is drawn per image from a table of (seed, epoch): a resumed
+    run sees exactly the images and crops it would have seen."""
 
     def __init__(self, dataset: Dataset, world: World, per_rank_batch: int, seed: int) -> None:
         super().__init__(
@@ -76,10 +67,11 @@ class ResumableSampler(DistributedSampler):
         )
         self.per_rank_batch, self.start_step = per_rank_batch, 0
 
-    def set_position(self, epoch: int, step: int) -> None:
-        """The next iteration yields epoch `epoch` from its global step `step` on."""
-        self.set_epoch(epoch)
-        self.start_step = step
+    def set_epoch(self, epoch: int, start_step: int = 0) -> None:
+        """The next iteration yields epoch `epoch`'s shuffle (DistributedSampler.set_epoch), from its
+        global step `start_step` on (a resumed epoch goes on where it stopped)."""
+        super().set_epoch(epoch)
+        self.start_step = start_step
 
     def __iter__(self) -> Iterator[tuple[int, int]]:
         skip = self.start_step * self.per_rank_batch
@@ -100,7 +92,7 @@ def _leave_stopping_to_the_main_process(worker_id: int) -> None:
 def train_loader(
     split: Split, per_rank_batch: int, world: World, augment: bool, workers: int, seed: int, kind: str = "torch"
 ) -> DataLoader | DeviceLoader:
-    """Per-rank batches of uint8 images; call .sampler.set_position(epoch, step) before each epoch.
+    """Per-rank batches of uint8 images; call .sampler.set_epoch(epoch[, start_step]) before each epoch.
     kind: "device" (DeviceLoader) or "torch" (a DataLoader with `workers` processes).
 
     drop_last everywhere: every rank takes the same number of equal steps, and N ranks x B/N see
@@ -124,7 +116,7 @@ def train_loader(
 
 def eval_shard(n: int, world: World) -> torch.Tensor:
     """The test images rank r evaluates: r, r + world_size, ... Together the ranks take every image
-    exactly once, with no padding duplicates, for any world size."""
+    exactly once, with no padding duplicates (DistributedSampler pads), for any world size."""
     return torch.arange(world.rank, n, world.world_size)
 
 

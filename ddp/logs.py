@@ -1,6 +1,6 @@
-"""What a run shows and leaves behind, on rank 0 only: the start line, the epoch line, metrics.jsonl,
-config.yaml, the progress bar, TensorBoard scalars. Callers guard with `if world.is_main`; nothing here talks to
-other ranks."""
+"""What rank 0 shows and records of a run: the start line, the epoch line and its record in
+metrics.jsonl and TensorBoard, the progress bar. Callers guard with `if world.is_main`: nothing here
+talks to other ranks."""
 
 from __future__ import annotations
 
@@ -8,45 +8,24 @@ import json
 import sys
 import time
 from collections.abc import Iterable, Iterator
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 from tqdm import tqdm
 
-from ddp import files
+from ddp import files, rundir
 from ddp.errors import UsageError
 
 if TYPE_CHECKING:
     from ddp.checkpoint import Resumed
     from ddp.config import Config
-    from ddp.data import Data
-    from ddp.distributed import World
-
-
-def start(out_dir: str, config_yaml: str, resumed_epoch: int) -> None:
-    """Write config.yaml; keep only metrics.jsonl's epochs up to the checkpoint being resumed (a
-    crashed run may have logged an epoch it never saved)."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    files.replace(out / "config.yaml", config_yaml.encode())
-    metrics = out / "metrics.jsonl"
-    if metrics.exists():
-        kept = [line for line in metrics.read_text().splitlines() if _epoch(line) <= resumed_epoch]
-        files.replace(metrics, "".join(line + "\n" for line in kept).encode())
-
-
-def _epoch(line: str) -> float:
-    """A metrics line's epoch; infinity for a line a crash left half-written (so it is dropped)."""
-    try:
-        return json.loads(line)["epoch"]
-    except (ValueError, KeyError, TypeError):
-        return float("inf")
+    from ddp.datasets import Data
+    from ddp.devices import World
 
 
 def append(out_dir: str, metrics: dict[str, Any]) -> None:
     """One line of metrics.jsonl, whole or not at all."""
-    files.append(Path(out_dir) / "metrics.jsonl", json.dumps(metrics) + "\n")
+    files.append(rundir.metrics_path(out_dir), json.dumps(metrics) + "\n")
 
 
 def epoch_line(m: dict[str, Any], epochs: int) -> str:
@@ -186,7 +165,7 @@ class Board:
     def __init__(self, out_dir: str) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
-        self.writer = SummaryWriter(str(Path(out_dir) / "tensorboard"))
+        self.writer = SummaryWriter(str(rundir.tensorboard_dir(out_dir)))
 
     def epoch(self, m: dict[str, Any]) -> None:
         step, add = m["epoch"], self.writer.add_scalar

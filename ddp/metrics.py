@@ -1,7 +1,6 @@
-"""What a run measures, shared by train.py, `python -m ddp.evaluate`, the doctor and the benchmark:
-the epoch's training loss over all ranks, exact distributed evaluation (the confusion matrix, each
-test image once) and per-class accuracy, one epoch's record for metrics.jsonl, time on a device
-(waiting for its queued work) and GPU memory. Writing and printing them is logs.py's.
+"""What a run measures: each rank's step figures (StepStats), exact distributed evaluation (the
+confusion matrix, each test image once) and per-class accuracy, an epoch's record for metrics.jsonl,
+and time and memory on a device.
 """
 
 from __future__ import annotations
@@ -13,19 +12,21 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ddp import distributed
-from ddp.distributed import World
+from ddp.devices import World
 
 
-class EpochLoss:
-    """This rank's running sums for the epoch's mean training loss, kept on the training device so
-    that adding a step's loss needs no sync: loss x images, and images. Also whether the loss is
-    still finite: the last finite loss and the global step of the first one that was not, tracked
-    on the device and read only at boundaries that sync anyway (a checkpoint, an epoch's end). And
-    the gradients' total norm before clipping, per optimizer step: its sum, count and maximum (the
-    same on every rank: it is taken after the all-reduce)."""
+class StepStats:
+    """What this rank's steps add up, kept on the training device so that adding a step needs no
+    sync, and read only at boundaries that sync anyway (a checkpoint, an epoch's end):
+    - the epoch's loss sums, for its mean: loss x images, and images;
+    - the gradients' total norm before clipping, per optimizer step: its sum, count and maximum (the
+      same on every rank: it is taken after the all-reduce);
+    - whether the loss is still finite: the last finite loss and the global step of the first one
+      that was not (train.stop_if_diverged reads them)."""
 
     def __init__(self, device: torch.device) -> None:
         self.sums = torch.zeros(2, dtype=torch.float64, device=device)  # (loss x images, images)
@@ -72,7 +73,7 @@ class EpochLoss:
 
 
 @torch.no_grad()
-def evaluate(
+def confusion_matrix(
     module: nn.Module,
     loader: Iterable[tuple[torch.Tensor, torch.Tensor]],
     to_input: Callable[[torch.Tensor], torch.Tensor],
@@ -95,7 +96,8 @@ def evaluate(
                 logits = logits + module(x.flip(-1))
             predicted = logits.argmax(dim=1)
         confusion.index_add_(0, y * num_classes + predicted, torch.ones_like(y))  # no sync per batch
-    distributed.all_reduce_sum(confusion, world)
+    if world.parallel == "ddp":  # each rank counted its own images: the sum counts every test image once
+        dist.all_reduce(confusion, op=dist.ReduceOp.SUM)
     return confusion.view(num_classes, num_classes).cpu()
 
 
@@ -107,6 +109,15 @@ def accuracy_per_class(confusion: torch.Tensor) -> list[float | None]:
     """Each class's accuracy from a confusion matrix (None for a class with no test images)."""
     correct, total = confusion.diag().tolist(), confusion.sum(dim=1).tolist()
     return [c / t if t else None for c, t in zip(correct, total)]
+
+
+def shown_classes(accuracies: list[float | None], most: int = 20) -> list[int]:
+    """The classes a table or chart shows: all up to `most`, else the best and the worst half of
+    `most` each (a class without test images counts as the worst)."""
+    if len(accuracies) <= most:
+        return list(range(len(accuracies)))
+    order = sorted(range(len(accuracies)), key=lambda c: -1 if accuracies[c] is None else accuracies[c], reverse=True)
+    return order[: most // 2] + order[-(most // 2) :]
 
 
 def epoch_record(

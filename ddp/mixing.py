@@ -1,8 +1,10 @@
 """MixUp and CutMix (data.mixup_alpha, data.cutmix_alpha, data.mix_prob, data.mix_off_epoch): a
 training batch blended with itself rolled by one image, on the training device after the crop and
-flip, with soft targets to match. The arithmetic is torchvision.transforms.v2's MixUp and CutMix
-(pairs by rolling the batch; CutMix's box from a uniform centre and the area 1 - lambda, lambda then
-set to the box's true area), with the randomness drawn here instead of from the global RNG.
+flip, with soft targets to match.
+
+The arithmetic is torchvision.transforms.v2's MixUp and CutMix (pairs by rolling the batch; CutMix's
+box from a uniform centre and the area 1 - lambda, lambda then set to the box's true area), with the
+randomness drawn here instead of from the global RNG.
 
 `draw` is a function of (seed, epoch, step in epoch, rank) alone, like the crops: a resumed run, or
 the same step run twice, mixes the same way. With both alphas on, each mixed batch is CutMix or

@@ -1,8 +1,6 @@
 """CIFAR models by name: MODELS = {"name": builder(num_classes, dropout[, width]) -> nn.Module}, the one
-list of models (model.name's choices and their parameter counts in --help come from it). Inputs are 3x32x32.
-
-Models only compute logits; devices, memory format, compile and wrapping belong to train.py and
-distributed.py.
+list of models (model.name's choices and their parameter counts in --help come from it). Inputs are
+3x32x32; a model computes logits, nothing else.
 """
 
 from __future__ import annotations

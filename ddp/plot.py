@@ -1,7 +1,6 @@
-"""Charts from runs: python -m ddp.plot RUN_DIR [RUN_DIR ...] [--out DIR]
+"""`python -m ddp.plot RUN_DIR [RUN_DIR ...] [--out DIR]`: charts of runs, as PNGs (headless,
+matplotlib's Agg backend) from each run's metrics.jsonl, into --out (default: the first RUN_DIR).
 
-Reads each run's metrics.jsonl and writes PNGs (headless, matplotlib's Agg backend) into --out
-(default: the first RUN_DIR):
 - curves.png: train loss and test accuracy per epoch, one line per run (e.g. 1 vs 2 vs 4 processes);
 - per_class.png: per-class test accuracy of each run's last epoch, bars with class names (with more
   than 20 classes, as for CIFAR-100: the first run's 10 best and 10 worst classes);
@@ -11,20 +10,20 @@ matplotlib is an optional extra: pip install 'ddp-cifar[plot]'.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 from typing import Any
 
-from ddp.cli import command
+from ddp import cli, rundir
 from ddp.errors import UsageError
+from ddp.metrics import shown_classes
 
 DPI = 100  # figure sizes below are in inches: PNG pixels = inches x DPI
 
 
 def read_run(run_dir: Path) -> list[dict[str, Any]]:
-    path = run_dir / "metrics.jsonl"
+    path = rundir.metrics_path(run_dir)
     if not path.is_file():
         raise UsageError(f"{run_dir}: no metrics.jsonl (is it a run.out_dir of ddp/train.py?)")
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
@@ -92,14 +91,6 @@ def plot(run_dirs: list[Path], out: Path) -> list[Path]:
     return written
 
 
-def shown_classes(accuracies: list[float | None]) -> list[int]:
-    """The classes a per-class chart shows: all up to 20, else the 10 best and the 10 worst."""
-    if len(accuracies) <= 20:
-        return list(range(len(accuracies)))
-    order = sorted(range(len(accuracies)), key=lambda c: accuracies[c] or 0, reverse=True)
-    return order[:10] + order[-10:]
-
-
 def _save(fig: Any, path: Path, plt: Any) -> Path:
     fig.tight_layout()
     fig.savefig(path, dpi=DPI)  # no bbox_inches="tight": the PNG keeps the figure's size
@@ -108,13 +99,14 @@ def _save(fig: Any, path: Path, plt: Any) -> Path:
 
 
 def main(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(prog="python -m ddp.plot", description=__doc__.split("\n\n")[0])
-    parser.add_argument("run_dirs", nargs="+", type=Path, help="run.out_dir of one or more runs")
-    parser.add_argument("--out", type=Path, help="where the PNGs go (default: the first run dir)")
-    args = parser.parse_args(argv)
-    for path in plot(args.run_dirs, args.out or args.run_dirs[0]):
+    usage = "usage: python -m ddp.plot RUN_DIR [RUN_DIR ...] [--out DIR]"
+    options, run_dirs = cli.parse(argv, f"{usage}\n\n{__doc__}", [cli.Option("--out", "DIR")])
+    if not run_dirs:
+        raise UsageError(f"name at least one run: {usage}")
+    paths = [Path(d) for d in run_dirs]
+    for path in plot(paths, Path(options["out"]) if options["out"] else paths[0]):
         print(path)
 
 
 if __name__ == "__main__":
-    sys.exit(command(main))
+    sys.exit(cli.command(main))

@@ -1,8 +1,6 @@
-"""Stopping on request: a signal (SLURM's warning before a time limit or preemption, `kill`, Ctrl-C)
-only sets a flag; train.py reads it at the next step boundary, all ranks agree (one all-reduce),
-rank 0 saves, and the run ends with errors.Stopped (exit 75). Running the same command again resumes.
-
-A second Ctrl-C (SIGINT) while a stop is pending interrupts at once, as Ctrl-C usually does.
+"""Stopping on request: a stop signal (SLURM's warning before a time limit or preemption, `kill`,
+Ctrl-C) only sets a flag, which the loop reads at its next step boundary; after the stop checkpoint
+every rank leaves with Stopped (exit 75), and the same command resumes. A second Ctrl-C stops at once.
 """
 
 from __future__ import annotations
@@ -13,7 +11,7 @@ from pathlib import Path
 from types import FrameType, TracebackType
 
 from ddp import distributed, launchers, logs
-from ddp.distributed import World
+from ddp.devices import World
 from ddp.errors import Stopped, UsageError
 
 
@@ -74,6 +72,6 @@ def finish_stop(signal_name: str | None, saved: Path | None, world: World) -> No
         if requeue:
             result = subprocess.run(requeue, capture_output=True, text=True)
             logs.say(f"{' '.join(requeue)}: " + ("requeued" if result.returncode == 0 else result.stderr.strip()))
-    distributed.all_agree(True, world)  # leave together, after rank 0's checkpoint is on disk
+    distributed.barrier(world)  # leave together, after rank 0's checkpoint is on disk
     why = f"stopped on {cause}; run the same command to resume"
     raise Stopped(why if world.is_main else "")  # other ranks print nothing but errors

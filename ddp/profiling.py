@@ -1,19 +1,17 @@
-"""run.profile=A:B: a torch.profiler trace of global steps A to B-1, on every rank, written to
-out_dir/profile/rank<r>.json (Chrome trace format: open it in https://ui.perfetto.dev or
-chrome://tracing), and on rank 0 a printed top-10 of operators by self time. train_step labels its
-parts (data, forward, backward, clip, optimizer, ema) with record_function, and DDP's all-reduce
-shows as gloo:all_reduce or nccl:all_reduce, so the trace says where a step's time goes."""
+"""run.profile=A:B: a torch.profiler trace of global steps A to B-1 on every rank (Chrome trace format:
+open it in https://ui.perfetto.dev), and on rank 0 a printed top-10 of operators by self time. The
+parts of a step are labelled (record_function) where they run; DDP's all-reduce shows as gloo/nccl:all_reduce."""
 
 from __future__ import annotations
 
-import os
+import tempfile
 from pathlib import Path
 from types import TracebackType
 
 from torch.profiler import ProfilerActivity, profile
 
-from ddp import files, logs
-from ddp.distributed import World
+from ddp import files, logs, rundir
+from ddp.devices import World
 from ddp.errors import UsageError
 
 
@@ -31,11 +29,13 @@ def parse(text: str, total_steps: int, steps_done: int = 0) -> range | None:
         raise UsageError(f"run.profile={text!r}: expected A:B, global steps A to B-1 with 1 <= A < B, e.g. 10:20")
     if steps.start > total_steps:
         raise UsageError(f"run.profile={text}: the run has {total_steps} steps; profile within 1:{total_steps + 1}")
-    return None if steps_done >= steps.stop - 1 else steps  # stop - 1 >= 1: a fresh run always profiles
+    return left(steps, steps_done)
 
 
-def trace_path(out_dir: str, rank: int) -> Path:
-    return Path(out_dir) / "profile" / f"rank{rank}.json"
+def left(steps: range | None, steps_done: int) -> range | None:
+    """The profile of a run resumed after `steps_done` global steps: the rest of `steps` (Profile
+    starts at the first step it sees), or None when it is past them all."""
+    return None if steps is None or steps_done >= steps.stop - 1 else steps  # stop - 1 >= 1: a fresh run profiles
 
 
 class Profile:
@@ -64,15 +64,11 @@ class Profile:
     def finish(self) -> None:
         profiler, self.profiler = self.profiler, None
         profiler.stop()
-        path = trace_path(self.out_dir, self.world.rank)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            profiler.export_chrome_trace(str(tmp))
-            os.replace(tmp, path)
-        except OSError as e:
-            tmp.unlink(missing_ok=True)
-            raise files.failure(path, 0, e) from None
+        path = rundir.profile_path(self.out_dir, self.world.rank)
+        # torch writes the trace to a file it names: a scratch one, whose bytes files.atomic puts in place.
+        with tempfile.TemporaryDirectory() as scratch, files.atomic(path) as trace:
+            profiler.export_chrome_trace(f"{scratch}/trace.json")
+            trace.write(Path(scratch, "trace.json").read_bytes())
         if self.world.is_main:
             by = "self_cuda_time_total" if self.world.device.type == "cuda" else "self_cpu_time_total"
             table = profiler.key_averages().table(sort_by=by, row_limit=10)

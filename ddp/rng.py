@@ -1,6 +1,6 @@
 """The process's random number generators (python, numpy, torch, and CUDA on a GPU): seeding them,
 and their state as tensors and plain values, so a checkpoint that holds it loads with weights_only.
-The data order and augmentation do not use them (data.py draws those from (seed, epoch))."""
+The data order and augmentation do not use them: they are functions of (seed, epoch)."""
 
 from __future__ import annotations
 

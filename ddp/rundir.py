@@ -1,14 +1,6 @@
-"""The run directory, run.out_dir, as a whole: whether this run may start there (one run at a time,
-and run.resume against the checkpoints there), and making it ready on rank 0 with every rank told
-whether that worked. Its contents have their own owners: checkpoints/ is checkpoint.py's;
-config.yaml, metrics.jsonl and tensorboard/ are logs.py's; `.lock` is this module's.
-
-The lock: rank 0 holds an exclusive fcntl.flock on out_dir/.lock for as long as the run lives, and
-writes its host, pid and start time there. The operating system drops it when the process ends,
-however it ends (a SIGKILL included), so a dead run never leaves a stale lock. A second run into
-the same out_dir is refused (exit 2) before its rendezvous, naming the first. On a filesystem whose
-locks do not work (NFS without lockd) taking it fails at once: a warning, never a wait.
-"""
+"""run.out_dir: the name of every file a run keeps there (defined here and nowhere else), the lock
+that lets one run at a time use it, whether this run may start there (run.resume against its
+checkpoints), and making it ready for the run."""
 
 from __future__ import annotations
 
@@ -23,16 +15,64 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from ddp import checkpoint, distributed, logs
-from ddp.distributed import World
+from ddp import distributed, files
+from ddp.devices import World
 from ddp.errors import UsageError
 
+# The layout of run.out_dir:
+#   .lock                      held by rank 0 for as long as the run lives (lock)
+#   config.yaml                the resolved config of the latest start
+#   metrics.jsonl              one line per epoch (logs.record_epoch)
+#   checkpoints/step-<global step, 9 digits>.pt   the newest run.keep_last (checkpoint.py), last.pt a hard link
+#   tensorboard/               run.tensorboard=true
+#   profile/rank<r>.json       run.profile traces
+#   fault-fired.<point>.<N>    a fault of the kill-and-resume tests has fired (faults.py)
 LOCK = ".lock"
+_STEP_FILES = "step-" + "[0-9]" * 9 + ".pt"  # by name is by step
+
+
+def checkpoint_dir(out_dir: str | Path) -> Path:
+    return Path(out_dir) / "checkpoints"
+
+
+def step_path(out_dir: str | Path, global_step: int) -> Path:
+    return checkpoint_dir(out_dir) / f"step-{global_step:09d}.pt"
+
+
+def step_files(out_dir: str | Path) -> list[Path]:
+    """This run's numbered checkpoints, newest first."""
+    return sorted(checkpoint_dir(out_dir).glob(_STEP_FILES), reverse=True)
+
+
+def last_path(out_dir: str | Path) -> Path:
+    return checkpoint_dir(out_dir) / "last.pt"
+
+
+def config_path(out_dir: str | Path) -> Path:
+    return Path(out_dir) / "config.yaml"
+
+
+def metrics_path(out_dir: str | Path) -> Path:
+    return Path(out_dir) / "metrics.jsonl"
+
+
+def tensorboard_dir(out_dir: str | Path) -> Path:
+    return Path(out_dir) / "tensorboard"
+
+
+def profile_path(out_dir: str | Path, rank: int) -> Path:
+    return Path(out_dir) / "profile" / f"rank{rank}.json"
+
+
+def fault_marker(out_dir: str | Path, point: str, n: int) -> Path:
+    return Path(out_dir) / f"fault-fired.{point}.{n}"
 
 
 @contextlib.contextmanager
 def lock(out_dir: str, world: World) -> Iterator[None]:
-    """Hold out_dir's lock (rank 0; other ranks hold nothing) while inside."""
+    """Hold out_dir's lock while inside (rank 0; the other ranks hold nothing): an exclusive flock on
+    out_dir/.lock, with rank 0's host, pid and start time in it. The system drops it when the process
+    ends, however it ends, so a dead run never leaves a stale lock. A second run is refused (exit 2)."""
     if not world.is_main:
         yield
         return
@@ -55,7 +95,7 @@ def lock(out_dir: str, world: World) -> Iterator[None]:
 
 def _take(fd: int, out_dir: str) -> bool:
     """Whether the lock was taken; UsageError if another run holds it; False (with a warning) where
-    the filesystem cannot lock."""
+    the filesystem cannot lock (NFS without lockd): never a wait."""
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # never waits
         return True
@@ -90,7 +130,7 @@ def check_resume_setting(resume: str, out_dir: str) -> None:
         return
     if resume != "never" and not Path(resume).is_file():
         raise UsageError(f"run.resume={resume}: no such checkpoint file (use auto, never or a path)")
-    existing = checkpoint.step_files(out_dir)
+    existing = step_files(out_dir)
     if not existing:
         return
     if resume == "never":
@@ -100,20 +140,32 @@ def check_resume_setting(resume: str, out_dir: str) -> None:
         )
     if not Path(resume).samefile(existing[0]):  # last.pt is a hard link to the newest
         raise UsageError(
-            f"run.resume={resume} but {checkpoint.directory(out_dir)} holds newer checkpoints that a later "
+            f"run.resume={resume} but {checkpoint_dir(out_dir)} holds newer checkpoints that a later "
             "auto-resume would pick; use another run.out_dir"
         )
 
 
-def start(out_dir: str, config_yaml: str, epochs_done: int, world: World) -> None:
-    """Rank 0 writes config.yaml, cuts metrics.jsonl back to the checkpoint being resumed and removes
-    a killed writer's temporary files; every rank learns whether that worked (none waits)."""
+def prepare(out_dir: str, config_yaml: str, epochs_done: int, world: World) -> None:
+    """Rank 0 writes config.yaml, cuts metrics.jsonl back to the epochs of the checkpoint being
+    resumed (a killed run may have logged an epoch it never saved) and removes what killed writers
+    left; every rank learns whether that worked."""
+    with distributed.fail_together(world):
+        if world.is_main:
+            try:
+                Path(out_dir).mkdir(parents=True, exist_ok=True)
+                files.replace(config_path(out_dir), config_yaml.encode())  # a full disk: WriteFailed, exit 1
+                metrics = metrics_path(out_dir)
+                if metrics.exists():
+                    kept = [line for line in metrics.read_text().splitlines() if _epoch(line) <= epochs_done]
+                    files.replace(metrics, "".join(line + "\n" for line in kept).encode())
+                files.remove_temporary(checkpoint_dir(out_dir))
+            except OSError as e:
+                raise UsageError(f"cannot write to run.out_dir={out_dir} ({e})") from None
 
-    def prepare() -> None:
-        try:
-            logs.start(out_dir, config_yaml, epochs_done)
-            checkpoint.remove_partial_writes(out_dir)
-        except OSError as e:
-            raise UsageError(f"cannot write to run.out_dir={out_dir} ({e})") from None
 
-    distributed.on_rank0(world, prepare)
+def _epoch(line: str) -> float:
+    """A metrics line's epoch; infinity for a line a kill left half-written (so it is dropped)."""
+    try:
+        return json.loads(line)["epoch"]
+    except (ValueError, KeyError, TypeError):
+        return float("inf")

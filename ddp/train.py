@@ -1,23 +1,16 @@
-"""The one training loop: a single device, nn.DataParallel and DDP differ only in distributed.wrap.
+"""The training loop, told in the order a run meets each step: this rank's device, the process group,
+the model on its device, the resume, the wrap, then per epoch set_epoch, train_step, the evaluation
+summed over ranks and rank 0's checkpoint. README.md's "Read the code" maps each step to its line.
 
     python ddp/train.py --config configs/quick.yaml optim.lr=0.05
     torchrun --standalone --nproc_per_node=2 ddp/train.py --config configs/quick.yaml
-
-Owns the order of things: what is checked before joining the process group (all of it once, for
-a launch script, with --preflight N); the data; build (model, optimizer), resume, compile, wrap;
-then each epoch's steps with the step boundary (divergence, checkpoint, stop request) inline, its
-evaluation, its record. main(argv) returns the last epoch's metrics; cli(argv)
-is the command (exit codes: ddp.errors). Devices and the process group are distributed.py's, data
-data.py's, a checkpoint's contents and files checkpoint.py's, measuring metrics.py's, printing and
-writing logs.py's.
 """
 
 from __future__ import annotations
 
 import contextlib
-import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,7 +25,10 @@ from torch.utils.data import DataLoader
 
 from ddp import (
     checkpoint,
+    checks,
     config,
+    datasets,
+    devices,
     distributed,
     ema,
     faults,
@@ -49,11 +45,11 @@ from ddp import (
     rundir,
     sync_bn,
 )
-from ddp import data as datasets
 from ddp.checkpoint import Position
+from ddp.checks import Plan
 from ddp.cli import command, parse_args
 from ddp.config import Config
-from ddp.distributed import World
+from ddp.devices import World
 from ddp.errors import Diverged, UsageError
 
 USAGE = """usage: python ddp/train.py [--config FILE.yaml] [section.key=value ...] [--print-config]
@@ -64,27 +60,8 @@ Values: defaults < the YAML file < section.key=value on the command line. Keys:
 """
 
 
-@dataclass
-class Job:
-    """Everything the loop uses, built once by build()."""
-
-    cfg: Config
-    world: World
-    data: datasets.Data
-    trained: checkpoint.Trained  # the raw model, optimizer, LR schedule, GradScaler
-    wrapped: nn.Module  # what forward is called on: the model, DataParallel or DDP (compiled first if asked)
-    checkpoints: checkpoint.Checkpointer
-    epoch_loss: metrics.EpochLoss  # this rank's running loss sums in the current epoch
-    train_loader: loaders.DeviceLoader | DataLoader  # uint8 batches of this rank's shard
-    eval_loader: loaders.DeviceEvalLoader | DataLoader
-    to_input: Callable[[torch.Tensor], torch.Tensor]  # uint8 batch -> normalised float on the device
-    criterion: nn.Module
-    amp: torch.dtype | None  # autocast dtype, None for float32
-    steps_per_epoch: int  # global batches per epoch (the last partial batch is dropped)
-    startup_s: float | None = None  # process start to the end of its first step (metrics.jsonl, first epoch)
-
-
 def main(argv: list[str] | None = None) -> dict[str, Any] | None:
+    """The run this process is part of; the last epoch's metrics."""
     args = parse_args(sys.argv[1:] if argv is None else argv, USAGE)
     cfg = config.load(args.config, args.overrides)
     if args.print_config:
@@ -93,81 +70,72 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     cfg.run = launchers.accelerate_flags(cfg.run)
     if args.preflight:
         return preflight(cfg, args.preflight)
-    world = distributed.resolve(cfg.run)
-    # Checks that need no process group, made before joining one: a bad value must not leave the
-    # other ranks waiting in the rendezvous.
-    per_rank_batch = world.split(cfg.train.batch_size, "train.batch_size", cfg.train.grad_accum_steps)
-    amp = autocast_dtype(cfg.run.amp, world.device)
-    check_combinations(cfg, world)
-    if cfg.run.deterministic:
-        rng.deterministic()  # before any CUDA work
-    stop_signals = preemption.parse_signals(cfg.run.stop_signal)
-    if cfg.run.tensorboard:
-        logs.check_tensorboard()
-    with rundir.lock(cfg.run.out_dir, world):  # one run at a time in out_dir (rank 0 holds it)
-        rundir.check_resume_setting(cfg.run.resume, cfg.run.out_dir)
-        data = datasets.load(cfg.data, world)  # a file that lies stops every rank alike, before the group
-        profiling.parse(cfg.run.profile, steps_per_epoch(cfg, len(data.train.labels)) * cfg.train.epochs)
-        with distributed.setup(world, cfg.run.timeout_s) as world:
-            return train(cfg, world, data, per_rank_batch, amp, stop_signals)
+    world = devices.resolve(cfg.run)  # rank, local_rank, world_size from the launcher; device cuda:<local_rank>
+    with checked(cfg, world) as (data, plan):  # every mistake found before a rank can wait for another
+        with distributed.setup(world, cfg.run.timeout_s) as world:  # set_device, init_process_group ... destroy
+            return fit(cfg, world, data, plan)
 
 
 def preflight(cfg: Config, processes: int) -> None:
-    """`--preflight N`, run by the launch scripts before they start N processes: what every rank
-    would check, checked once here, so that a mistake is one line (exit 2) instead of one error per
-    rank followed by the launcher's traceback. The split of the global batch, the stop signals, the
-    data (downloaded here, once, if it must be), run.resume and the lock of run.out_dir."""
-    alone = World(0, 0, 1, torch.device("cpu"), "none")
-    ranks = World(0, 0, processes, torch.device("cpu"), "ddp")
-    ranks.split(cfg.train.batch_size, "train.batch_size", cfg.train.grad_accum_steps)
-    check_combinations(cfg, ranks)
-    preemption.parse_signals(cfg.run.stop_signal)
+    """`--preflight N`, run by the launch scripts before they start N processes: the checks every
+    rank would make, made once, so that a mistake is one line (exit 2) instead of one per rank and the
+    launcher's traceback. Downloads the data here, once, if it must."""
+    device = torch.device("cuda" if cfg.run.device != "cpu" and torch.cuda.device_count() else "cpu")
+    with checked(cfg, World(0, 0, processes, device, "ddp")):
+        pass
+
+
+@contextlib.contextmanager
+def checked(cfg: Config, world: World) -> Iterator[tuple[datasets.Data, Plan]]:
+    """Everything checked before joining the process group, so that a mistake stops every rank alike
+    instead of leaving some waiting, in the order it is cheapest to find: the settings; run.out_dir,
+    locked for this run while inside (rank 0 holds it), against run.resume; the data (read here) and
+    what depends on it. Yields the data and the Plan."""
+    accum = cfg.train.grad_accum_steps
+    per_rank_batch = checks.split_batch(cfg.train.batch_size, world.world_size, "train.batch_size", accum)
+    amp = checks.autocast_dtype(cfg.run.amp, world.device)
+    checks.check_combinations(cfg, world)
+    stop_signals = tuple(preemption.parse_signals(cfg.run.stop_signal))
     if cfg.run.tensorboard:
         logs.check_tensorboard()
-    steps = steps_per_epoch(cfg, len(datasets.load(cfg.data, alone).train.labels))
-    profiling.parse(cfg.run.profile, steps * cfg.train.epochs)
-    with rundir.lock(cfg.run.out_dir, alone):
+    with rundir.lock(cfg.run.out_dir, world):  # one run at a time in out_dir
         rundir.check_resume_setting(cfg.run.resume, cfg.run.out_dir)
+        data = datasets.read(cfg.data, world)  # a file that lies stops every rank alike, before the group
+        steps = checks.steps_per_epoch(cfg, len(data.train.labels))
+        profile_steps = profiling.parse(cfg.run.profile, steps * cfg.train.epochs)
+        yield data, Plan(per_rank_batch, steps, amp, stop_signals, profile_steps)
 
 
-def check_combinations(cfg: Config, world: World) -> None:
-    """Settings that each parse but do not work together."""
-    models.check(cfg.model.name, cfg.model.dropout, cfg.model.width)
-    if cfg.train.sync_bn and world.parallel == "dp":
-        raise UsageError(
-            "train.sync_bn=true needs DDP (nn.DataParallel computes BatchNorm per GPU): "
-            "torchrun --standalone --nproc_per_node=N ddp/train.py ..."
-        )
-    if cfg.run.deterministic and cfg.run.cudnn_benchmark:
-        raise UsageError("run.deterministic=true and run.cudnn_benchmark=true: cuDNN's autotuning is not deterministic")
-    if cfg.ddp.static_graph and cfg.train.grad_accum_steps > 1:
-        raise UsageError(
-            "ddp.static_graph=true with train.grad_accum_steps>1: DDP's static graph breaks under no_sync "
-            "(an internal assert, then gradients that are no longer all-reduced: pytorch/pytorch#143580); "
-            "use one of the two"
-        )
+@dataclass
+class Job:
+    """Everything the loop uses, built once by build()."""
+
+    cfg: Config
+    world: World
+    data: datasets.Data
+    plan: Plan
+    trained: checkpoint.Trained  # the raw model, optimizer, LR schedule, GradScaler, moving average
+    wrapped: nn.Module  # what forward is called on: the model, DataParallel or DDP (compiled first if asked)
+    checkpoints: checkpoint.Checkpoints
+    stats: metrics.StepStats  # this rank's loss sums, gradient norms and finiteness, on the device
+    train_loader: loaders.DeviceLoader | DataLoader  # uint8 batches of this rank's shard
+    sampler: loaders.ResumableSampler  # the train loader's DistributedSampler
+    eval_loader: loaders.DeviceEvalLoader | DataLoader
+    to_input: Callable[[torch.Tensor], torch.Tensor]  # uint8 batch -> normalised float on the device
+    criterion: nn.Module
+    startup_s: float | None = None  # process start to the end of its first step (metrics.jsonl, first epoch)
 
 
-def autocast_dtype(amp: str, device: torch.device) -> torch.dtype | None:
-    if amp == "off":
-        return None
-    if amp == "fp16" and device.type != "cuda":
-        raise UsageError(f"run.amp=fp16 needs a CUDA device, not {device}; use run.amp=bf16 or off")
-    return torch.bfloat16 if amp == "bf16" else torch.float16
-
-
-def build(
-    cfg: Config, world: World, data: datasets.Data, per_rank_batch: int, amp: torch.dtype | None
-) -> tuple[Job, checkpoint.Resumed | None]:
-    """Model and optimizer for `data`; the checkpoint to continue from, loaded into the raw model
-    before compile and wrap; the loaders. Returns the job and what was resumed."""
+def build(cfg: Config, world: World, data: datasets.Data, plan: Plan) -> tuple[Job, checkpoint.Resumed | None]:
+    """The model on this rank's device and its optimizer; the checkpoint to continue from, loaded into
+    the raw model; then compile and the wrap; the loaders. Returns the job and what was resumed."""
     rng.seed_everything(cfg.run.seed)
+    if cfg.run.deterministic:
+        rng.deterministic()  # before any CUDA kernel runs
     # TF32: CUDA matmuls and cuDNN convolutions in TensorFloat-32 (both switches, so one key decides).
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = cfg.run.tf32
     torch.backends.cudnn.benchmark = cfg.run.cudnn_benchmark
-    n_train = len(data.train.labels)
-    steps = steps_per_epoch(cfg, n_train)
-    m = cfg.model
+    m, steps = cfg.model, plan.steps_per_epoch
     model = models.build(m.name, data.num_classes, m.dropout, m.width).to(world.device)  # the raw one we save
     if cfg.train.sync_bn and world.parallel == "ddp":
         model = sync_bn.convert(model, world.device, world.process_group_backend)  # same parameters, same keys
@@ -178,27 +146,102 @@ def build(
     average = ema.EMA(model, cfg.train.ema_decay, cfg.train.ema_warmup) if cfg.train.ema_decay > 0 else None
     trained = checkpoint.Trained(model, optimizer, scheduler, scaler, average)
     normalize = {"mean": list(data.mean), "std": list(data.std)}
-    info = checkpoint.RunInfo(config.to_dict(cfg), world.world_size, n_train, normalize, data.classes)
-    checkpoints = checkpoint.Checkpointer(cfg.run, world, trained, info)
-    epoch_loss = metrics.EpochLoss(world.device)
-    resumed = checkpoints.resume(epoch_loss)
-    wrapped = distributed.wrap(torch.compile(model) if cfg.run.compile else model, world, cfg.ddp)
+    info = checkpoint.RunInfo(config.to_dict(cfg), world.world_size, len(data.train.labels), normalize, data.classes)
+    checkpoints = checkpoint.Checkpoints(cfg.run, world, trained, info)
+    stats = metrics.StepStats(world.device)
+    resumed = checkpoints.resume(stats)  # torch.load(..., map_location="cpu") into the raw model, before the wrap
+    wrapped = distributed.wrap(torch.compile(model) if cfg.run.compile else model, world, cfg.ddp)  # DDP / DP
     d = cfg.data
-    train_loader = loaders.train_loader(data.train, per_rank_batch, world, d.augment, d.workers, cfg.run.seed, d.loader)
+    train_loader = loaders.train_loader(data.train, plan.per_rank_batch, world, d.augment, d.workers, cfg.run.seed,
+                                        d.loader)  # fmt: skip
     eval_batch = max(1, cfg.train.eval_batch_size // world.world_size)
-    eval_loader = loaders.eval_loader(data.test, eval_batch, world, d.workers, d.loader)
-    to_input = loaders.input_fn(data.mean, data.std, world.device, cfg.run.channels_last)
-    criterion = nn.CrossEntropyLoss(label_smoothing=cfg.train.label_smoothing)
-    parts = (trained, wrapped, checkpoints, epoch_loss, train_loader, eval_loader, to_input, criterion, amp, steps)
-    job = Job(cfg, world, data, *parts)
+    job = Job(
+        cfg=cfg, world=world, data=data, plan=plan, trained=trained, wrapped=wrapped, checkpoints=checkpoints,
+        stats=stats, train_loader=train_loader, sampler=train_loader.sampler,
+        eval_loader=loaders.eval_loader(data.test, eval_batch, world, d.workers, d.loader),
+        to_input=loaders.input_fn(data.mean, data.std, world.device, cfg.run.channels_last),
+        criterion=nn.CrossEntropyLoss(label_smoothing=cfg.train.label_smoothing),
+    )  # fmt: skip
     return job, resumed
 
 
-def steps_per_epoch(cfg: Config, n_train: int) -> int:
-    """Global batches in an epoch (the last, partial one is dropped)."""
-    if n_train < cfg.train.batch_size:
-        raise UsageError(f"train.batch_size={cfg.train.batch_size} exceeds the {n_train} training images")
-    return n_train // cfg.train.batch_size
+def fit(cfg: Config, world: World, data: datasets.Data, plan: Plan) -> dict[str, Any] | None:
+    """Build, resume, then train to cfg.train.epochs; the last epoch's metrics. Runs inside the
+    process group, and the DDP model dies with this call, before the group does (distributed.setup)."""
+    job, resumed = build(cfg, world, data, plan)
+    position = resumed.position if resumed else Position()
+    last_metrics = resumed.metrics if resumed else None
+    rundir.prepare(cfg.run.out_dir, config.dump(cfg), position.epochs_done, world)
+    profile_steps = profiling.left(plan.profile_steps, position.global_step)
+    if world.is_main:
+        params = sum(p.numel() for p in job.trained.model.parameters())
+        logs.say(logs.start_line(cfg, world, data, params, resumed))
+        if cfg.run.profile and profile_steps is None:
+            done = position.global_step
+            logs.say(f"run.profile={cfg.run.profile}: resumed after global step {done}, nothing to profile")
+    faults.arm(cfg.run.out_dir, world.rank, position.global_step)  # the kill-and-resume tests' only; none unless set
+    board = logs.Board(cfg.run.out_dir) if cfg.run.tensorboard and world.is_main else None
+    first_epoch = position.epochs_done + 1
+    with (
+        contextlib.closing(board) if board else contextlib.nullcontext(),
+        preemption.StopRequest(plan.stop_signals) as stop,
+        profiling.Profile(profile_steps, cfg.run.out_dir, world) as profile,
+    ):
+        for epoch in range(first_epoch, cfg.train.epochs + 1):
+            # DistributedSampler: this epoch's shuffle, the same on every rank, each rank its slice (a
+            # resumed epoch goes on from the step it stopped at).
+            job.sampler.set_epoch(epoch, start_step=position.step_in_epoch)
+            started, images_before = metrics.epoch_start(world.device), job.stats.images()
+            position = train_epoch(job, epoch, position, stop, profile, last_metrics)
+            stop_if_diverged(job, position)
+            images_trained = (job.stats.images() - images_before) * world.world_size  # all ranks'
+            images_per_s = images_trained / metrics.elapsed(started, world.device)
+            startup_s = job.startup_s if epoch == first_epoch else None  # reported with this process's first epoch
+            last_metrics = epoch_metrics(job, epoch, started, images_per_s, startup_s)  # all_reduce over ranks
+            with distributed.fail_together(world):  # metrics.jsonl on a full disk stops every rank alike
+                if world.is_main:
+                    logs.record_epoch(last_metrics, cfg.train.epochs, cfg.run.out_dir, board)
+            position = Position(epoch, 0, position.global_step)
+            saved = job.checkpoints.save(position, job.stats, last_metrics)  # rank 0: torch.save, the raw model
+            job.stats.reset()
+            if epoch < cfg.train.epochs and distributed.any_rank(stop.requested, world):  # done is done
+                preemption.finish_stop(stop.received, saved, world)
+    return last_metrics
+
+
+def train_epoch(
+    job: Job,
+    epoch: int,
+    position: Position,
+    stop: preemption.StopRequest,
+    profile: profiling.Profile,
+    last_metrics: dict[str, Any] | None,
+) -> Position:
+    """The steps of `epoch` from `position` on, each followed by the step boundary: a checkpoint
+    when one is due (never of diverged weights), and leaving when a stop was requested. Returns
+    the position after the epoch's last step."""
+    cfg, world = job.cfg, job.world
+    job.wrapped.train()
+    progress = logs.Progress(job.train_loader, world.is_main and cfg.run.progress, f"epoch {epoch}", world.world_size)
+    for images, labels in progress:
+        mix = mixing.draw(cfg.data, cfg.run.seed, epoch, position.step_in_epoch, world.rank)
+        profile.before_step(position.global_step + 1)
+        loss = train_step(job, images, labels, mix)
+        position.step_in_epoch += 1
+        position.global_step += 1
+        profile.after_step(position.global_step)
+        job.stats.add(loss, len(labels), position.global_step)
+        job.startup_s = job.startup_s or metrics.seconds_since_process_start()
+        stopping = distributed.any_rank(stop.requested, world)  # one flag per step: all ranks stop together
+        if job.checkpoints.due(position, job.plan.steps_per_epoch, stopping):
+            stop_if_diverged(job, position)  # a checkpoint is never written with NaN weights
+            if job.trained.ema:  # the average's BatchNorm statistics, as at an epoch's end (exact resume)
+                distributed.sync_buffers(job.trained.ema.module, world, bn_agreement(cfg))
+            saved = job.checkpoints.save(position, job.stats, last_metrics)
+            if stopping:
+                preemption.finish_stop(stop.received, saved, world)
+        progress.update(loss, job.trained.scheduler.get_last_lr()[0], len(labels))
+    return position
 
 
 def train_step(job: Job, images: torch.Tensor, labels: torch.Tensor, mix: mixing.Mix | None = None) -> torch.Tensor:
@@ -206,7 +249,7 @@ def train_step(job: Job, images: torch.Tensor, labels: torch.Tensor, mix: mixing
     micro-batches: forward and backward of each (DDP averages the gradients over the ranks in the
     last one's backward), then the gradients' norm (clipped to optim.clip_grad_norm), step, schedule,
     the moving average. Returns the batch's mean loss, still on the device (reading it syncs)."""
-    accum, device = job.cfg.train.grad_accum_steps, job.world.device
+    accum, device, amp = job.cfg.train.grad_accum_steps, job.world.device, job.plan.amp
     optimizer, scaler = job.trained.optimizer, job.trained.scaler
     optimizer.zero_grad(set_to_none=True)
     with record_function("data"):
@@ -215,14 +258,14 @@ def train_step(job: Job, images: torch.Tensor, labels: torch.Tensor, mix: mixing
     total = torch.zeros((), device=device)
     for micro, xs, ys in zip(distributed.micro_batches(job.wrapped, accum), x.chunk(accum), y.chunk(accum)):
         with micro:  # forward and backward both inside no_sync
-            with record_function("forward"), torch.autocast(device.type, dtype=job.amp, enabled=job.amp is not None):
+            with record_function("forward"), torch.autocast(device.type, dtype=amp, enabled=amp is not None):
                 loss = job.criterion(forward(job.wrapped, xs), ys) / accum  # the big batch's mean
             with record_function("backward"):
                 scaler.scale(loss).backward()
         total += loss.detach()
     with record_function("clip"):
         scaler.unscale_(optimizer)  # the true gradients' norm, not fp16's scaled ones
-        job.epoch_loss.add_grad_norm(optim.clip_gradients(job.trained.model, job.cfg.optim.clip_grad_norm))
+        job.stats.add_grad_norm(optim.clip_gradients(job.trained.model, job.cfg.optim.clip_grad_norm))
     with record_function("optimizer"):
         scaler.step(optimizer)
         scaler.update()
@@ -247,87 +290,6 @@ def forward(wrapped: nn.Module, x: torch.Tensor) -> torch.Tensor:
         ) from None
 
 
-def train(
-    cfg: Config,
-    world: World,
-    data: datasets.Data,
-    per_rank_batch: int,
-    amp: torch.dtype | None,
-    stop_signals: list[signal.Signals],
-) -> dict[str, Any] | None:
-    """Build, resume, then train to cfg.train.epochs; the last epoch's metrics. Runs inside the
-    process group, and the DDP model dies with it before the group does (distributed.setup)."""
-    job, resumed = build(cfg, world, data, per_rank_batch, amp)
-    position = resumed.position if resumed else Position()
-    last_metrics = resumed.metrics if resumed else None
-    rundir.start(cfg.run.out_dir, config.dump(cfg), position.epochs_done, world)
-    if world.is_main:
-        params = sum(p.numel() for p in job.trained.model.parameters())
-        logs.say(logs.start_line(cfg, world, data, params, resumed))
-    board = logs.Board(cfg.run.out_dir) if cfg.run.tensorboard and world.is_main else None
-    profile_steps = profiling.parse(cfg.run.profile, job.steps_per_epoch * cfg.train.epochs, position.global_step)
-    if cfg.run.profile and profile_steps is None and world.is_main:
-        logs.say(f"run.profile={cfg.run.profile}: resumed after global step {position.global_step}, nothing to profile")
-    first_epoch = position.epochs_done + 1
-    with (
-        contextlib.closing(board) if board else contextlib.nullcontext(),
-        preemption.StopRequest(stop_signals) as stop,
-        profiling.Profile(profile_steps, cfg.run.out_dir, world) as profile,
-    ):
-        for epoch in range(first_epoch, cfg.train.epochs + 1):
-            started, images_before = metrics.epoch_start(world.device), job.epoch_loss.images()
-            position = train_epoch(job, epoch, position, stop, profile, last_metrics)
-            stop_if_diverged(job, position)
-            images_trained = (job.epoch_loss.images() - images_before) * world.world_size  # all ranks'
-            images_per_s = images_trained / metrics.elapsed(started, world.device)
-            startup_s = job.startup_s if epoch == first_epoch else None  # reported with this process's first epoch
-            last_metrics = epoch_metrics(job, epoch, started, images_per_s, startup_s)
-            distributed.on_rank0(world, logs.record_epoch, last_metrics, cfg.train.epochs, cfg.run.out_dir, board)
-            position = Position(epoch, 0, position.global_step)
-            saved = job.checkpoints.save(position, job.epoch_loss, last_metrics)
-            job.epoch_loss.reset()
-            if epoch < cfg.train.epochs and distributed.any_rank(stop.requested, world):  # done is done
-                preemption.finish_stop(stop.received, saved, world)
-    return last_metrics
-
-
-def train_epoch(
-    job: Job,
-    epoch: int,
-    position: Position,
-    stop: preemption.StopRequest,
-    profile: profiling.Profile,
-    last_metrics: dict[str, Any] | None,
-) -> Position:
-    """The steps of `epoch` from `position` on, each followed by the step boundary: a checkpoint
-    when one is due (never of diverged weights), and leaving when a stop was requested. Returns
-    the position after the epoch's last step."""
-    cfg, world = job.cfg, job.world
-    job.train_loader.sampler.set_position(epoch, position.step_in_epoch)  # this epoch's order, from there on
-    job.wrapped.train()
-    progress = logs.Progress(job.train_loader, world.is_main and cfg.run.progress, f"epoch {epoch}", world.world_size)
-    for images, labels in progress:
-        mix = mixing.draw(cfg.data, cfg.run.seed, epoch, position.step_in_epoch, world.rank)
-        profile.before_step(position.global_step + 1)
-        loss = train_step(job, images, labels, mix)
-        position.step_in_epoch += 1
-        position.global_step += 1
-        profile.after_step(position.global_step)
-        job.epoch_loss.add(loss, len(labels), position.global_step)
-        job.startup_s = job.startup_s or metrics.seconds_since_process_start()
-        faults.maybe_kill("step", position.global_step, world.rank, cfg.run.out_dir)
-        stopping = distributed.any_rank(stop.requested, world)
-        if job.checkpoints.due(position, job.steps_per_epoch, stopping):
-            stop_if_diverged(job, position)  # a checkpoint is never written with NaN weights
-            if job.trained.ema:  # the average's BatchNorm statistics, as at an epoch's end (exact resume)
-                distributed.sync_buffers(job.trained.ema.module, world, bn_agreement(cfg))
-            saved = job.checkpoints.save(position, job.epoch_loss, last_metrics)
-            if stopping:
-                preemption.finish_stop(stop.received, saved, world)
-        progress.update(loss, job.trained.scheduler.get_last_lr()[0], len(labels))
-    return position
-
-
 def bn_agreement(cfg: Config) -> str:
     """How the ranks' BatchNorm statistics become one (distributed.sync_buffers): with sync_bn they
     agree already, so rank 0's are everyone's; else train.dist_bn."""
@@ -341,25 +303,25 @@ def epoch_metrics(job: Job, epoch: int, started: float, images_per_s: float, sta
     speed, and seconds since `started` (training and evaluation)."""
     how, world = bn_agreement(job.cfg), job.world
     distributed.sync_buffers(job.trained.model, world, how)
-    confusion = evaluate(job, distributed.for_eval(job.wrapped))
+    confusion = test_confusion(job, distributed.for_eval(job.wrapped))
     extra = {} if startup_s is None else {"startup_s": startup_s}
     if job.trained.ema:
         distributed.sync_buffers(job.trained.ema.module, world, how)
         extra["raw_test_acc"] = metrics.accuracy(confusion)
-        confusion = evaluate(job, job.trained.ema.module)
-    train_loss = job.epoch_loss.mean_over_ranks(world)
+        confusion = test_confusion(job, job.trained.ema.module)
+    train_loss = job.stats.mean_over_ranks(world)
     return metrics.epoch_record(
         epoch, train_loss, confusion, job.data.classes, world, lr=job.trained.scheduler.get_last_lr()[0],
         images_per_s=images_per_s, seconds=metrics.elapsed(started, world.device),
-        **job.epoch_loss.grad_norm(), **extra,
+        **job.stats.grad_norm(), **extra,
     )  # fmt: skip
 
 
-def evaluate(job: Job, module: nn.Module) -> torch.Tensor:
-    """The confusion matrix of `module` over the whole test set (every rank calls it)."""
+def test_confusion(job: Job, module: nn.Module) -> torch.Tensor:
+    """The confusion matrix of `module` over the whole test set, summed over the ranks (every rank calls it)."""
     cfg = job.cfg
-    return metrics.evaluate(
-        module, job.eval_loader, job.to_input, job.data.num_classes, job.world, job.amp, cfg.train.tta_flip
+    return metrics.confusion_matrix(
+        module, job.eval_loader, job.to_input, job.data.num_classes, job.world, job.plan.amp, cfg.train.tta_flip
     )
 
 
@@ -370,14 +332,14 @@ def stop_if_diverged(job: Job, position: Position) -> None:
     loss and unchanged weights: not a divergence."""
     state = [t for t in job.trained.model.state_dict().values() if t.is_floating_point()]  # BatchNorm's stats too
     weights_finite = bool(torch.stack([t.isfinite().all() for t in state]).all())
-    loss = job.epoch_loss
-    mine = (int(loss.first_non_finite_step), float(loss.last_finite), weights_finite)
+    stats = job.stats
+    mine = (int(stats.first_non_finite_step), float(stats.last_finite), weights_finite)
     if not distributed.any_rank(mine[0] >= 0 or not weights_finite, job.world):
         return
     ranks = distributed.gather_objects(mine, job.world)
     steps = [step for step, _, _ in ranks if step >= 0]
     what = f"the loss was not finite at global step {min(steps)}" if steps else "the weights were not finite"
-    newest = checkpoint.step_files(job.cfg.run.out_dir)
+    newest = rundir.step_files(job.cfg.run.out_dir)
     kept = f"the newest checkpoint, {newest[0]}, is finite" if newest else "no checkpoint was written"
     fp16 = ", or run.amp=bf16 instead of fp16" if job.cfg.run.amp == "fp16" else ""
     raise Diverged(

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-from ddp import config, distributed, models, train
+from ddp import config, devices, distributed, models, train
 
 
 def counting(hook, counter):
@@ -30,7 +30,7 @@ def counting(hook, counter):
 
 def probe(out: str, overrides: list[str]) -> None:
     cfg = config.load(None, overrides)
-    world = distributed.resolve(cfg.run)
+    world = devices.resolve(cfg.run)
     with distributed.setup(world, timeout_s=60) as world:
         report = run_steps(cfg, world)
         if world.is_main:

@@ -11,12 +11,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddp import config, distributed, models
+from ddp import config, devices, distributed, models
 
 
 def main(out: str) -> None:
     cfg = config.load(None, [])
-    world = distributed.resolve(cfg.run)
+    world = devices.resolve(cfg.run)
     report = {}
     with distributed.setup(world, timeout_s=120) as world:
         for name in ("preact_resnet18", "wrn16_8", "wrn28_10"):

@@ -5,7 +5,7 @@ Run as real processes (`python ddp/train.py ...`), the way users meet them."""
 import pytest
 from conftest import TINY, TRAIN, clean_env, python
 
-from ddp import checkpoint, train
+from ddp import rundir, train
 
 
 def assert_usage_error(proc, *fragments: str) -> None:
@@ -122,11 +122,11 @@ def test_bad_npz_format(tmp_path, capsys):
 def test_resume_from_an_older_file_of_the_same_out_dir_is_refused(tmp_path, capsys):
     """Continuing from step 3 would leave steps 6 and 8 on disk for the next auto-resume to pick."""
     assert train.cli([f"run.out_dir={tmp_path}", *TINY, "train.epochs=1", "run.save_every_steps=3"]) == 0
-    older = checkpoint.step_files(tmp_path)[-1]
+    older = rundir.step_files(tmp_path)[-1]
     assert older.name == "step-000000003.pt"
     assert train.cli([f"run.out_dir={tmp_path}", *TINY, f"run.resume={older}"]) == 2
     assert "holds newer checkpoints" in capsys.readouterr().err
-    assert train.cli([f"run.out_dir={tmp_path}", *TINY, f"run.resume={checkpoint.last_path(tmp_path)}"]) == 0
+    assert train.cli([f"run.out_dir={tmp_path}", *TINY, f"run.resume={rundir.last_path(tmp_path)}"]) == 0
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""Datasets (ddp/data.py): every kind read into one form, and files that lie refused with the reason."""
+"""Datasets (ddp/datasets.py): every kind read into one form, and files that lie refused with the reason."""
 
 import hashlib
 import pickle
@@ -9,9 +9,9 @@ import pytest
 import torch
 from torchvision import datasets as tv_datasets
 
-from ddp import data
+from ddp import datasets
 from ddp.config import DataConfig
-from ddp.distributed import World
+from ddp.devices import World
 from ddp.errors import UsageError
 
 CPU = World(0, 0, 1, torch.device("cpu"), "none")
@@ -27,7 +27,7 @@ def arrays(n_train: int = 60, n_test: int = 25, num_classes: int = 10, seed: int
     )
 
 
-def assert_same_images(split: data.Split, x_hwc: np.ndarray, y: np.ndarray) -> None:
+def assert_same_images(split: datasets.Split, x_hwc: np.ndarray, y: np.ndarray) -> None:
     assert split.images.dtype == torch.uint8 and split.images.shape == (len(x_hwc), 3, 32, 32)
     assert torch.equal(split.images, torch.from_numpy(x_hwc).permute(0, 3, 1, 2))
     assert split.labels.tolist() == list(y)
@@ -35,7 +35,7 @@ def assert_same_images(split: data.Split, x_hwc: np.ndarray, y: np.ndarray) -> N
 
 def test_synthetic_is_fixed_and_shaped(tmp_path):
     cfg = DataConfig(dataset="synthetic", synthetic_train=50, synthetic_test=7)
-    a, b = data.load(cfg, CPU), data.load(cfg, CPU)
+    a, b = datasets.read(cfg, CPU), datasets.read(cfg, CPU)
     assert a.train.images.shape == (50, 3, 32, 32) and a.test.labels.shape == (7,)
     assert torch.equal(a.train.images, b.train.images) and a.num_classes == 10
 
@@ -44,27 +44,27 @@ def test_npz_with_and_without_class_names(tmp_path):
     x, y, xt, yt = arrays()
     path = tmp_path / "d.npz"
     np.savez(path, x_train=x, y_train=y, x_test=xt, y_test=yt, classes=np.array([f"c{i}" for i in range(10)]))
-    d = data.load(DataConfig(dataset="npz", path=str(path)), CPU)
+    d = datasets.read(DataConfig(dataset="npz", path=str(path)), CPU)
     assert_same_images(d.train, x, y)
     assert_same_images(d.test, xt, yt)
     assert d.classes == [f"c{i}" for i in range(10)]
     np.savez(path, x_train=x, y_train=y, x_test=xt, y_test=yt)
-    assert data.load(DataConfig(dataset="npz", path=str(path)), CPU).classes == [str(i) for i in range(10)]
+    assert datasets.read(DataConfig(dataset="npz", path=str(path)), CPU).classes == [str(i) for i in range(10)]
 
 
 def test_npz_mistakes_name_data_path(tmp_path):
     path = tmp_path / "d.npz"
     np.savez(path, x_train=np.zeros((2, 32, 32, 3), np.uint8), y_train=np.zeros(2))
     with pytest.raises(UsageError, match=f"data.path={path}: missing arrays x_test, y_test"):
-        data.load(DataConfig(dataset="npz", path=str(path)), CPU)
+        datasets.read(DataConfig(dataset="npz", path=str(path)), CPU)
     (tmp_path / "junk.npz").write_text("not a zip")
     with pytest.raises(UsageError, match="not a readable .npz file"):
-        data.load(DataConfig(dataset="npz", path=str(tmp_path / "junk.npz")), CPU)
+        datasets.read(DataConfig(dataset="npz", path=str(tmp_path / "junk.npz")), CPU)
 
 
 def test_empty_split_is_an_error():
     with pytest.raises(UsageError, match="the test split is empty"):
-        data.load(DataConfig(dataset="synthetic", synthetic_test=0), CPU)
+        datasets.read(DataConfig(dataset="synthetic", synthetic_test=0), CPU)
 
 
 def npz(tmp_path, **changes) -> str:
@@ -123,27 +123,27 @@ def test_a_file_that_lies_is_refused_with_the_array_the_value_and_where(lie, tmp
     changes, message = LIES[lie]
     path = npz(tmp_path, **changes)
     with pytest.raises(UsageError, match=f"data.path={path}: " + message):
-        data.load(DataConfig(dataset="npz", path=path), CPU)
+        datasets.read(DataConfig(dataset="npz", path=path), CPU)
 
 
 def test_labels_stored_as_whole_floats_are_class_indices(tmp_path):
-    d = data.load(DataConfig(dataset="npz", path=npz(tmp_path, y_train=Y.astype(np.float32))), CPU)
+    d = datasets.read(DataConfig(dataset="npz", path=npz(tmp_path, y_train=Y.astype(np.float32))), CPU)
     assert d.train.labels.dtype == torch.int64 and d.train.labels.tolist() == Y.tolist()
 
 
 def test_the_test_split_alone_is_enough_for_evaluation(tmp_path):
     """A checkpoint's classes and statistics stand in for the training set."""
     path = npz(tmp_path, x_train=None, y_train=None, classes=None)
-    test = data.load_test(DataConfig(dataset="npz", path=path), CPU, [f"c{i}" for i in range(10)])
+    test = datasets.read_test(DataConfig(dataset="npz", path=path), CPU, [f"c{i}" for i in range(10)])
     assert test.labels.tolist() == YT.tolist()
     with pytest.raises(UsageError, match=r"y_test\[\d+\] = \d, but there are 2 classes \(names given\)"):
-        data.load_test(DataConfig(dataset="npz", path=path), CPU, ["a", "b"])
+        datasets.read_test(DataConfig(dataset="npz", path=path), CPU, ["a", "b"])
     with pytest.raises(UsageError, match="missing arrays x_train, y_train"):
-        data.load(DataConfig(dataset="npz", path=path), CPU)
+        datasets.read(DataConfig(dataset="npz", path=path), CPU)
 
 
 def test_real_cifar10_subset(subset):
-    d = data.load(DataConfig(dataset="npz", path=str(subset)), CPU)
+    d = datasets.read(DataConfig(dataset="npz", path=str(subset)), CPU)
     assert (len(d.train.labels), len(d.test.labels)) == (6034, 1017)
     assert d.classes[:3] == ["airplane", "automobile", "bird"] and d.num_classes == 10
     assert set(d.test.labels.tolist()) == set(range(10))
@@ -189,7 +189,7 @@ def test_torchvision_cifar_from_a_local_copy(kind, tmp_path, monkeypatch):
     monkeypatch.setattr(cls, "test_list", test_list)
     monkeypatch.setattr(cls, "meta", meta)
 
-    d = data.load(DataConfig(dataset=kind, root=str(tmp_path), download=False), CPU)
+    d = datasets.read(DataConfig(dataset=kind, root=str(tmp_path), download=False), CPU)
     assert_same_images(d.train, x, y)
     assert_same_images(d.test, xt, yt)
     assert d.classes == names and d.num_classes == num_classes
@@ -201,4 +201,4 @@ def test_cifar_download_failure_is_a_clear_error(tmp_path, monkeypatch):
 
     monkeypatch.setattr(tv_datasets.CIFAR10, "download", offline)
     with pytest.raises(UsageError, match=f"could not download CIFAR-10 into data.root={tmp_path}.*offline?"):
-        data.load(DataConfig(dataset="cifar10", root=str(tmp_path), download=True), CPU)
+        datasets.read(DataConfig(dataset="cifar10", root=str(tmp_path), download=True), CPU)

@@ -7,10 +7,9 @@ import pytest
 import torch
 from conftest import REPO, TINY, TRAIN, metrics, ok, python, torchrun
 
-from ddp import config, loaders, models
-from ddp import data as datasets
-from ddp.distributed import World
-from ddp.metrics import evaluate
+from ddp import config, datasets, loaders, models
+from ddp.devices import World
+from ddp.metrics import confusion_matrix
 
 
 @pytest.fixture(scope="module")
@@ -46,9 +45,9 @@ def test_ddp_checkpoint_loads_on_cpu_into_a_plain_model(ddp_run):
     # The plain model is the model the run evaluated: same accuracy, computed here in one process.
     cfg = config.load(str(out / "config.yaml"))
     cpu = World(0, 0, 1, torch.device("cpu"), "none")
-    d = datasets.load(cfg.data, cpu)
+    d = datasets.read(cfg.data, cpu)
     to_input = loaders.input_fn(d.mean, d.std, cpu.device, channels_last=False)
-    confusion = evaluate(model, loaders.eval_loader(d.test, 50, cpu, 0), to_input, 10, cpu, None)
+    confusion = confusion_matrix(model, loaders.eval_loader(d.test, 50, cpu, 0), to_input, 10, cpu, None)
     correct, total = confusion.diag(), confusion.sum(dim=1)
     assert correct.sum().item() / total.sum().item() == metrics(out)[-1]["test_acc"]
 
@@ -82,7 +81,7 @@ def test_evaluation_counts_each_image_once(ddp_run, world_size, tmp_path):
     )
     got = json.loads(result.read_text())
     cfg = config.load(None, data_args)
-    labels = datasets.load(cfg.data, World(0, 0, 1, torch.device("cpu"), "none")).test.labels
+    labels = datasets.read(cfg.data, World(0, 0, 1, torch.device("cpu"), "none")).test.labels
     assert got["world_size"] == world_size
     assert got["total"] == torch.bincount(labels, minlength=10).tolist()  # 101 images, each once
     assert sum(got["correct"]) / 101 == metrics(out)[-1]["test_acc"]  # = the accuracy one run reported

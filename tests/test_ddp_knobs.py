@@ -9,8 +9,8 @@ import pytest
 import torch
 from conftest import REPO, REPORT, TINY, TRAIN, clean_env, ok, python, torchrun
 
-from ddp import config, train
-from ddp.distributed import World
+from ddp import checks, config
+from ddp.devices import World
 from ddp.errors import UsageError
 
 WORKER = str(REPO / "tests" / "knob_worker.py")
@@ -94,4 +94,4 @@ def test_sync_bn_under_data_parallel_is_refused():
     with pytest.raises(
         UsageError, match=r"train.sync_bn=true needs DDP \(nn.DataParallel computes BatchNorm per GPU\)"
     ):
-        train.check_combinations(cfg, world)
+        checks.check_combinations(cfg, world)

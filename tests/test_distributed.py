@@ -4,13 +4,13 @@ import pytest
 import torch
 from launch_envs import SRUN, TORCHRUN
 
-from ddp import distributed, launchers, logs
+from ddp import checks, devices, launchers, logs
 from ddp.config import RunConfig
 from ddp.errors import UsageError
 
 
-def resolve(cuda_count: int, env: dict | None = None, **run) -> distributed.World:
-    return distributed.resolve(RunConfig(**run), env=env or {}, cuda_count=cuda_count)
+def resolve(cuda_count: int, env: dict | None = None, **run) -> devices.World:
+    return devices.resolve(RunConfig(**run), env=env or {}, cuda_count=cuda_count)
 
 
 @pytest.mark.parametrize(
@@ -123,6 +123,6 @@ def test_sync_bn_under_gloo_on_a_gpu_is_the_gloo_implementation():
 
 def test_global_batch_splits_evenly_or_says_what_would():
     world = resolve(0, {**TORCHRUN, "WORLD_SIZE": "3"})
-    assert world.split(96, "train.batch_size") == 32
+    assert checks.split_batch(96, world.world_size, "train.batch_size") == 32
     with pytest.raises(UsageError, match="train.batch_size=100 must be a positive multiple of world_size=3.*99 or 102"):
-        world.split(100, "train.batch_size")
+        checks.split_batch(100, world.world_size, "train.batch_size")

@@ -8,9 +8,10 @@ import pytest
 import torch
 from conftest import REPO, TINY, TRAIN, clean_env, metrics, python, torchrun
 
-from ddp import checkpoint, config, data, train
+from ddp import checkpoint, config, datasets, rundir, train
 from ddp.checkpoint import Position
-from ddp.distributed import World
+from ddp.checks import Plan
+from ddp.devices import World
 from ddp.errors import Diverged
 
 # lr 1e4 after a 2-epoch warm-up: the first steps are small enough to stay finite, then the weights
@@ -21,11 +22,11 @@ DIVERGING = [*TINY, "train.epochs=3", "optim.lr=1e4", "optim.warmup_epochs=2", "
 
 
 def assert_every_checkpoint_finite(out) -> list:
-    files = checkpoint.step_files(out)
+    files = rundir.step_files(out)
     for path in files:
         state = checkpoint.load(path)
         assert all(torch.isfinite(t).all() for t in state["model"].values()), path
-    assert not list(checkpoint.directory(out).glob(".*.tmp"))
+    assert not list(rundir.checkpoint_dir(out).glob(".*.tmp"))
     return files
 
 
@@ -33,7 +34,7 @@ def assert_one_divergence_line(stderr: str, out) -> str:
     lines = [line for line in stderr.splitlines() if line.startswith("error: ")]
     assert len(lines) == 1 and lines[0].startswith("error: training diverged: "), stderr
     assert f'File "{REPO / "ddp"}' not in stderr  # no traceback of ours (torchrun prints its own report)
-    newest = checkpoint.step_files(out)[0]
+    newest = rundir.step_files(out)[0]
     assert f"the newest checkpoint, {newest}, is finite" in lines[0]
     assert "Try a lower optim.lr (now 10000), optim.clip_grad_norm=1.0" in lines[0]
     return lines[0]
@@ -48,7 +49,7 @@ def test_one_process_stops_with_exit_3_and_keeps_its_finite_checkpoints(tmp_path
     assert step > 2 and [p.name for p in files] == [f"step-{s:09d}.pt" for s in (step - 1, step - 2)], line
     assert not (tmp_path / "metrics.jsonl").exists() or all(math.isfinite(m["train_loss"]) for m in metrics(tmp_path))
     again = python(str(TRAIN), f"run.out_dir={tmp_path}", *DIVERGING)  # the same command diverges the same way
-    assert again.returncode == 3 and [p.name for p in checkpoint.step_files(tmp_path)] == [p.name for p in files]
+    assert again.returncode == 3 and [p.name for p in rundir.step_files(tmp_path)] == [p.name for p in files]
 
 
 def test_two_ranks_stop_together_and_one_says_why(tmp_path):
@@ -63,18 +64,18 @@ def test_a_step_skipped_by_the_grad_scaler_is_not_a_divergence(tmp_path):
     unchanged, and the run goes on. A non-finite loss is a divergence."""
     cfg = config.load(None, [*TINY, f"run.out_dir={tmp_path}", "run.resume=never"])
     world = World(0, 0, 1, torch.device("cpu"), "none")
-    job, _ = train.build(cfg, world, data.load(cfg.data, world), 32, None)
+    job, _ = train.build(cfg, world, datasets.read(cfg.data, world), Plan(32, 8))
     job.trained.scaler = torch.amp.GradScaler("cpu", enabled=True)  # fp16's scaler (fp16 itself needs CUDA)
     weights = [p.detach().clone() for p in job.trained.model.parameters()]
     first = next(job.trained.model.parameters())
     first.register_hook(lambda grad: grad * math.inf)
     images, labels = next(iter(job.train_loader))
     loss = train.train_step(job, images, labels)
-    job.epoch_loss.add(loss, len(labels), 1)
+    job.stats.add(loss, len(labels), 1)
     assert all(torch.equal(a, b) for a, b in zip(weights, job.trained.model.parameters()))  # the step was skipped
     train.stop_if_diverged(job, Position(0, 1, 1))  # nothing raised
-    job.epoch_loss.add(torch.tensor(math.nan), len(labels), 2)
-    job.epoch_loss.add(torch.tensor(2.0), len(labels), 3)  # a finite loss later does not hide it
+    job.stats.add(torch.tensor(math.nan), len(labels), 2)
+    job.stats.add(torch.tensor(2.0), len(labels), 3)  # a finite loss later does not hide it
     with pytest.raises(Diverged, match="the loss was not finite at global step 2 .*last finite loss 2,"):
         train.stop_if_diverged(job, Position(0, 3, 3))
 
@@ -87,7 +88,7 @@ def test_clip_grad_norm_bounds_the_step(tmp_path):
         None, [*TINY, f"run.out_dir={tmp_path}", "run.resume=never", "optim.clip_grad_norm=0.001", *plain_sgd]
     )
     world = World(0, 0, 1, torch.device("cpu"), "none")
-    job, _ = train.build(cfg, world, data.load(cfg.data, world), 32, None)
+    job, _ = train.build(cfg, world, datasets.read(cfg.data, world), Plan(32, 8))
     before = torch.cat([p.detach().flatten().clone() for p in job.trained.model.parameters()])
     train.train_step(job, *next(iter(job.train_loader)))
     after = torch.cat([p.detach().flatten() for p in job.trained.model.parameters()])

@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import BIN, TINY, TRAIN, metrics, ok
 
-from ddp import models, train
+from ddp import datasets, models, train
 
 GPUS = torch.cuda.device_count()
 needs_gpu = pytest.mark.skipif(GPUS < 1, reason="needs a CUDA GPU (none visible on this machine)")
@@ -60,14 +60,14 @@ def test_torchrun_nccl_one_process_per_gpu(tmp_path):
 
 @needs_gpu
 def test_device_loader_keeps_the_split_on_the_gpu_and_gives_the_cpu_batches():
-    from ddp import data, loaders
-    from ddp.distributed import World
+    from ddp import loaders
+    from ddp.devices import World
 
-    split = data.Split(torch.randint(0, 256, (64, 3, 32, 32), dtype=torch.uint8), torch.arange(64))
+    split = datasets.Split(torch.randint(0, 256, (64, 3, 32, 32), dtype=torch.uint8), torch.arange(64))
     batches = {}
     for device in (torch.device("cpu"), torch.device("cuda", 0)):
         loader = loaders.train_loader(split, 16, World(0, 0, 1, device, "none"), True, 0, 3, "device")
-        loader.sampler.set_position(1, 0)
+        loader.sampler.set_epoch(1, start_step=0)
         batches[device.type] = list(loader)
     assert loader.images.device.type == "cuda"
     for (a, la), (b, lb) in zip(batches["cpu"], batches["cuda"]):
@@ -102,19 +102,21 @@ def test_deterministic_mode_gives_bitwise_equal_weights_twice(tmp_path):
 def test_fp16_clipping_unscales_first(tmp_path):
     """Under fp16 the GradScaler's gradients are the true ones x 65536: clipping and the logged norm
     must see the true ones. The same first step in fp32 gives the reference norm."""
-    from ddp import config, data
-    from ddp.distributed import World
+    from ddp import checks, config
+    from ddp.checks import Plan
+    from ddp.devices import World
 
     norms, clipped = {}, {}
     for amp in ("off", "fp16"):
         settings = [f"run.out_dir={tmp_path / amp}", "run.resume=never", "optim.clip_grad_norm=0.01", f"run.amp={amp}"]
         cfg = config.load(None, [*TINY, *settings])
         world = World(0, 0, 1, torch.device("cuda", 0), "none")
-        job, _ = train.build(cfg, world, data.load(cfg.data, world), 32, train.autocast_dtype(amp, world.device))
+        plan = Plan(32, 8, checks.autocast_dtype(amp, world.device))
+        job, _ = train.build(cfg, world, datasets.read(cfg.data, world), plan)
         assert job.trained.scaler.is_enabled() == (amp == "fp16")
         job.trained.scaler = torch.amp.GradScaler("cuda", init_scale=256.0, enabled=amp == "fp16")  # no skipped step
         train.train_step(job, *next(iter(job.train_loader)))
-        norms[amp] = job.epoch_loss.grad_norm()["grad_norm_max"]
+        norms[amp] = job.stats.grad_norm()["grad_norm_max"]
         grads = [p.grad.float().norm() for p in job.trained.model.parameters()]
         clipped[amp] = float(torch.linalg.vector_norm(torch.stack(grads)))
     assert norms["fp16"] == pytest.approx(norms["off"], rel=0.05)  # not 65536 x it

@@ -4,9 +4,9 @@ augmentation, the device-resident path against the DataLoader path."""
 import pytest
 import torch
 
-from ddp import data, loaders
+from ddp import datasets, loaders
 from ddp.config import DataConfig
-from ddp.distributed import World
+from ddp.devices import World
 
 CPU = World(0, 0, 1, torch.device("cpu"), "none")
 
@@ -15,9 +15,9 @@ def world(rank: int, world_size: int) -> World:
     return World(rank, rank, world_size, torch.device("cpu"), "ddp" if world_size > 1 else "none")
 
 
-def indexed_split(n: int) -> data.Split:
+def indexed_split(n: int) -> datasets.Split:
     """Images whose label is their own index, to follow each one through a loader."""
-    return data.Split(torch.zeros(n, 3, 32, 32, dtype=torch.uint8), torch.arange(n))
+    return datasets.Split(torch.zeros(n, 3, 32, 32, dtype=torch.uint8), torch.arange(n))
 
 
 LOADERS = ["torch", "device"]
@@ -92,7 +92,7 @@ def test_an_image_gets_the_same_crop_whatever_the_world_size_workers_or_resume_s
     """Rank r of world_size, with loader workers or on the device, started at step 2: each image id
     maps to the same augmented pixels as with the torch loader in one process from the start."""
     n, batch = 36, 6
-    split = data.Split(
+    split = datasets.Split(
         torch.randint(0, 256, (n, 3, 32, 32), generator=torch.Generator().manual_seed(0), dtype=torch.uint8),
         torch.arange(n),
     )
@@ -101,7 +101,7 @@ def test_an_image_gets_the_same_crop_whatever_the_world_size_workers_or_resume_s
         out = {}
         for r in range(world_size):
             loader = loaders.train_loader(split, batch // world_size, world(r, world_size), True, workers, 5, kind)
-            loader.sampler.set_position(epoch=4, step=start)
+            loader.sampler.set_epoch(4, start_step=start)
             for images, ids in loader:
                 out.update(zip(ids.tolist(), images))
         return out
@@ -114,7 +114,7 @@ def test_an_image_gets_the_same_crop_whatever_the_world_size_workers_or_resume_s
 
 
 def test_input_fn_normalises_on_the_device():
-    d = data.load(DataConfig(dataset="synthetic", synthetic_train=200, synthetic_test=8), CPU)
+    d = datasets.read(DataConfig(dataset="synthetic", synthetic_train=200, synthetic_test=8), CPU)
     x = loaders.input_fn(d.mean, d.std, torch.device("cpu"), channels_last=True)(d.train.images)
     assert x.dtype == torch.float32 and x.is_contiguous(memory_format=torch.channels_last)
     assert torch.allclose(x.mean(dim=(0, 2, 3)), torch.zeros(3), atol=1e-4)
@@ -145,7 +145,7 @@ def test_device_loader_covers_each_image_once_per_epoch_and_is_deterministic(wor
             loader = loaders.train_loader(
                 indexed_split(n), batch // world_size, world(r, world_size), True, 0, seed, "device"
             )
-            loader.sampler.set_position(epoch, 0)
+            loader.sampler.set_epoch(epoch, start_step=0)
             per_rank.append([i for _, labels in loader for i in labels.tolist()])
         return per_rank
 
@@ -157,14 +157,14 @@ def test_device_loader_covers_each_image_once_per_epoch_and_is_deterministic(wor
 
 
 def test_device_and_torch_loaders_give_the_same_batches():
-    split = data.Split(
+    split = datasets.Split(
         torch.randint(0, 256, (64, 3, 32, 32), generator=torch.Generator().manual_seed(0), dtype=torch.uint8),
         torch.arange(64),
     )
     batches = {}
     for kind in LOADERS:
         loader = loaders.train_loader(split, 16, world(1, 2), True, 0, 9, kind)
-        loader.sampler.set_position(epoch=2, step=1)
+        loader.sampler.set_epoch(2, start_step=1)
         batches[kind] = list(loader)
     assert len(batches["device"]) == len(batches["torch"]) == 1  # 64 / (2 x 16) = 2 steps, 1 after step 1
     for (a, la), (b, lb) in zip(batches["device"], batches["torch"]):

@@ -2,7 +2,7 @@
 
 import torch
 
-from ddp import distributed, metrics
+from ddp import devices, metrics
 
 
 def test_flip_test_time_augmentation_adds_the_logits_of_the_mirror_image():
@@ -14,10 +14,10 @@ def test_flip_test_time_augmentation_adds_the_logits_of_the_mirror_image():
     images = torch.zeros(4, 3, 32, 32, dtype=torch.uint8)
     images[:2, :, :, :16] = 200  # class 1 alone; with its mirror the logits tie and argmax takes class 0
     labels = torch.tensor([0, 0, 1, 1])
-    world = distributed.World(0, 0, 1, torch.device("cpu"), "none")
+    world = devices.World(0, 0, 1, torch.device("cpu"), "none")
     loader = [(images, labels)]
     to_input = lambda x: x.float()  # noqa: E731
-    plain = metrics.evaluate(LeftMinusRight(), loader, to_input, 2, world, None)
-    tta = metrics.evaluate(LeftMinusRight(), loader, to_input, 2, world, None, tta_flip=True)
+    plain = metrics.confusion_matrix(LeftMinusRight(), loader, to_input, 2, world, None)
+    tta = metrics.confusion_matrix(LeftMinusRight(), loader, to_input, 2, world, None, tta_flip=True)
     assert plain.tolist() == [[0, 2], [2, 0]]  # rows: true class; bright-left says 1, blank ties to 0
     assert tta.tolist() == [[2, 0], [2, 0]]  # the mirrored logits cancel: ties go to class 0

@@ -17,7 +17,7 @@ import torch
 from conftest import REPO, TINY, TRAIN, clean_env, metrics, ok, python, torchrun
 
 from ddp import checkpoint, files, rundir
-from ddp.distributed import World
+from ddp.devices import World
 from ddp.errors import UsageError, WriteFailed
 
 LONG = [*TINY, "data.synthetic_train=4096", "train.epochs=30", "run.progress=false"]  # minutes: stopped by the test
@@ -37,7 +37,7 @@ def start(out_dir: Path, *args: str) -> subprocess.Popen:
                             env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
     lock = out_dir / rundir.LOCK
     deadline = time.monotonic() + 120
-    while not (lock.is_file() and lock.read_text() and checkpoint.step_files(out_dir)):
+    while not (lock.is_file() and lock.read_text() and rundir.step_files(out_dir)):
         assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() else "slow"
         time.sleep(0.1)
     return proc
@@ -117,7 +117,7 @@ def test_a_full_disk_is_one_line_the_last_checkpoint_stays_and_a_rerun_continues
     full = python(str(TRAIN), *args)
     assert full.returncode == 1, full.stderr
     line = assert_one_error_line(full, "cannot write ", "No space left on device", "bytes needed", "bytes free")
-    newest = checkpoint.step_files(out)[0]
+    newest = rundir.step_files(out)[0]
     assert f"the previous checkpoint, {newest}, is intact" in line
     checkpoint.load(newest)  # whole: it loads and passes its checksum
     assert not leftovers(out)

@@ -10,7 +10,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from ddp import distributed, models, sync_bn
+from ddp import devices, distributed, models, sync_bn
 
 SHAPE = (12, 3, 5, 4)  # N, C, H, W
 
@@ -178,7 +178,7 @@ def buffers_worker(rank, world_size, init_file, how, out):
         bn.running_mean.fill_(float(rank))
         bn.running_var.fill_(float(rank + 1))
         bn.num_batches_tracked.fill_(10 * rank)
-        world = distributed.World(rank, rank, world_size, torch.device("cpu"), "ddp")
+        world = devices.World(rank, rank, world_size, torch.device("cpu"), "ddp")
         distributed.sync_buffers(bn, world, how)
         torch.save(bn.state_dict(), f"{out}/{rank}.pt")
     finally:

@@ -9,8 +9,9 @@ import torch
 from conftest import TINY, TRAIN, clean_env, python
 from torch import nn
 
-from ddp import config, data, ema, mixing, profiling, train
-from ddp.distributed import World
+from ddp import config, datasets, ema, mixing, profiling, train
+from ddp.checks import Plan
+from ddp.devices import World
 from ddp.errors import UsageError
 
 MIXING = ["data.mixup_alpha=0.4", "data.cutmix_alpha=1.0"]
@@ -111,7 +112,7 @@ def test_the_average_resumes_from_its_state():
 def tiny_job(tmp_path, *overrides: str) -> train.Job:
     cfg = config.load(None, [*TINY, f"run.out_dir={tmp_path}", "run.resume=never", *overrides])
     world = World(0, 0, 1, torch.device("cpu"), "none")
-    job, _ = train.build(cfg, world, data.load(cfg.data, world), 32, None)
+    job, _ = train.build(cfg, world, datasets.read(cfg.data, world), Plan(32, 8))
     return job
 
 
@@ -120,7 +121,7 @@ def test_clipping_bounds_the_total_norm_and_logs_the_norm_before_it(tmp_path):
     train.train_step(job, *next(iter(job.train_loader)))
     clipped = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in job.trained.model.parameters()]))
     assert clipped <= 0.01 * 1.0001
-    logged = job.epoch_loss.grad_norm()
+    logged = job.stats.grad_norm()
     assert logged["grad_norm_max"] > 0.1  # the norm before clipping, the one that tells a user something
     assert logged["grad_norm_mean"] == pytest.approx(logged["grad_norm_max"])  # one step
 
@@ -134,7 +135,7 @@ def test_grad_norm_is_logged_without_clipping_too(tmp_path):
         norms.append(
             float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in job.trained.model.parameters()])))
         )
-    logged = job.epoch_loss.grad_norm()
+    logged = job.stats.grad_norm()
     assert logged["grad_norm_mean"] == pytest.approx(sum(norms) / 3)
     assert logged["grad_norm_max"] == pytest.approx(max(norms))
 
@@ -225,9 +226,9 @@ def test_a_profile_resumed_inside_its_steps_traces_the_rest(tmp_path, capsys):
 
 def test_a_step_the_grad_scaler_skips_leaves_the_norm_statistics_alone():
     """fp16's first steps often overflow (inf gradients) and are skipped: their norm is not a figure."""
-    from ddp.metrics import EpochLoss
+    from ddp.metrics import StepStats
 
-    sums = EpochLoss(torch.device("cpu"))
+    sums = StepStats(torch.device("cpu"))
     for norm in (2.0, math.inf, math.nan, 4.0):
         sums.add_grad_norm(torch.tensor(norm))
     assert sums.grad_norm() == {"grad_norm_mean": 3.0, "grad_norm_max": 4.0}

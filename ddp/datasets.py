@@ -1,9 +1,6 @@
-"""Datasets: every kind (cifar10/cifar100 through torchvision, an .npz file, synthetic) read once into
-the same form, uint8 images (N, 3, 32, 32) and int64 labels with class names, and checked on the way
-in: a file that lies (labels out of range or not whole numbers, arrays of the wrong shape or length,
-an empty split) is a UsageError naming the array, the value and its index, before any process group.
-Loaded before the process group exists: local rank 0 downloads, the other ranks of its node wait
-for the files. Batches, sharding and augmentation are loaders.py's.
+"""Datasets (cifar10/cifar100 through torchvision, an .npz file, synthetic), read once into one form,
+uint8 images (N, 3, 32, 32) and int64 labels with class names, and checked on the way in: a file that
+lies is a UsageError naming the array, the value and its index. Local rank 0 downloads; the others wait.
 """
 
 from __future__ import annotations
@@ -16,7 +13,7 @@ import numpy as np
 import torch
 
 from ddp.config import DataConfig
-from ddp.distributed import World
+from ddp.devices import World
 from ddp.errors import UsageError
 
 
@@ -142,10 +139,10 @@ DOWNLOAD_WAIT_S = 3600  # how long the other ranks of a node wait for local rank
 
 def _torchvision(cfg: DataConfig, world: World) -> tuple[Split, Split, list[str]]:
     """CIFAR-10/100 from data.root; local rank 0 downloads if allowed, the others of its node wait
-    for the files to appear (no process group is needed: data is loaded before joining one)."""
-    from torchvision import datasets
+    for the files to appear (no process group is needed: the data is read before joining one)."""
+    from torchvision import datasets as torchvision_datasets
 
-    cls = datasets.CIFAR10 if cfg.dataset == "cifar10" else datasets.CIFAR100
+    cls = torchvision_datasets.CIFAR10 if cfg.dataset == "cifar10" else torchvision_datasets.CIFAR100
     name = "CIFAR-10" if cfg.dataset == "cifar10" else "CIFAR-100"
     folder = cls.base_folder
     offline_fix = f"put the torchvision copy ({folder}/) in data.root, or use data.dataset=npz data.path=FILE.npz"
@@ -184,7 +181,7 @@ def _torchvision(cfg: DataConfig, world: World) -> tuple[Split, Split, list[str]
     return found
 
 
-def _read(cfg: DataConfig, world: World, parts: tuple[str, ...]) -> tuple[Split | None, Split, list[str] | None]:
+def _read_parts(cfg: DataConfig, world: World, parts: tuple[str, ...]) -> tuple[Split | None, Split, list[str] | None]:
     """(train or None, test, class names or None when the data has none)."""
     if cfg.dataset == "npz":
         found = _npz(cfg, parts)
@@ -196,9 +193,9 @@ def _where(cfg: DataConfig) -> str:
     return f"data.path={cfg.path}" if cfg.dataset == "npz" else f"data.dataset={cfg.dataset}"
 
 
-def load(cfg: DataConfig, world: World) -> Data:
+def read(cfg: DataConfig, world: World) -> Data:
     """The training and test splits, checked, with the training split's per-channel statistics."""
-    train, test, classes = _read(cfg, world, ("train", "test"))
+    train, test, classes = _read_parts(cfg, world, ("train", "test"))
     for name, split in (("train", train), ("test", test)):
         if len(split.labels) == 0:
             raise UsageError(f"{_where(cfg)}: the {name} split is empty")
@@ -214,10 +211,10 @@ def load(cfg: DataConfig, world: World) -> Data:
     return Data(train, test, classes, mean, std)
 
 
-def load_test(cfg: DataConfig, world: World, classes: list[str]) -> Split:
+def read_test(cfg: DataConfig, world: World, classes: list[str]) -> Split:
     """The test split alone, its labels checked against a trained model's classes: evaluating a
     checkpoint needs no training images (their statistics are in the checkpoint)."""
-    _, test, _ = _read(cfg, world, ("test",))
+    _, test, _ = _read_parts(cfg, world, ("test",))
     if len(test.labels) == 0:
         raise UsageError(f"{_where(cfg)}: the test split is empty")
     check_labels(_where(cfg), "y_test", test.labels, classes, named=True)

@@ -1,0 +1,81 @@
+"""The checks made before any rank joins the process group (train.checked makes them, in order) and
+what they decide, the Plan: each rank's share of the global batch, the steps, the autocast dtype, the
+stop signals, the steps to profile. Settings that each parse but do not go together are refused here."""
+
+from __future__ import annotations
+
+import signal
+from dataclasses import dataclass
+
+import torch
+
+from ddp import models
+from ddp.config import Config
+from ddp.devices import World
+from ddp.errors import UsageError
+
+
+@dataclass(frozen=True)
+class Plan:
+    per_rank_batch: int  # images per rank per optimizer step: the global batch / world_size
+    steps_per_epoch: int  # global batches per epoch (the last, partial one is dropped)
+    amp: torch.dtype | None = None  # autocast dtype, None for float32
+    stop_signals: tuple[signal.Signals, ...] = ()  # each asks for a stop at the next step boundary
+    profile_steps: range | None = None  # global steps to trace (run.profile), None for none
+
+
+def split_batch(global_batch: int, world_size: int, key: str, accum_steps: int = 1) -> int:
+    """This rank's share of a global batch; every rank gets the same share, which splits again
+    into `accum_steps` equal micro-batches. Refused with the nearest values that would work."""
+    unit = world_size * accum_steps
+    if global_batch >= 1 and global_batch % unit == 0:
+        return global_batch // world_size
+    lo = max(unit, global_batch // unit * unit)
+    if accum_steps == 1:
+        raise UsageError(
+            f"{key}={global_batch} must be a positive multiple of world_size={world_size} "
+            f"(it is the global batch, split evenly across ranks); try {lo} or {lo + world_size}"
+        )
+    per_rank = global_batch // world_size if global_batch % world_size == 0 else 0
+    ks = [k for k in range(1, per_rank + 1) if per_rank % k == 0]  # the K that divide this rank's share
+    below = max((k for k in ks if k < accum_steps), default=0)
+    above = min((k for k in ks if k > accum_steps), default=0)
+    near = [str(k) for k in (below, above) if k]
+    other = f", or train.grad_accum_steps={' or '.join(near)}" if near else ""
+    raise UsageError(
+        f"{key}={global_batch} must be a positive multiple of world_size x train.grad_accum_steps = "
+        f"{world_size} x {accum_steps} = {unit} (equal micro-batches on every rank); try {lo} or {lo + unit}{other}"
+    )
+
+
+def steps_per_epoch(cfg: Config, train_images: int) -> int:
+    """Global batches in an epoch (the last, partial one is dropped)."""
+    if train_images < cfg.train.batch_size:
+        raise UsageError(f"train.batch_size={cfg.train.batch_size} exceeds the {train_images} training images")
+    return train_images // cfg.train.batch_size
+
+
+def autocast_dtype(amp: str, device: torch.device) -> torch.dtype | None:
+    if amp == "off":
+        return None
+    if amp == "fp16" and device.type != "cuda":
+        raise UsageError(f"run.amp=fp16 needs a CUDA device, not {device}; use run.amp=bf16 or off")
+    return torch.bfloat16 if amp == "bf16" else torch.float16
+
+
+def check_combinations(cfg: Config, world: World) -> None:
+    """Settings that each parse but do not work together."""
+    models.check(cfg.model.name, cfg.model.dropout, cfg.model.width)
+    if cfg.train.sync_bn and world.parallel == "dp":
+        raise UsageError(
+            "train.sync_bn=true needs DDP (nn.DataParallel computes BatchNorm per GPU): "
+            "torchrun --standalone --nproc_per_node=N ddp/train.py ..."
+        )
+    if cfg.run.deterministic and cfg.run.cudnn_benchmark:
+        raise UsageError("run.deterministic=true and run.cudnn_benchmark=true: cuDNN's autotuning is not deterministic")
+    if cfg.ddp.static_graph and cfg.train.grad_accum_steps > 1:
+        raise UsageError(
+            "ddp.static_graph=true with train.grad_accum_steps>1: DDP's static graph breaks under no_sync "
+            "(an internal assert, then gradients that are no longer all-reduced: pytorch/pytorch#143580); "
+            "use one of the two"
+        )

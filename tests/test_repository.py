@@ -40,3 +40,11 @@ def test_package_modules_and_functions_stay_small():
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 length = node.end_lineno - node.lineno + 1
                 assert length <= 60, f"{path.name}:{node.name} has {length} lines"
+
+
+def test_each_module_says_what_it_owns_in_at_most_three_lines():
+    """ddp/: every module opens with a docstring whose first paragraph (what it owns) is 1-3 lines."""
+    for path in sorted((REPO / "ddp").glob("*.py")):
+        doc = ast.get_docstring(ast.parse(path.read_text()))
+        assert doc, f"{path.name} has no docstring"
+        assert len(doc.split("\n\n")[0].splitlines()) <= 3, f"{path.name}: what it owns, in more than 3 lines"

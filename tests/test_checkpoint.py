@@ -1,6 +1,8 @@
 """Checkpoint files: durability, fallback, refusal of code, inspection, export, loading anywhere."""
 
+import ast
 import os
+import re
 import signal
 import struct
 import subprocess
@@ -12,7 +14,7 @@ import pytest
 import torch
 from conftest import REPO, TINY, TRAIN, clean_env, metrics, ok, python
 
-from ddp import checkpoint, config, models, optim, train
+from ddp import checkpoint, config, models, optim, rundir, train
 
 RUN = [*TINY, "train.epochs=2", "run.save_every_steps=3", "run.keep_last=2"]
 
@@ -25,16 +27,16 @@ def run_dir(tmp_path):
 
 
 def test_keeps_the_newest_files_and_last_pt_is_the_newest(run_dir):
-    files = checkpoint.step_files(run_dir)
+    files = rundir.step_files(run_dir)
     assert [p.name for p in files] == ["step-000000016.pt", "step-000000015.pt"]  # keep_last=2
-    assert os.path.samefile(files[0], checkpoint.last_path(run_dir))  # a hard link, not a copy
+    assert os.path.samefile(files[0], rundir.last_path(run_dir))  # a hard link, not a copy
     state = checkpoint.load(files[1])
     assert (state["epoch"], state["step"], state["global_step"]) == (1, 7, 15)  # mid-epoch 2
     assert state["ranks"][0]["partial"] is not None  # the unfinished epoch's running loss sums
 
 
 def test_a_checkpoint_holds_everything_for_an_exact_continuation(run_dir):
-    state = torch.load(checkpoint.last_path(run_dir), map_location="cpu", weights_only=True)
+    state = torch.load(rundir.last_path(run_dir), map_location="cpu", weights_only=True)
     assert {
         "model", "optimizer", "scheduler", "scaler", "ranks", "epoch", "step", "global_step", "global_batch",
         "world_size", "config", "versions", "checksum", "metrics", "normalize", "train_images",
@@ -57,7 +59,7 @@ def middle_of_largest_tensor(path) -> int:
 
 @pytest.mark.parametrize("damage", ["truncate", "flip a byte"])
 def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_with_a_warning(run_dir, damage, capsys):
-    newest = checkpoint.step_files(run_dir)[0]
+    newest = rundir.step_files(run_dir)[0]
     data = bytearray(newest.read_bytes())
     if damage == "truncate":
         data = data[: len(data) // 2]
@@ -75,7 +77,7 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_with_a_warning(r
 
 
 def test_when_every_checkpoint_is_damaged_the_run_stops_instead_of_starting_over(run_dir, capsys):
-    for path in checkpoint.step_files(run_dir):
+    for path in rundir.step_files(run_dir):
         path.unlink()
         path.write_bytes(b"garbage")
     assert train.cli([f"run.out_dir={run_dir}", *RUN]) == 2
@@ -100,11 +102,11 @@ def test_a_checkpoint_that_would_run_code_is_refused_not_executed(tmp_path):
 
 
 def test_inspect_and_export(run_dir, tmp_path):
-    shown = ok(python("-m", "ddp.checkpoint", "inspect", str(checkpoint.last_path(run_dir)))).stdout
+    shown = ok(python("-m", "ddp.checkpoint", "inspect", str(rundir.last_path(run_dir)))).stdout
     assert "checksum ok" in shown and "epoch 2 done, step 0" in shown and "world_size 1" in shown
     assert "test_acc" in shown and "MB" in shown
     out = tmp_path / "weights.pt"
-    ok(python("-m", "ddp.checkpoint", "export", str(checkpoint.last_path(run_dir)), str(out)))
+    ok(python("-m", "ddp.checkpoint", "export", str(rundir.last_path(run_dir)), str(out)))
     weights = torch.load(out, map_location="cpu", weights_only=True)
     assert weights["model_name"] == "small" and len(weights["classes"]) == 10
     models.build(weights["model_name"], len(weights["classes"])).load_state_dict(weights["model"])
@@ -130,14 +132,14 @@ def test_resuming_with_other_settings_lists_every_one_that_changed(tmp_path):
 def test_weights_saved_from_a_wrapper_load_into_a_plain_model(run_dir, prefix):
     """DataParallel/DDP ("module."), torch.compile ("_orig_mod.") and both: a user's own state dict
     saved from the wrapper resumes into the plain model."""
-    state = checkpoint.load(checkpoint.last_path(run_dir))
+    state = checkpoint.load(rundir.last_path(run_dir))
     state["model"] = {prefix + k: v for k, v in state["model"].items()}
     model = models.build("small", 10)
     optimizer, scheduler = optim.make_optimizer(model, config.OptimConfig(), 16, 8)
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     checkpoint.restore(state, checkpoint.Trained(model, optimizer, scheduler, scaler))
     assert torch.equal(
-        model.state_dict()["0.0.weight"], checkpoint.load(checkpoint.last_path(run_dir))["model"]["0.0.weight"]
+        model.state_dict()["0.0.weight"], checkpoint.load(rundir.last_path(run_dir))["model"]["0.0.weight"]
     )
 
 
@@ -166,4 +168,81 @@ def test_stop_signal_under_slurm_requeues_the_job(tmp_path):
     assert proc.returncode == 75, stderr
     assert calls.read_text().split() == ["requeue", "1200_7"]
     assert "scontrol requeue 1200_7: requeued" in stdout
-    assert checkpoint.load(checkpoint.last_path(out))["epoch"] < 20
+    assert checkpoint.load(rundir.last_path(out))["epoch"] < 20
+
+
+class TutorialNet(torch.nn.Module):
+    """PyTorch's "Training a Classifier" tutorial's own Net, as a reader of that tutorial has it."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = torch.nn.Conv2d(3, 6, 5)
+        self.pool = torch.nn.MaxPool2d(2, 2)
+        self.conv2 = torch.nn.Conv2d(6, 16, 5)
+        self.fc1 = torch.nn.Linear(16 * 5 * 5, 120)
+        self.fc2 = torch.nn.Linear(120, 84)
+        self.fc3 = torch.nn.Linear(84, 10)
+
+    def forward(self, x):
+        x = self.pool(torch.relu(self.conv1(x)))
+        x = self.pool(torch.relu(self.conv2(x)))
+        x = torch.flatten(x, 1)
+        x = torch.relu(self.fc1(x))
+        x = torch.relu(self.fc2(x))
+        return self.fc3(x)
+
+
+def test_the_tutorials_own_lines_load_an_exported_state_dict_and_reach_evaluates_accuracy(tmp_path, capsys):
+    """export --state-dict writes what `net.load_state_dict(torch.load(PATH))` takes and prints the
+    normalisation; the tutorial's Net, transforms and per-class loop then count exactly what
+    python -m ddp.evaluate counts."""
+    from torchvision import transforms
+
+    from ddp import datasets, evaluate
+    from ddp.cli import command
+    from ddp.devices import World
+
+    out = tmp_path / "run"
+    train.main([f"run.out_dir={out}", *TINY, "model.name=tutorial", "train.epochs=1"])
+    PATH = tmp_path / "cifar_net.pth"
+    assert command(checkpoint.main, ["export", str(rundir.last_path(out)), str(PATH), "--state-dict"]) == 0
+    printed = capsys.readouterr().out
+    mean, std = (ast.literal_eval(v) for v in re.search(r"Normalize\((\[.*?\]), (\[.*?\])\)", printed).groups())
+
+    net = TutorialNet()
+    net.load_state_dict(torch.load(PATH))  # the tutorial's line, as it is
+    transform = transforms.Compose([transforms.ToTensor(), transforms.Normalize(mean, std)])
+    test = datasets.read(config.load(None, TINY).data, World(0, 0, 1, torch.device("cpu"), "none")).test
+    testset = [(transform(image.permute(1, 2, 0).numpy()), label) for image, label in zip(test.images, test.labels)]
+    testloader = torch.utils.data.DataLoader(testset, batch_size=4, shuffle=False)
+    classes = [f"class{i}" for i in range(10)]
+    correct_pred = {classname: 0 for classname in classes}
+    total_pred = {classname: 0 for classname in classes}
+    with torch.no_grad():
+        for images, labels in testloader:
+            _, predictions = torch.max(net(images), 1)
+            for label, prediction in zip(labels, predictions):
+                if label == prediction:
+                    correct_pred[classes[label]] += 1
+                total_pred[classes[label]] += 1
+
+    reported = evaluate.measure(str(rundir.last_path(out)), "cpu", 1024, [])
+    assert [correct_pred[c] / total_pred[c] if total_pred[c] else None for c in classes] == reported[
+        "per_class_accuracy"
+    ]
+    assert sum(correct_pred.values()) / 101 == reported["accuracy"] == metrics(out)[-1]["test_acc"]
+
+
+def test_bad_export_options_are_one_line_and_exit_2(run_dir, tmp_path, capsys):
+    from ddp.cli import command
+
+    last = str(rundir.last_path(run_dir))
+    for argv in (
+        ["export", last, str(tmp_path / "a.pt"), "--state-dict=yes"],  # a flag takes no value
+        ["inspect", last, "--state-dict"],  # inspect writes nothing
+        ["export", last, "--state-dict"],  # no OUT
+    ):
+        assert command(checkpoint.main, argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "export PATH OUT [--raw] [--state-dict]" in err, err
+    assert not list(tmp_path.glob("*.pt"))

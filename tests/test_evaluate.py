@@ -76,3 +76,32 @@ def test_a_cpu_checkpoint_evaluates_on_the_gpu(ddp_run):
                   "--json", env=env)  # fmt: skip
     got = json.loads(ok(proc).stdout)
     assert got["device"] == "cuda:0" and got["accuracy"] == pytest.approx(metrics(ddp_run)[-1]["test_acc"])
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--json"], "--checkpoint is required"),
+        (["--checkpoint"], "--checkpoint needs a file"),
+        (["--checkpoint", "x.pt", "--batch-size", "0"], "--batch-size needs a number of images, e.g. 1024, not '0'"),
+        (["--checkpoint", "x.pt", "--batch-size=many"], "--batch-size needs a number of images, e.g. 1024, not 'many'"),
+        (["--checkpoint", "x.pt", "--batch-size"], "--batch-size needs a number of images, e.g. 1024, not ''"),
+        (["--checkpoint", "x.pt", "--bogus"], "unknown option --bogus; options are --checkpoint PATH, --device DEVICE"),
+    ],
+)
+def test_bad_options_are_one_line_and_exit_2(argv, message, capsys):
+    """The one command-line parser (ddp.cli.parse), as evaluate uses it: in this process, no run needed."""
+    from ddp import evaluate as ddp_evaluate
+    from ddp.cli import command
+
+    assert command(ddp_evaluate.main, argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err
+
+
+def test_plot_without_a_run_is_one_line_and_exit_2(capsys):
+    from ddp import plot
+    from ddp.cli import command
+
+    assert command(plot.main, ["--out", "charts"]) == 2
+    assert "name at least one run: usage: python -m ddp.plot RUN_DIR" in capsys.readouterr().err

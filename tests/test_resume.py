@@ -18,7 +18,7 @@ import pytest
 import torch
 from conftest import REPO, REPORT, TORCHRUN, TRAIN, clean_env, metrics, ok, torchrun
 
-from ddp import checkpoint
+from ddp import checkpoint, rundir
 
 # A job with BatchNorm and random crops/flips on (both must resume exactly): 1024 synthetic train
 # images, global batch 32 -> 32 steps per epoch, 3 epochs = 96 steps; a checkpoint every 5 steps.
@@ -148,10 +148,10 @@ def test_kill_during_a_checkpoint_write_leaves_only_whole_files(reference, tmp_p
     env = clean_env(DDP_CIFAR_FAULT=f"write:{step}")
     first = subprocess.run(train_cmd(tmp_path), cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert first.returncode != 0
-    directory = checkpoint.directory(tmp_path)
+    directory = rundir.checkpoint_dir(tmp_path)
     assert list(directory.glob(f".step-{step:09d}.pt.*.tmp")), "killed halfway through the write"
     assert not (directory / f"step-{step:09d}.pt").exists()
-    for path in checkpoint.step_files(tmp_path):
+    for path in rundir.step_files(tmp_path):
         checkpoint.load(path)  # every file under a final name is whole and passes its checksum
     ok(subprocess.run(train_cmd(tmp_path), cwd=REPO, env=env, capture_output=True, text=True, timeout=300))
     assert not list(directory.glob(".*.tmp"))
@@ -174,7 +174,7 @@ def popen(cmd: list[str]) -> subprocess.Popen:
 
 def wait_for_checkpoint(out: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout
-    while not checkpoint.step_files(out):
+    while not rundir.step_files(out):
         assert proc.poll() is None and time.monotonic() < deadline, "the run ended before its first checkpoint"
         time.sleep(0.05)
 
@@ -185,7 +185,7 @@ def test_whole_job_killed_at_a_random_time_then_resumes_bitwise(reference, tmp_p
     wait_for_checkpoint(tmp_path, proc)
     time.sleep(delay)
     kill_job(proc)
-    newest = checkpoint.step_files(tmp_path)[0].name
+    newest = rundir.step_files(tmp_path)[0].name
     ok(subprocess.run(train_cmd(tmp_path), cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=300))
     assert_bitwise(reference, tmp_path)
     REPORT.append(f"kill -9 of the whole job {delay:.2f} s after its first checkpoint (newest then: {newest}): bitwise")
@@ -275,7 +275,7 @@ def test_resume_in_other_world_sizes_keeps_batch_and_data_order(tmp_path, sizes)
     train_on(sizes[0], out, first_kill)
     diffs = []
     for before, after in zip(sizes, sizes[1:]):
-        resume_at = int(checkpoint.step_files(out)[0].name[5:-3])
+        resume_at = int(rundir.step_files(out)[0].name[5:-3])
         same, other = tmp_path / f"{out.name}-{before}", tmp_path / f"{out.name}-{after}"
         for copy, size in ((same, before), (other, after)):
             shutil.copytree(out, copy)
@@ -292,3 +292,24 @@ def test_resume_in_other_world_sizes_keeps_batch_and_data_order(tmp_path, sizes)
     assert max(diffs) < 1e-4, f"first kill after step {first_kill}: {diffs}"
     REPORT.append(f"world sizes {sizes} from step {first_kill}: 4 steps after each change, weights agree "
                   f"within {max(diffs):.0e} with the unchanged world size")  # fmt: skip
+
+
+def test_fault_injection_installs_nothing_unless_asked(monkeypatch, tmp_path):
+    """DDP_CIFAR_FAULT unset (every real run): faults.arm reads it once and installs no hook."""
+    from ddp import faults
+
+    def installed(*_):
+        raise AssertionError("a fault hook was installed")
+
+    monkeypatch.setattr(faults, "register_optimizer_step_post_hook", installed)
+    monkeypatch.setattr(faults.sys, "addaudithook", installed)
+    monkeypatch.delenv(faults.VAR, raising=False)
+    faults.arm(str(tmp_path), 0, 0)
+    monkeypatch.setenv(faults.VAR, "step:5:r1")  # another rank's fault
+    faults.arm(str(tmp_path), 0, 0)
+    rundir.fault_marker(tmp_path, "write", 5).write_text("write:5")  # a fault that has fired already
+    monkeypatch.setenv(faults.VAR, "write:5")
+    faults.arm(str(tmp_path), 0, 0)
+    with pytest.raises(AssertionError, match="installed"):  # and one that is due is installed
+        monkeypatch.setenv(faults.VAR, "write:10")
+        faults.arm(str(tmp_path), 0, 0)

@@ -119,11 +119,14 @@ def command(main: Callable[[list[str]], Any], argv: list[str] | None = None, pro
     except Stopped as e:
         if str(e):  # rank 0 says why; the other ranks print nothing
             print(str(e), file=sys.stderr)
+            launchers.record_error(str(e))
         return exit_code(e)
     except (UsageError, Diverged, WriteFailed, PeerLost) as e:
         if debug_requested(argv):
             raise  # the traceback, for a bug report
+        line = f"{prog + ': ' if prog else ''}error: {e}"
         if isinstance(e, PeerLost) or launchers.speaks_for_its_machine():
-            print(f"{prog + ': ' if prog else ''}error: {e}", file=sys.stderr)
+            print(line, file=sys.stderr)
+        launchers.record_error(line)  # torchrun's report names it (its own box, after this line)
         return exit_code(e)
     return code if isinstance(code, int) else EXIT_OK

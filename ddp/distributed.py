@@ -25,7 +25,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
-from ddp import launchers, lost_rank
+from ddp import launchers, lifeline, lost_rank
 from ddp.config import DdpConfig
 from ddp.devices import World
 from ddp.errors import UsageError, WriteFailed
@@ -58,11 +58,14 @@ def setup(world: World, timeout_s: float) -> Iterator[World]:
     store = None
     try:
         if world.parallel == "ddp":
-            rendezvous, store = _rendezvous(world, timeout_s)
-            backend = world.process_group_backend
-            dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), **rendezvous)
-            if backend == "nccl":
-                world = replace(world, control=dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s)))
+            where = f"the rendezvous ({_meeting_point(world)})"
+            with lifeline.deadline(timeout_s, where), lost_rank.naming(world, where):  # a dead store: minutes
+                rendezvous, store = _rendezvous(world, timeout_s)
+                backend = world.process_group_backend
+                dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), **rendezvous)
+                if backend == "nccl":
+                    control = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+                    world = replace(world, control=control)
         yield world
     except BaseException as e:
         traceback.clear_frames(e.__traceback__)  # frames keep their names and lines, not their locals (DDP)
@@ -73,6 +76,14 @@ def setup(world: World, timeout_s: float) -> Iterator[World]:
         if dist.is_initialized():
             gc.collect()  # DDP objects in reference cycles go now, while their group exists
             dist.destroy_process_group()
+
+
+def _meeting_point(world: World) -> str:
+    """Where the ranks meet, for a line about a rendezvous that does not end."""
+    agent = launchers.agent_store()
+    if world.init_method:
+        return world.init_method
+    return f"torchrun's store at {agent[0]}:{agent[1]}" if agent else "env://MASTER_ADDR:MASTER_PORT"
 
 
 def _rendezvous(world: World, timeout_s: float) -> tuple[dict[str, Any], dist.Store | None]:

@@ -5,6 +5,8 @@ a lost node does: no handler runs, nothing is flushed.
     DDP_CIFAR_FAULT=step:N[:rR]   SIGKILL rank R (default 0) in global step N, once its optimizer step is taken
     DDP_CIFAR_FAULT=write:N       SIGKILL rank 0 as it writes the checkpoint of global step N: the
                                   temporary file is left cut in half, as a kill halfway through leaves it
+    DDP_CIFAR_FAULT=launcher:N    SIGKILL rank 0's launcher (its parent, torchrun say) as rank 0 writes
+                                  the checkpoint of global step N; rank 0 itself goes on
 
 A fault fires once per run directory: it leaves rundir.fault_marker there first, so the restarted
 job (same command, same environment) runs through.
@@ -42,20 +44,21 @@ def arm(out_dir: str, rank: int, steps_done: int) -> None:
 
         def after_optimizer_step(*_: Any) -> None:
             if next(steps) == step:
-                _kill(marker, spec)
+                _kill(marker, spec, os.getpid())
 
         register_optimizer_step_post_hook(after_optimizer_step)
-    elif point == "write":
+    elif point in ("write", "launcher"):
         temporary = f".{rundir.step_path(out_dir, step).name}."  # files.replace's temporary file of that checkpoint
 
         def on_rename(event: str, args: tuple) -> None:  # a Python audit hook: called for audited events
-            if event == "os.rename" and Path(args[0]).name.startswith(temporary):
-                os.truncate(args[0], os.path.getsize(args[0]) // 2)
-                _kill(marker, spec)
+            if event == "os.rename" and Path(args[0]).name.startswith(temporary) and not marker.exists():
+                if point == "write":
+                    os.truncate(args[0], os.path.getsize(args[0]) // 2)
+                _kill(marker, spec, os.getpid() if point == "write" else os.getppid())
 
         sys.addaudithook(on_rename)
 
 
-def _kill(marker: Path, spec: str) -> None:
+def _kill(marker: Path, spec: str, pid: int) -> None:
     marker.write_text(spec)
-    os.kill(os.getpid(), signal.SIGKILL)
+    os.kill(pid, signal.SIGKILL)

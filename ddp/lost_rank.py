@@ -1,11 +1,14 @@
-"""After a collective failed: which rank was lost, and how (it died, or hung past run.timeout_s), as
-one PeerLost line. The ranks that are still alive check in at torchrun's agent store; the ones that
-do not within a second are the lost ones."""
+"""After a collective or the rendezvous failed: which rank was lost, and how (it died, or hung past
+run.timeout_s), as one PeerLost line. The ranks still alive check in at torchrun's agent store; the
+ones that do not within a second are the lost ones."""
 
 from __future__ import annotations
 
 import signal
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import timedelta
 
 import torch.distributed as dist
 
@@ -24,6 +27,19 @@ def is_comm_failure(e: BaseException) -> bool:
     return isinstance(e, RuntimeError) and any(s in str(e) for s in _COMM_WORDS)
 
 
+@contextmanager
+def naming(world: World, what: str) -> Iterator[None]:
+    """Around a wait for all the ranks that is not a collective (the rendezvous): its failure as one
+    PeerLost line that names `what`."""
+    try:
+        yield
+    except Exception as e:
+        if not is_comm_failure(e):
+            raise
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise PeerLost(f"rank {world.rank} of {world.world_size}: {what} failed [{first}]") from e
+
+
 def silent_ranks(world: World, store: dist.Store | None, wait_s: float = 1.0) -> list[int] | None:
     """The ranks that do not check in at the agent's store within `wait_s` (dead or hung), or None
     without an agent store (it would have died with rank 0)."""
@@ -33,6 +49,7 @@ def silent_ranks(world: World, store: dist.Store | None, wait_s: float = 1.0) ->
     # takes at most `wait_s` more to say whom it lost (torchrun's SIGKILL comes 30 s later).
     previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
+        store.set_timeout(timedelta(seconds=wait_s))  # a store that died with its agent: no longer than that
         store.set(f"lost-contact/{world.rank}", "1")
         keys = [f"lost-contact/{r}" for r in range(world.world_size)]
         deadline = time.monotonic() + wait_s

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import signal
 import subprocess
+import time
 from pathlib import Path
 from types import FrameType, TracebackType
 
-from ddp import distributed, launchers, logs
+from ddp import distributed, launchers, lifeline, logs
 from ddp.devices import World
 from ddp.errors import Stopped, UsageError
 
@@ -31,14 +32,28 @@ def parse_signals(names: str) -> list[signal.Signals]:
 
 
 class StopRequest:
-    """Context manager: while inside, the given signals request a stop instead of killing."""
+    """Context manager: while inside, the given signals request a stop instead of killing, and the
+    lifeline may request one (the launcher's end). The loop asks at_step_boundary() after each step."""
 
-    def __init__(self, signals: list[signal.Signals]) -> None:
+    def __init__(self, signals: list[signal.Signals] | tuple[signal.Signals, ...]) -> None:
         self.signals, self.received, self._previous = signals, None, {}
+        self.last_boundary = time.monotonic()
+        self.longest_step_s = 0.0  # the longest time between two step boundaries: what a stop may take
 
     @property
     def requested(self) -> bool:
         return self.received is not None
+
+    def at_step_boundary(self) -> bool:
+        """Whether a stop was requested, asked at a step boundary (which this also times)."""
+        now = time.monotonic()
+        self.longest_step_s = max(self.longest_step_s, now - self.last_boundary)
+        self.last_boundary = now
+        return self.requested
+
+    def request(self, why: str) -> None:
+        """A stop for another reason than a signal (from another thread)."""
+        self.received = self.received or why
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.requested and signum == signal.SIGINT:
@@ -48,9 +63,12 @@ class StopRequest:
     def __enter__(self) -> StopRequest:
         for sig in self.signals:
             self._previous[sig] = signal.signal(sig, self._handle)
+        self.last_boundary = time.monotonic()
+        lifeline.set_loop_stop(self)
         return self
 
     def __exit__(self, kind: type | None, value: BaseException | None, tb: TracebackType | None) -> None:
+        lifeline.set_loop_stop(None)
         if kind is not None and issubclass(kind, Stopped):
             # Leaving with a checkpoint on disk: a late signal must not turn exit 75 into a kill. When
             # one rank has exited, torchrun SIGTERMs the others while they are still on their way out,
@@ -64,8 +82,10 @@ class StopRequest:
 
 
 def finish_stop(signal_name: str | None, saved: Path | None, world: World) -> None:
-    """After the stop checkpoint: rank 0 asks SLURM to requeue the job (if in one); all ranks leave."""
-    cause = signal_name or "a signal to another rank"
+    """After the stop checkpoint: rank 0 says why (its own reason, else the first rank's that had
+    one), asks SLURM to requeue the job (if in one); all ranks leave."""
+    causes = distributed.gather_objects(signal_name, world)
+    cause = signal_name or next((f"{why} (rank {rank})" for rank, why in enumerate(causes) if why), "a signal")
     if world.is_main:
         logs.say(f"stopping on {cause}: checkpoint {saved}")
         requeue = launchers.requeue_command()

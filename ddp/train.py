@@ -9,6 +9,7 @@ summed over ranks and rank 0's checkpoint. README.md's "Read the code" maps each
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ from typing import Any
 
 if __package__ in (None, ""):  # run as a file (python/torchrun ddp/train.py): import ddp from the repo
     sys.path[0] = str(Path(__file__).resolve().parent.parent)
+PARENT = os.getppid()  # the launcher that started this process, read before the seconds of imports (lifeline)
 
 import torch
 from torch import nn
@@ -33,6 +35,7 @@ from ddp import (
     ema,
     faults,
     launchers,
+    lifeline,
     loaders,
     logs,
     metrics,
@@ -72,8 +75,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         return preflight(cfg, args.preflight)
     world = devices.resolve(cfg.run)  # rank, local_rank, world_size from the launcher; device cuda:<local_rank>
     with checked(cfg, world) as (data, plan):  # every mistake found before a rank can wait for another
-        with distributed.setup(world, cfg.run.timeout_s) as world:  # set_device, init_process_group ... destroy
-            return fit(cfg, world, data, plan)
+        with lifeline.watched(world, plan.stop_signals, PARENT):  # the launcher's end, signals, deadlines
+            with distributed.setup(world, cfg.run.timeout_s) as world:  # set_device, init_process_group ...
+                return fit(cfg, world, data, plan)
 
 
 def preflight(cfg: Config, processes: int) -> None:
@@ -232,7 +236,7 @@ def train_epoch(
         profile.after_step(position.global_step)
         job.stats.add(loss, len(labels), position.global_step)
         job.startup_s = job.startup_s or metrics.seconds_since_process_start()
-        stopping = distributed.any_rank(stop.requested, world)  # one flag per step: all ranks stop together
+        stopping = distributed.any_rank(stop.at_step_boundary(), world)  # one flag per step: all stop together
         if job.checkpoints.due(position, job.plan.steps_per_epoch, stopping):
             stop_if_diverged(job, position)  # a checkpoint is never written with NaN weights
             if job.trained.ema:  # the average's BatchNorm statistics, as at an epoch's end (exact resume)

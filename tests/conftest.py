@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+
+from ddp import checkpoint, rundir
 
 REPO = Path(__file__).resolve().parent.parent
 TRAIN = REPO / "ddp" / "train.py"
@@ -115,3 +120,61 @@ def subset() -> Path:
     if not SUBSET.is_file():
         pytest.skip(f"real CIFAR-10 subset not found at {SUBSET} (it lives in ../shared/data beside the repo)")
     return SUBSET
+
+
+# Processes of a run, from /proc: what a test checks is left after a kill.
+
+
+def _stat(pid: int) -> list[str] | None:
+    """Fields of /proc/PID/stat after the command name: [state, ppid, ...], or None if gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def children(pid: int) -> list[int]:
+    return [int(p.name) for p in Path("/proc").glob("[0-9]*") if (f := _stat(int(p.name))) and int(f[1]) == pid]
+
+
+def running(pid: int) -> bool:
+    fields = _stat(pid)
+    return fields is not None and fields[0] != "Z"
+
+
+def seconds_until_gone(pids: list[int], since: float, limit: float = 10) -> float:
+    """Seconds from `since` until none of `pids` runs; fails past `limit`."""
+    while any(running(pid) for pid in pids):
+        assert time.monotonic() - since < limit, f"processes {[p for p in pids if running(p)]} still run"
+        time.sleep(0.05)
+    return time.monotonic() - since
+
+
+def kill_orphans(pids: list[int]) -> None:
+    """SIGKILL what is left of `pids` (a failed test's: orphans that kill_job no longer finds)."""
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def assert_free_and_whole(out: Path) -> None:
+    """run.out_dir after the run's processes are gone: the lock free, every checkpoint whole."""
+    if (out / rundir.LOCK).exists():
+        with open(out / rundir.LOCK) as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raises BlockingIOError if still held
+    for path in rundir.step_files(out):
+        checkpoint.load(path)
+
+
+def cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def descendants(pid: int) -> list[int]:
+    found = children(pid)
+    return found + [d for child in found for d in descendants(child)]

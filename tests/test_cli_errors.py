@@ -3,7 +3,7 @@
 Run as real processes (`python ddp/train.py ...`), the way users meet them."""
 
 import pytest
-from conftest import TINY, TRAIN, clean_env, python
+from conftest import TINY, TRAIN, clean_env, python, torchrun
 
 from ddp import rundir, train
 
@@ -159,3 +159,24 @@ def test_mistakes_in_a_config_file(text, fragments, tmp_path):
 def test_launcher_variables_set_inconsistently(env, args, fragments, tmp_path):
     proc = python(str(TRAIN), f"run.out_dir={tmp_path}", *args, env=clean_env(**env), timeout=60)
     assert_usage_error(proc, *fragments)
+
+
+@pytest.mark.parametrize(
+    "nproc, args, fragment",
+    [
+        (3, ["train.batch_size=64"], "train.batch_size=64 must be a positive multiple of world_size=3"),
+        (2, ["run.stop_signal=SIGFOO"], "run.stop_signal: 'SIGFOO' is not a signal that can be caught"),
+        (2, ["data.dataset=npz", "data.path=/no/such.npz"], "data.path=/no/such.npz: no such file"),
+    ],
+    ids=["batch", "signal", "data"],
+)
+def test_under_plain_torchrun_the_line_comes_once_first_and_is_the_root_cause(nproc, args, fragment, tmp_path):
+    """No --preflight here: torchrun's report follows the line, and its box shows the line as the
+    root cause's traceback with the worker's exit code (2), not error_file: <N/A>."""
+    proc = torchrun(nproc, str(TRAIN), *TINY, f"run.out_dir={tmp_path}", *args, timeout=120)
+    assert proc.returncode != 0
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(lines) == 1 and fragment in lines[0], proc.stderr
+    assert proc.stderr.index(lines[0]) < proc.stderr.index("ChildFailedError")
+    root_cause = proc.stderr.split("Root Cause (first observed failure):", 1)[1]
+    assert "exitcode  : 2" in root_cause and f"traceback : {lines[0]}" in root_cause, root_cause

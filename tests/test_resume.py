@@ -10,13 +10,32 @@ import os
 import random
 import shutil
 import signal
+import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, REPORT, TORCHRUN, TRAIN, clean_env, metrics, ok, torchrun
+from conftest import (
+    REPO,
+    REPORT,
+    TORCHRUN,
+    TRAIN,
+    assert_free_and_whole,
+    children,
+    clean_env,
+    cmdline,
+    descendants,
+    kill_orphans,
+    metrics,
+    ok,
+    require,
+    running,
+    seconds_until_gone,
+    torchrun,
+)
 
 from ddp import checkpoint, rundir
 
@@ -98,23 +117,6 @@ def test_killed_with_the_toolbox_on_then_resumes_bitwise(toolbox_reference, tmp_
     REPORT.append(f"toolbox on, kill -9 of rank {rank} after global step {step}/{STEPS}: resumed bitwise identical")
 
 
-def _stat(pid: int) -> list[str] | None:
-    """Fields of /proc/PID/stat after the command name: [state, ppid, ...], or None if gone."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-
-
-def children(pid: int) -> list[int]:
-    return [int(p.name) for p in Path("/proc").glob("[0-9]*") if (f := _stat(int(p.name))) and int(f[1]) == pid]
-
-
-def running(pid: int) -> bool:
-    fields = _stat(pid)
-    return fields is not None and fields[0] != "Z"
-
-
 def rank_of(pid: int) -> int:
     env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
     return int(next(e for e in env if e.startswith(b"RANK=")).split(b"=")[1])
@@ -159,12 +161,12 @@ def test_kill_during_a_checkpoint_write_leaves_only_whole_files(reference, tmp_p
     REPORT.append(f"kill -9 of rank 0 halfway through writing step {step}: resumed bitwise identical")
 
 
-def popen(cmd: list[str]) -> subprocess.Popen:
+def popen(cmd: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
     """A job in its own session (so killing it cannot reach pytest), output captured."""
     return subprocess.Popen(
         cmd,
         cwd=REPO,
-        env=clean_env(),
+        env=env or clean_env(),
         start_new_session=True,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -243,11 +245,53 @@ def test_a_hung_rank_makes_the_others_exit_within_the_timeout(tmp_path):
             assert time.monotonic() - stopped < 5 + 20, "rank 0 still waiting long after run.timeout_s"
             time.sleep(0.1)
         waited = time.monotonic() - stopped
+        os.kill(by_rank[1], signal.SIGCONT)  # woken: the others are gone, and it must not wait for them
+        woken = seconds_until_gone([by_rank[1]], time.monotonic())
     finally:
         kill_job(proc)
     err = proc.stderr.read()
     assert "error: rank 0 of 2: lost contact with rank 1 (no answer within run.timeout_s=5: hung)" in err
-    REPORT.append(f"rank 1 hung (SIGSTOP): rank 0 exited after {waited:.1f} s with run.timeout_s=5")
+    REPORT.append(f"rank 1 hung (SIGSTOP): rank 0 exited after {waited:.1f} s with run.timeout_s=5; "
+                  f"rank 1, woken (SIGCONT), left {woken:.1f} s later")  # fmt: skip
+
+
+@pytest.mark.parametrize("when", ["start-up", "mid-epoch", "checkpoint write"])
+def test_the_launcher_killed_leaves_no_worker_and_the_same_command_resumes_bitwise(reference, tmp_path, when):
+    """kill -9 of torchrun alone (its workers run in sessions of their own, so it does not reach them):
+    within 10 s no worker is left, the lock is free, every checkpoint whole; killed in training, the
+    workers stop at the next step boundary with a checkpoint. The same command then ends bitwise equal."""
+    step = RNG.choice(range(SAVE_EVERY, STEPS // 2, SAVE_EVERY))
+    fault = {"DDP_CIFAR_FAULT": f"launcher:{step}"} if when == "checkpoint write" else {}
+    proc = popen(train_cmd(tmp_path), env=clean_env(**fault))  # rank 0 kills torchrun as it writes step N
+    workers: list[int] = []
+    try:
+        while len(workers) < 2:
+            assert proc.poll() is None, "torchrun ended before its workers started"
+            workers = children(proc.pid)
+        if when == "start-up":
+            time.sleep(RNG.uniform(0.1, 1.0))  # importing torch, reading the data, in the rendezvous
+        elif when == "mid-epoch":
+            wait_for_checkpoint(tmp_path, proc)
+            time.sleep(RNG.uniform(0, 0.5))
+        if when == "checkpoint write":
+            while proc.poll() is None:
+                time.sleep(0.01)
+        else:
+            os.kill(proc.pid, signal.SIGKILL)
+        gone = seconds_until_gone(workers, time.monotonic())
+    finally:
+        kill_orphans(workers)
+        kill_job(proc)
+    out, err = proc.stdout.read(), proc.stderr.read()
+    assert_free_and_whole(tmp_path)
+    if when == "start-up":
+        assert "stopped on the launcher's end" in err and "nothing to save" in err, err
+    else:
+        assert "stopping on the launcher's end (its process" in out, out
+    ok(subprocess.run(train_cmd(tmp_path), cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=300))
+    assert_bitwise(reference, tmp_path)
+    REPORT.append(f"kill -9 of torchrun alone ({when}{f', step {step}' if fault else ''}): its workers gone "
+                  f"{gone:.1f} s later, then resumed bitwise")  # fmt: skip
 
 
 @pytest.mark.parametrize("sizes", [(4, 2, 1), (1, 2, 4)], ids=lambda s: "->".join(map(str, s)))
@@ -313,3 +357,90 @@ def test_fault_injection_installs_nothing_unless_asked(monkeypatch, tmp_path):
     with pytest.raises(AssertionError, match="installed"):  # and one that is due is installed
         monkeypatch.setenv(faults.VAR, "write:10")
         faults.arm(str(tmp_path), 0, 0)
+
+
+def test_accelerate_killed_leaves_no_process_and_the_same_command_resumes_bitwise(reference, tmp_path):
+    """kill -9 of `accelerate launch` (launch/accelerate.sh on a CPU: accelerate starts mpirun, which
+    starts the ranks): the ranks see their launcher's launcher go, stop with a checkpoint, and mpirun
+    ends with them; within 10 s no process is left. The same command then ends bitwise equal."""
+    require("mpirun", "apt-get install openmpi-bin")
+    cmd = ["bash", str(REPO / "launch" / "accelerate.sh"), *JOB, f"run.out_dir={tmp_path}"]
+    proc = popen(cmd)
+    left: list[int] = []
+    try:
+        wait_for_checkpoint(tmp_path, proc)
+        time.sleep(RNG.uniform(0, 0.5))
+        accelerate = next(pid for pid in children(proc.pid) if b"accelerate" in cmdline(pid))
+        left = descendants(accelerate)  # mpirun and the ranks
+        os.kill(accelerate, signal.SIGKILL)
+        gone = seconds_until_gone(left, time.monotonic())
+    finally:
+        kill_orphans(left)
+        kill_job(proc)
+    out = proc.stdout.read()
+    assert "stopping on the launcher's end (its process" in out, out
+    assert_free_and_whole(tmp_path)
+    ok(subprocess.run(cmd, cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=300))
+    assert_bitwise(reference, tmp_path)
+    REPORT.append(f"kill -9 of accelerate launch (mpirun below it): every process gone {gone:.1f} s later, "
+                  "then resumed bitwise")  # fmt: skip
+
+
+def test_a_store_that_never_answers_ends_at_its_deadline_and_a_signal_ends_the_wait_at_once(tmp_path):
+    """A worker of a torchrun whose store accepts the connection and then says nothing (torch's own
+    timeout does not end that wait): one line naming it, exit 1, at run.timeout_s + 5 s. SIGTERM in
+    that wait: exit 1 within seconds, not at the deadline."""
+
+    def worker(store: socket.socket, *args: str) -> tuple[list[str], dict[str, str]]:
+        env = clean_env(RANK="1", LOCAL_RANK="1", WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                        MASTER_PORT=str(store.getsockname()[1]), TORCHELASTIC_USE_AGENT_STORE="True")  # fmt: skip
+        return [sys.executable, str(TRAIN), *JOB, f"run.out_dir={tmp_path}", *args], env
+
+    with socket.create_server(("127.0.0.1", 0)) as store:  # listens; never answers
+        cmd, env = worker(store, "run.timeout_s=2")
+        started = time.monotonic()
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+        waited = time.monotonic() - started
+    where = f"torchrun's store at 127.0.0.1:{env['MASTER_PORT']}"
+    assert proc.returncode == 1
+    assert f"error: rank 1 of 2: the rendezvous ({where}): no answer within run.timeout_s=2 s (+5)" in proc.stderr
+    with socket.create_server(("127.0.0.1", 0)) as store:
+        cmd, env = worker(store)
+        waiting = subprocess.Popen(cmd, cwd=REPO, env=env, stderr=subprocess.PIPE, text=True)
+        try:
+            store.settimeout(60)
+            store.accept()[0].close()  # it is in the wait (torch connects again and waits for an answer)
+            time.sleep(0.5)
+            waiting.send_signal(signal.SIGTERM)
+            signalled = time.monotonic()
+            assert waiting.wait(timeout=10) == 1
+            ended = time.monotonic() - signalled
+        finally:
+            waiting.kill()
+    REPORT.append(f"a store that never answers: exit 1 {waited:.1f} s after start (run.timeout_s=2); "
+                  f"SIGTERM in that wait: exit 1 {ended:.1f} s later")  # fmt: skip
+
+
+def test_a_stop_signal_while_a_rank_waits_for_a_hung_one_ends_it_within_seconds(tmp_path):
+    """Rank 1 frozen (SIGSTOP), rank 0 waiting for it in a collective with run.timeout_s=60: SIGTERM to
+    rank 0 cannot reach Python until torch returns, but the watcher sees it: rank 0 leaves within
+    the grace (5 s past its slowest step), exit 1, one line; the checkpoints before are whole."""
+    proc = popen(train_cmd(tmp_path, "run.timeout_s=60", "train.epochs=50"))
+    by_rank: dict[int, int] = {}
+    try:
+        wait_for_checkpoint(tmp_path, proc)
+        by_rank = {rank_of(pid): pid for pid in children(proc.pid)}
+        os.kill(by_rank[1], signal.SIGSTOP)
+        time.sleep(1)  # rank 0 is in its next collective, waiting
+        os.kill(by_rank[0], signal.SIGTERM)
+        waited = seconds_until_gone([by_rank[0]], time.monotonic(), limit=15)
+        os.kill(by_rank[1], signal.SIGCONT)  # so that torchrun ends now and reports
+        proc.wait(timeout=30)
+    finally:
+        kill_orphans(list(by_rank.values()))
+        kill_job(proc)
+    err = proc.stderr.read()
+    assert "error: rank 0 of 2: stopping on SIGTERM, but no step boundary came within" in err, err
+    assert "exitcode  : 1" in err
+    assert_free_and_whole(tmp_path)
+    REPORT.append(f"SIGTERM to rank 0 waiting for a frozen rank 1 (run.timeout_s=60): it left {waited:.1f} s later")

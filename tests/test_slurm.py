@@ -10,7 +10,20 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, REPORT, TINY, TRAIN, clean_env, metrics, ok, require, torchrun
+from conftest import (
+    REPO,
+    REPORT,
+    TINY,
+    TRAIN,
+    assert_free_and_whole,
+    clean_env,
+    cmdline,
+    metrics,
+    ok,
+    require,
+    seconds_until_gone,
+    torchrun,
+)
 
 CLUSTER = REPO / "slurm" / "cluster.sh"
 # Long enough (4 epochs x 64 steps, ~2 s an epoch) that a stop signal lands mid-run.
@@ -118,3 +131,34 @@ def test_doctor_under_srun_checks_every_task(slurm, tmp_path):
     assert "rank 0/2" in proc.stdout and "rank 1/2" in proc.stdout and "launcher slurm" in proc.stdout
     assert "SLURM_PROCID=1" in proc.stdout and "the same directory on every rank" in proc.stdout
     assert proc.stdout.count("doctor: OK") == 1
+
+
+def test_srun_killed_leaves_no_task_and_the_same_command_resumes_to_the_same_weights(slurm, tmp_path):
+    """kill -9 of srun (the step's launcher) mid-training: SLURM ends the step's tasks, no process is
+    left within 10 s, the lock is free, every checkpoint whole; the same srun command then finishes
+    where an uninterrupted run finishes, bitwise."""
+    out, env = tmp_path / "run", {**slurm, "OMP_NUM_THREADS": "1"}  # as torchrun sets it for the reference
+    cmd = ["srun", "--ntasks=2", "python", str(TRAIN), *PREEMPTIBLE, f"run.out_dir={out}"]
+    srun = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    tasks: list[int] = []
+    try:
+        deadline = time.monotonic() + 120
+        while not list((out / "checkpoints").glob("step-*.pt")):
+            assert srun.poll() is None and time.monotonic() < deadline, "no checkpoint, or srun ended"
+            time.sleep(0.1)
+        pids = [int(p.name) for p in Path("/proc").glob("[0-9]*")]
+        tasks = [pid for pid in pids if f"run.out_dir={out}".encode() in cmdline(pid).replace(b"\0", b" ")]
+        srun.kill()
+        gone = seconds_until_gone(tasks, time.monotonic())
+    finally:
+        srun.kill()
+        srun.wait()
+    assert tasks and srun.returncode != 0
+    assert_free_and_whole(out)
+    ok(subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=180))
+    reference = tmp_path / "uninterrupted"
+    ok(torchrun(2, str(TRAIN), *PREEMPTIBLE, f"run.out_dir={reference}"))
+    got = torch.load(out / "checkpoints" / "last.pt", weights_only=True)["model"]
+    want = torch.load(reference / "checkpoints" / "last.pt", weights_only=True)["model"]
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    REPORT.append(f"kill -9 of srun mid-training: its tasks gone {gone:.1f} s later, then resumed bitwise")

@@ -1,0 +1,158 @@
+"""How long a process of a run lives and waits: it leaves when the launcher that started it is gone, a
+stop signal ends it within seconds also while it waits inside torch, and no wait outlasts its
+deadline. One watcher thread does the three, because the main thread may be blocked in C++.
+
+- The launcher's death: torchrun (and accelerate, mpirun) start their workers in sessions of their
+  own, so a SIGKILL of the launcher does not reach them. The watcher sees the parent go (this
+  process is given another parent), asks for a stop (the next step boundary saves a checkpoint and
+  every rank leaves, exit 75) and, when no boundary comes within the grace, leaves at once (exit 1).
+- A stop signal: Python runs a signal handler only when the main thread is back in Python. The
+  signal also wakes the watcher (signal.set_wakeup_fd): before training it ends the process at once
+  (exit 1, nothing to save); in training the loop takes it at its next step boundary (exit 75), and
+  when none comes within the grace (a wait in a collective), the watcher ends the process (exit 1).
+- Deadlines: a wait that torch would let run past run.timeout_s (the store and the rendezvous) is
+  ended by the watcher with one line that names what it waited for (exit 1).
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
+
+from ddp import launchers
+from ddp.devices import World
+from ddp.errors import EXIT_FAILURE
+
+if TYPE_CHECKING:
+    from ddp.preemption import StopRequest
+
+GRACE_S = 5.0  # after a stop is asked for: how long past the slowest step the loop has to take it
+SLACK_S = 5.0  # how long a wait with a deadline of run.timeout_s may overrun it, torch's own timeout first
+_POLL_S = 0.25  # how often the watcher looks at the parent, the deadlines and the grace
+
+
+class _Watcher:
+    """The watcher thread's state. Its methods run on that thread, but for `deadline`."""
+
+    def __init__(self, world: World, parent: int, stop_signals: tuple[signal.Signals, ...]) -> None:
+        self.who = f"rank {world.rank} of {world.world_size}" if world.parallel == "ddp" else "the run"
+        self.stop_signals = set(stop_signals)  # other handled signals wake the watcher too (SIGCHLD: loader workers)
+        self.launched = world.launcher != "none"  # a plain process may outlive its shell (nohup)
+        self.launchers = launchers.launcher_processes(parent) if self.launched else []
+        self.waits: dict[int, tuple[float, str]] = {}  # id -> (monotonic deadline, the line past it)
+        self.stop_asked: tuple[float, str] | None = None  # (when, why) a stop was asked for in training
+        self.wakeup_read, self.wakeup_write = os.pipe()
+        os.set_blocking(self.wakeup_write, False)
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        while not self.done.is_set():
+            ready, _, _ = select.select([self.wakeup_read], [], [], _POLL_S)
+            if ready:
+                for signum in os.read(self.wakeup_read, 64):
+                    if signum in self.stop_signals:
+                        self.signalled(signal.Signals(signum).name)
+            if self.launchers and not _loop_ended and (gone := self.launcher_gone()):  # ended: on its way out
+                self.ask_to_stop(f"the launcher's end (its process {gone} is gone)", tell_the_loop=True)
+                self.launchers = []
+            now = time.monotonic()
+            for until, line in list(self.waits.values()):
+                if now > until:
+                    _leave(f"error: {self.who}: {line}", every_rank=True)
+            if self.stop_asked and now > self.leave_by():
+                asked_at, why = self.stop_asked
+                _leave(f"error: {self.who}: stopping on {why}, but no step boundary came within {now - asked_at:.0f} s "
+                       "(a wait for another rank?): left without a checkpoint")  # fmt: skip
+
+    def launcher_gone(self) -> int | None:
+        """The first of the launcher's processes that has ended, or None while they all run."""
+        if os.getppid() != self.launchers[0]:  # this process was given another parent: its own is gone
+            return self.launchers[0]
+        return next((pid for pid in self.launchers[1:] if not launchers.alive(pid)), None)
+
+    def signalled(self, name: str) -> None:
+        if _loop_stop is None and self.launched:  # the launcher stops its workers: it reports
+            os._exit(EXIT_FAILURE)
+        self.ask_to_stop(name, tell_the_loop=False)  # in training the loop's own handler has it already
+
+    def ask_to_stop(self, why: str, tell_the_loop: bool) -> None:
+        """A stop the loop takes at its next step boundary; before or after training, leave now."""
+        stop = _loop_stop
+        if stop is None:
+            _leave(f"error: {self.who}: stopped on {why} outside the training loop: nothing to save")
+        elif tell_the_loop:
+            stop.request(why)
+        self.stop_asked = self.stop_asked or (time.monotonic(), why)
+
+    def leave_by(self) -> float:
+        """When a stop asked for in training is late: the grace past the slowest step so far."""
+        stop = _loop_stop
+        asked_at = self.stop_asked[0]
+        slowest = stop.longest_step_s if stop else 0.0
+        return asked_at + GRACE_S + 2 * slowest
+
+
+_watcher: _Watcher | None = None
+_loop_stop: StopRequest | None = None  # the training loop's, while it runs: a stop is taken at its next step
+_loop_ended = False  # the training loop has run: what is left is leaving
+
+
+def set_loop_stop(stop: StopRequest | None) -> None:
+    """The training loop's StopRequest as it starts (None as it ends), from preemption.StopRequest."""
+    global _loop_stop, _loop_ended
+    _loop_stop, _loop_ended = stop, _loop_ended or stop is None
+
+
+def _leave(line: str, every_rank: bool = False) -> None:
+    """One line (local rank 0's unless `every_rank`), then the process ends: no handler runs, no
+    file is half written (every write is a rename), the lock dies with the process."""
+    if every_rank or launchers.speaks_for_its_machine():
+        print(line, file=sys.stderr, flush=True)
+    os._exit(EXIT_FAILURE)
+
+
+def _noted(signum: int, frame: object) -> None:
+    """Before and after training: the watcher, woken by the same signal, decides."""
+
+
+@contextmanager
+def watched(world: World, stop_signals: tuple[signal.Signals, ...], parent: int) -> Iterator[None]:
+    """While inside: the launcher's death (`parent`: its pid, read when this process started), stop
+    signals and deadlines end this process in bounded time. From the main thread, before the rendezvous."""
+    global _watcher, _loop_ended
+    watcher, _loop_ended = _Watcher(world, parent, stop_signals), False
+    previous_fd = signal.set_wakeup_fd(watcher.wakeup_write, warn_on_full_buffer=False)
+    previous = {sig: signal.signal(sig, _noted) for sig in stop_signals}
+    _watcher = watcher
+    threading.Thread(target=watcher.run, name="ddp-lifeline", daemon=True).start()
+    try:
+        yield
+    finally:
+        _watcher = None
+        watcher.done.set()
+        for sig, handler in previous.items():
+            if signal.getsignal(sig) is _noted:  # not one the stop's exit has set to SIG_IGN
+                signal.signal(sig, handler)
+        signal.set_wakeup_fd(previous_fd)
+
+
+@contextmanager
+def deadline(seconds: float, what: str) -> Iterator[None]:
+    """A wait that must end within `seconds` (+ SLACK_S): past it the watcher ends the process with
+    one line naming `what`. Without a watcher (a plain process, a test), nothing."""
+    watcher, key = _watcher, object()
+    if watcher is not None:
+        line = f"{what}: no answer within run.timeout_s={seconds:g} s (+{SLACK_S:g})"
+        watcher.waits[id(key)] = (time.monotonic() + seconds + SLACK_S, line)
+    try:
+        yield
+    finally:
+        if watcher is not None:
+            watcher.waits.pop(id(key), None)

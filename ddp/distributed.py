@@ -13,6 +13,7 @@ from contextlib import contextmanager
 from dataclasses import replace
 from datetime import timedelta
 from typing import Any
+from urllib.parse import urlsplit
 
 import torch
 
@@ -25,7 +26,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
-from ddp import launchers, lifeline, lost_rank
+from ddp import launchers, lifeline, lost_rank, network
 from ddp.config import DdpConfig
 from ddp.devices import World
 from ddp.errors import UsageError, WriteFailed
@@ -92,7 +93,12 @@ def _rendezvous(world: World, timeout_s: float) -> tuple[dict[str, Any], dist.St
     world.init_method where we run the rendezvous (slurm, MPI); else torchrun's, with a key prefix
     that gives each restart attempt its own keys: restarted workers (torchrun --max-restarts) join
     the agent's store again, where the dead attempt's gloo addresses still are; they connect to those
-    and fail ("Connection refused", pytorch/pytorch#167288). Outside an agent store: env://."""
+    and fail ("Connection refused", pytorch/pytorch#167288). Outside an agent store: env://.
+    Picks the network interface first where this host's name resolves to a loopback address."""
+    master = urlsplit(world.init_method).hostname if world.init_method else launchers.master_address()
+    note = network.pick_interface(master, launchers.spans_machines()) if master else None
+    if note and world.is_local_main:  # each machine says it once
+        print(f"rank {world.rank}: {note} (GLOO_SOCKET_IFNAME chooses)", flush=True)
     if world.init_method:
         return {"init_method": world.init_method, "rank": world.rank, "world_size": world.world_size}, None
     agent = launchers.agent_store()
@@ -101,6 +107,7 @@ def _rendezvous(world: World, timeout_s: float) -> tuple[dict[str, Any], dist.St
     addr, port, attempt = agent
     store = dist.TCPStore(addr, port, is_master=False, timeout=timedelta(seconds=timeout_s))
     store = dist.PrefixStore(f"ddp-cifar/attempt-{attempt}", store)
+    lost_rank.register_host(world, store)
     return {"store": store, "rank": world.rank, "world_size": world.world_size}, store
 
 

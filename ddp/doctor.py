@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ddp import config, devices, distributed, launchers, metrics
+from ddp import config, devices, distributed, launchers, metrics, network
 from ddp.cli import command, parse_args
 from ddp.devices import World
 from ddp.errors import EXIT_FAILURE, EXIT_OK
@@ -81,6 +81,7 @@ def check_out_dir(out_dir: str) -> tuple[str | None, str | None]:
 def report(world: World, out_dir: str) -> dict[str, Any]:
     return {
         "host": socket.gethostname(),
+        "network": network.gloo_interface(),
         "pid": os.getpid(),
         "rank": world.rank,
         "local_rank": world.local_rank,
@@ -104,6 +105,7 @@ def print_report(r: dict[str, Any]) -> None:
         f"rank {r['rank']}/{r['world_size']}  local_rank {r['local_rank']}  host {r['host']}  pid {r['pid']}  "
         f"launcher {r['launcher']}  device {r['device']}"
     )
+    print(f"  network: {r['network']}")
     print("  variables: " + (" ".join(f"{k}={v}" for k, v in r["variables"].items()) or "(none: one process)"))
     print("  versions:  " + "  ".join(f"{k} {v}" for k, v in r["versions"].items()))
     for g in r["gpus"]:

@@ -193,6 +193,36 @@ def speaks_for_its_machine(env: Env = os.environ) -> bool:
         return True
 
 
+def master_address(env: Env = os.environ) -> str | None:
+    """MASTER_ADDR: the host where the ranks meet (rank 0's, or torchrun's rendezvous store)."""
+    return env.get("MASTER_ADDR")
+
+
+def node_rank(env: Env = os.environ) -> int | None:
+    """NODE_RANK, as launch/multinode.sh is given it on each machine; None when it is not set."""
+    value = env.get("NODE_RANK")
+    if value is not None and not value.isdigit():
+        raise UsageError(f"NODE_RANK={value!r} must be a whole number: 0 on the machine at MASTER_ADDR, 1, 2, ...")
+    return None if value is None else int(value)
+
+
+def master_port(env: Env = os.environ, default: int = 29400) -> int:
+    """MASTER_PORT, or launch/multinode.sh's default for torchrun's rendezvous."""
+    value = env.get("MASTER_PORT", str(default))
+    if not value.isdigit() or not 0 < int(value) < 65536:
+        raise UsageError(f"MASTER_PORT={value!r} is not a port number (1-65535)")
+    return int(value)
+
+
+def spans_machines(env: Env = os.environ) -> bool:
+    """Whether this process's job has ranks on other machines (more ranks than this node starts)."""
+    try:
+        launch = detect_launch(env)
+    except UsageError:
+        return False
+    return launch.world_size > launch.local_world_size
+
+
 def agent_store(env: Env = os.environ) -> tuple[str, int, str] | None:
     """(address, port, restart attempt) of torchrun's agent store when its workers are meant to use
     it (TORCHELASTIC_USE_AGENT_STORE), else None."""

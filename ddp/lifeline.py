@@ -115,6 +115,7 @@ def _leave(line: str, every_rank: bool = False) -> None:
     file is half written (every write is a rename), the lock dies with the process."""
     if every_rank or launchers.speaks_for_its_machine():
         print(line, file=sys.stderr, flush=True)
+    launchers.record_error(line)  # torchrun's report shows it
     os._exit(EXIT_FAILURE)
 
 

@@ -41,6 +41,7 @@ from ddp import (
     metrics,
     mixing,
     models,
+    network,
     optim,
     preemption,
     profiling,
@@ -83,10 +84,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
 def preflight(cfg: Config, processes: int) -> None:
     """`--preflight N`, run by the launch scripts before they start N processes: the checks every
     rank would make, made once, so that a mistake is one line (exit 2) instead of one per rank and the
-    launcher's traceback. Downloads the data here, once, if it must."""
+    launcher's traceback. Downloads the data here, once, if it must. On the machines of a job on
+    several (NODE_RANK set), also whether MASTER_ADDR resolves and answers; only node 0 locks."""
     device = torch.device("cuda" if cfg.run.device != "cpu" and torch.cuda.device_count() else "cpu")
-    with checked(cfg, World(0, 0, processes, device, "ddp")):
-        pass
+    node = launchers.node_rank()
+    with checked(cfg, World(0 if not node else processes - 1, 0, processes, device, "ddp")):
+        if node is not None:
+            network.check_master(launchers.master_address() or "", launchers.master_port(), node, cfg.run.timeout_s)
 
 
 @contextlib.contextmanager

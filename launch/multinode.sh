@@ -14,9 +14,9 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 source "$root/launch/common.sh"
 nproc=${NPROC:-$(gpu_count_or_2)}
 omp_threads "$nproc"
-if [ "$NODE_RANK" = 0 ]; then  # once, on the node that starts first; the lock is rank 0's
-  preflight $((NNODES * nproc)) "$@"
-fi
+# On every node: the config, the data, MASTER_ADDR resolving (and, from the other nodes, answering
+# within run.timeout_s: torchrun would wait without end); node 0 also takes and checks the lock.
+preflight $((NNODES * nproc)) "$@"
 is_host=$([ "$NODE_RANK" = 0 ] && echo true || echo false)  # node 0 serves the rendezvous store
 cmd=(torchrun --nnodes="$NNODES" --nproc_per_node="$nproc" --rdzv_backend=c10d
   --rdzv_endpoint="$MASTER_ADDR:${MASTER_PORT:-29400}" --rdzv_id="${RDZV_ID:-ddp-cifar}"

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The system packages the launcher tests run for real: SLURM (slurm-wlm, slurmctld, slurmd, munge) for
-# tests/test_slurm.py and Open MPI (openmpi-bin) for accelerate's CPU mode in tests/test_launch.py.
+# tests/test_slurm.py, Open MPI (openmpi-bin) for accelerate's CPU mode in tests/test_launch.py, and
+# iproute2 and iptables for the hosts made of network namespaces in tests/test_hosts.py.
 # `make test` runs this first. As root on Debian/Ubuntu it installs what is missing (quietly; the
 # apt-get output is shown only if it fails); elsewhere it says what to install, and those tests
 # skip with the same reason.
@@ -10,6 +11,8 @@ missing=()
 command -v slurmctld >/dev/null && command -v slurmd >/dev/null || missing+=(slurm-wlm slurmctld slurmd)
 command -v munged >/dev/null || missing+=(munge)
 command -v mpirun >/dev/null || missing+=(openmpi-bin)
+command -v ip >/dev/null || missing+=(iproute2)
+command -v iptables >/dev/null || missing+=(iptables)
 [ ${#missing[@]} -eq 0 ] && exit 0
 if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null; then
   echo "make test: ${missing[*]} not installed, and installing needs root and apt-get: the SLURM/MPI" \

@@ -1,0 +1,126 @@
+"""The network between machines: whether MASTER_ADDR resolves and answers before a launch, and the
+interface gloo and nccl advertise (GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME) when this host's own name
+resolves to a loopback address (Debian and Ubuntu write `127.0.1.1 <hostname>` in /etc/hosts).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import ipaddress
+import os
+import socket
+import struct
+import time
+from collections.abc import MutableMapping
+
+from ddp.errors import PeerLost, UsageError
+
+_SIOCGIFADDR = 0x8915  # Linux: an interface's IPv4 address
+
+
+def interface_address(name: str) -> str | None:
+    """The IPv4 address of interface `name`, or None (no such interface, or none on it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            packed = fcntl.ioctl(s.fileno(), _SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
+        except OSError:
+            return None
+    return socket.inet_ntoa(packed[20:24])
+
+
+def route_to(address: str) -> tuple[str, str] | None:
+    """(interface, local address) this host sends from to reach `address` (no packet is sent), or
+    None when no route leads there."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect((address, 9))
+        except OSError:
+            return None
+        local = s.getsockname()[0]
+    name = next((n for _, n in socket.if_nameindex() if interface_address(n) == local), None)
+    return (name, local) if name else None
+
+
+def resolve(name: str) -> str | None:
+    try:
+        return socket.gethostbyname(name)
+    except OSError:
+        return None
+
+
+def own_interfaces() -> dict[str, str]:
+    """{interface: IPv4 address} of this host, loopback left out."""
+    found = {name: interface_address(name) for _, name in socket.if_nameindex()}
+    return {name: a for name, a in found.items() if a and not ipaddress.ip_address(a).is_loopback}
+
+
+def pick_interface(master: str, spans_machines: bool, env: MutableMapping[str, str] = os.environ) -> str | None:
+    """When this host's name resolves to a loopback address, gloo and nccl advertise it and the other
+    machines of the job cannot reach this one. Then GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME (unless
+    set) name the interface that routes to `master` (MASTER_ADDR), or on the master itself its one
+    interface. Returns what was done, for the log; None when nothing had to be; UsageError when no
+    interface will do."""
+    host = socket.gethostname()
+    own, to = resolve(host), resolve(master)
+    if env.get("GLOO_SOCKET_IFNAME") or not spans_machines or own is None or to is None:
+        return None
+    if not ipaddress.ip_address(own).is_loopback:
+        return None  # the name resolves to an address the other machines reach
+    if ipaddress.ip_address(to).is_loopback and master.split(".")[0] != host.split(".")[0]:
+        return None  # MASTER_ADDR=127.0.0.1: every node of this job is this machine
+    if not ipaddress.ip_address(to).is_loopback:
+        route = route_to(to)
+        choice = {route[0]: route[1]} if route else {}
+    else:  # this host is MASTER_ADDR: the other machines reach it on its own interface, if it has one
+        choice = own_interfaces()
+    if len(choice) != 1:
+        found = ", ".join(f"{n} ({a})" for n, a in own_interfaces().items()) or "none"
+        raise UsageError(
+            f"this host's name {host} resolves to {own} (loopback), so gloo/nccl would tell the other machines an "
+            f"address they cannot reach, and no one interface reaches MASTER_ADDR={master} (interfaces: {found}): "
+            f"map {host} to its own address in /etc/hosts, or set GLOO_SOCKET_IFNAME (and NCCL_SOCKET_IFNAME)"
+        )
+    name, local = next(iter(choice.items()))
+    env["GLOO_SOCKET_IFNAME"] = name
+    env.setdefault("NCCL_SOCKET_IFNAME", name)
+    return f"{host} resolves to {own}: gloo/nccl use {name} ({local}), the interface to MASTER_ADDR={master}"
+
+
+def check_master(master: str, port: int, node_rank: int, timeout_s: float) -> None:
+    """Before a launch on several machines (launch/multinode.sh, every node): MASTER_ADDR resolves here,
+    and from a node other than 0 its rendezvous port answers within `timeout_s` (node 0 may start
+    later). A name that does not resolve is a UsageError; no answer, PeerLost. torchrun itself waits
+    without end on both."""
+    host = socket.gethostname()
+    to = resolve(master)
+    if to is None:
+        raise UsageError(f"MASTER_ADDR={master} does not resolve on {host}: check the name, or this host's /etc/hosts")
+    deadline, last = time.monotonic() + timeout_s, None
+    while node_rank != 0 and time.monotonic() < deadline:
+        try:
+            with socket.create_connection((to, port), timeout=max(0.1, min(5.0, deadline - time.monotonic()))):
+                return
+        except OSError as e:
+            last = e
+            time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+    if last is not None:
+        why = "the connection attempts time out: a firewall that drops them?" if isinstance(last, TimeoutError) \
+            else f"{last.strerror or last}: is NODE_RANK=0 started there?"  # fmt: skip
+        raise PeerLost(
+            f"MASTER_ADDR={master}:{port} ({to}) did not answer {host} within run.timeout_s={timeout_s:g} s ({why}); "
+            "start NODE_RANK=0 on that host, open the port, or check MASTER_ADDR"
+        )
+
+
+def gloo_interface(env: MutableMapping[str, str] = os.environ) -> str:
+    """For the doctor: the interface and address gloo (and nccl's bootstrap) use on this host."""
+    if env.get("GLOO_SOCKET_IFNAME"):
+        name = env["GLOO_SOCKET_IFNAME"]
+        return f"{name} ({interface_address(name)}, GLOO_SOCKET_IFNAME)"
+    own = resolve(socket.gethostname())
+    if own is None:
+        return "none: this host's name does not resolve (gloo falls back to loopback)"
+    if ipaddress.ip_address(own).is_loopback:
+        return f"lo ({own}, this host's name): right on one machine, out of other machines' reach"
+    name = next((n for _, n in socket.if_nameindex() if interface_address(n) == own), "?")
+    return f"{name} ({own}, this host's name)"

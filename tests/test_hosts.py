@@ -1,0 +1,261 @@
+"""Several machines for real: hosts made of network namespaces (tests/hosts.py), each with its own
+address, hostname and /etc/hosts, no route out; launch/multinode.sh on each, as a user runs it.
+The failures of real clusters end with one line, in bounded time, and the run resumes."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+from conftest import (
+    BIN,
+    REPO,
+    REPORT,
+    TINY,
+    TRAIN,
+    clean_env,
+    cmdline,
+    kill_orphans,
+    metrics,
+    ok,
+    require,
+    running,
+    torchrun,
+)
+from hosts import Host, hosts
+from slurm_hosts import slurm_cluster
+
+from ddp import checkpoint, rundir
+
+PORT = "29400"
+# 1024 images, global batch 32: 32 steps an epoch; a checkpoint every 8.
+JOB = [*TINY, "data.synthetic_train=1024", "train.epochs=3", "run.save_every_steps=8"]
+
+
+def multinode(host: Host, node_rank: int, master: Host | str, *args: str, nnodes: int = 2, nproc: int = 1):
+    """launch/multinode.sh on `host` as node `node_rank`, MASTER_ADDR by name."""
+    name = master.name if isinstance(master, Host) else master
+    env = clean_env(NNODES=str(nnodes), NODE_RANK=str(node_rank), MASTER_ADDR=name, MASTER_PORT=PORT,
+                    NPROC=str(nproc))  # fmt: skip
+    return host.popen(["bash", "launch/multinode.sh", *args], REPO, env)
+
+
+def finish(*procs: subprocess.Popen, timeout: float = 180) -> list[tuple[int, str, str]]:
+    """(exit code, stdout, stderr) of each, in order."""
+    results = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=timeout)
+        results.append((proc.returncode, out, err))
+    return results
+
+
+def ok_all(results: list[tuple[int, str, str]]) -> None:
+    for code, out, err in results:
+        assert code == 0, f"exit {code}\n--- stdout\n{out[-2000:]}\n--- stderr\n{err[-3000:]}"
+
+
+def test_two_hosts_two_ranks_each_by_name_then_resumed_on_one(tmp_path):
+    """World size 4 across 2 hosts (rendezvous at h0 by name): each test image counted once, the
+    checkpoint whole; the same run then continues on h0 alone (2 ranks, same global batch)."""
+    out = tmp_path / "run"
+    with hosts(2) as (h0, h1):
+        args = [*TINY, f"run.out_dir={out}"]
+        results = finish(multinode(h0, 0, h0, *args, nproc=2), multinode(h1, 1, h0, *args, nproc=2))
+        ok_all(results)
+        assert "launcher=torchrun parallel=ddp world_size=4" in results[0][1]
+        assert [(m["world_size"], m["test_images"]) for m in metrics(out)] == [(4, 101), (4, 101)]
+        checkpoint.load(rundir.last_path(out))
+        (code, stdout, err), = finish(multinode(h0, 0, h0, *args, "train.epochs=3", nnodes=1, nproc=2))  # fmt: skip
+        assert code == 0, err[-3000:]
+    assert "saved at world_size 4, now 2; same global batch 32" in stdout
+    assert [m["world_size"] for m in metrics(out)] == [4, 4, 2]
+
+
+def test_hosts_whose_own_names_are_loopback_advertise_the_interface_to_the_master(tmp_path):
+    """Debian and Ubuntu put `127.0.1.1 <hostname>` in /etc/hosts: gloo would advertise that address
+    and the other host could not reach it. Each host says which interface it uses, and the job trains."""
+    with hosts(2, loopback_names=(0, 1)) as (h0, h1):
+        args = [*TINY, "train.epochs=1", f"run.out_dir={tmp_path}"]
+        results = finish(multinode(h0, 0, h0, *args), multinode(h1, 1, h0, *args))
+    ok_all(results)
+    for (_, stdout, _), host in zip(results, (h0, h1)):
+        assert f"{host.name} resolves to 127.0.1.1: gloo/nccl use eth0 ({host.address})" in stdout
+    assert metrics(tmp_path)[-1]["world_size"] == 2
+
+
+def one_error_line(err: str) -> str:
+    lines = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert len(lines) == 1, err[-3000:]
+    return lines[0]
+
+
+def test_a_master_that_does_not_resolve_answer_or_let_through_is_one_line_in_bounded_time(tmp_path):
+    """torchrun waits without end in each of these (seen: over a minute); launch/multinode.sh's
+    check before it ends each with one line naming the cause and the fix."""
+    args = [*TINY, f"run.out_dir={tmp_path}", "run.timeout_s=4"]
+    seen = []
+    with hosts(2) as (h0, h1):
+        for case in ("a name that does not resolve", "nobody listens", "a firewall drops the port"):
+            node0 = None
+            if case == "a firewall drops the port":
+                require("iptables", "apt-get install iptables")
+                h0.run(["iptables", "-A", "INPUT", "-p", "tcp", "--dport", PORT, "-j", "DROP"], REPO, clean_env())
+                node0 = multinode(h0, 0, h0, *args)
+            started = time.monotonic()
+            master = "nosuchhost" if case.startswith("a name") else h0
+            (code, _, err), = finish(multinode(h1, 1, master, *args), timeout=60)  # fmt: skip
+            seconds = time.monotonic() - started
+            if node0:
+                node0.kill()
+            line = one_error_line(err)
+            seen.append(f"{case}: exit {code} after {seconds:.1f} s")
+            if case.startswith("a name"):
+                assert code == 2 and "MASTER_ADDR=nosuchhost does not resolve on" in line
+            else:
+                assert code == 1 and f"MASTER_ADDR={h0.name}:{PORT} (10.250.0.1) did not answer" in line
+                assert ("Connection refused" if case == "nobody listens" else "a firewall") in line, line
+                assert seconds < 4 + 15
+    REPORT.append("before torchrun, from node 1: " + "; ".join(seen))
+
+
+@pytest.mark.parametrize("how", ["its link goes down", "its processes are killed"])
+def test_a_host_lost_mid_training_every_rank_leaves_and_the_same_command_resumes(tmp_path, how):
+    """h1 is lost: the rank on h0 leaves within run.timeout_s naming rank 1 and its host; a rank on a
+    host cut off leaves too, saying so; every checkpoint is whole. With h1 back, the same command on
+    both hosts finishes the run."""
+    out, timeout_s = tmp_path / "run", 8
+    args = [*JOB, f"run.out_dir={out}", f"run.timeout_s={timeout_s}"]
+    with hosts(2) as (h0, h1):
+        procs = [multinode(h0, 0, h0, *args), multinode(h1, 1, h0, *args)]
+        deadline = time.monotonic() + 120
+        while not rundir.step_files(out):
+            assert all(p.poll() is None for p in procs) and time.monotonic() < deadline
+            time.sleep(0.05)
+        ranks = {
+            h.name: [p for p in h.pids() if b"ddp/train.py" in cmdline(p) and b"torchrun" not in cmdline(p)]
+            for h in (h0, h1)
+        }  # fmt: skip (not torchrun's agents: a cut-off one waits on its store in the kernel)
+        if how == "its link goes down":
+            h1.link(False)
+        else:
+            kill_orphans(h1.pids())
+        lost, left = time.monotonic(), {}
+        while len(left) < 2:
+            for name, pids in ranks.items():
+                if name not in left and not any(running(pid) for pid in pids):
+                    left[name] = time.monotonic() - lost
+            assert time.monotonic() - lost < timeout_s + 20, f"still running {timeout_s + 20} s after: {left}"
+            time.sleep(0.1)
+        for proc in procs:
+            proc.kill()
+        errors = [proc.communicate(timeout=30)[1] for proc in procs]
+        for path in rundir.step_files(out):
+            checkpoint.load(path)
+        h1.link(True)
+        back = time.monotonic()
+        while any(running(pid) for pid in h1.pids()):  # h1's torchrun agent: its store connection breaks now
+            assert time.monotonic() - back < 60, "h1's torchrun still waits a minute after its link came back"
+            time.sleep(0.1)
+        ok_all(finish(multinode(h0, 0, h0, *args), multinode(h1, 1, h0, *args)))
+    lost_rank_1 = f"error: rank 0 of 2: lost contact with rank 1 on {h1.name}"
+    if how == "its link goes down":
+        assert f"{lost_rank_1} (no answer within run.timeout_s=8" in errors[0], errors[0][-4000:]
+        assert f"error: rank 1 of 2: lost contact with the other ranks (the rendezvous store does not answer " \
+               f"either: is {h1.name} cut off?)" in errors[1]  # fmt: skip
+    else:
+        assert f"{lost_rank_1} (its connection closed: it died)" in errors[0]
+    assert [m["epoch"] for m in metrics(out)] == [1, 2, 3]
+    REPORT.append(f"h1 lost mid-training ({how}, run.timeout_s={timeout_s}): the rank on h0 left after "
+                  f"{left[h0.name]:.1f} s, the rank on h1 after {left[h1.name]:.1f} s; resumed to the end")  # fmt: skip
+
+
+def test_the_doctor_across_two_hosts_shows_each_ranks_host_and_interface(tmp_path):
+    """`torchrun -m ddp.doctor` on 2 hosts, one of them with its own name on 127.0.1.1: rank 0 reports
+    every rank's host and the interface and address gloo uses there, and the all_reduce across them."""
+    with hosts(2, loopback_names=(1,)) as (h0, h1):
+        procs = []
+        for host in (h0, h1):
+            cmd = [str(BIN / "torchrun"), "--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d",
+                   f"--rdzv_endpoint={h0.name}:{PORT}", "--rdzv_id=doctor", f"--rdzv_conf=is_host={host is h0}",
+                   "-m", "ddp.doctor", f"run.out_dir={tmp_path}"]  # fmt: skip
+            procs.append(host.popen(cmd, REPO, clean_env()))
+        results = finish(*procs, timeout=120)
+    ok_all(results)
+    report = results[0][1]
+    assert f"rank 0/2  local_rank 0  host {h0.name}" in report and f"rank 1/2  local_rank 0  host {h1.name}" in report
+    assert f"network: eth0 ({h0.address}, this host's name)" in report
+    assert f"network: eth0 ({h1.address}, GLOO_SOCKET_IFNAME)" in report  # picked: its name is loopback
+    assert "all_reduce over 2 ranks (gloo): 1 (expected 1)" in report and "doctor: OK" in report
+
+
+def test_accelerate_multi_machine_config_on_two_hosts(tmp_path):
+    """launch/accelerate/multi-machine.yaml through launch/accelerate.sh on each host, MASTER_ADDR by name."""
+    config = "launch/accelerate/multi-machine.yaml"
+    with hosts(2) as (h0, h1):
+        procs = []
+        for rank, host in enumerate((h0, h1)):
+            env = clean_env(ACCELERATE_CONFIG=config, NUM_MACHINES="2", MACHINE_RANK=str(rank), MASTER_ADDR=h0.name,
+                            MASTER_PORT=PORT, NPROC="1")  # fmt: skip
+            args = [*TINY, "train.epochs=1", f"run.out_dir={tmp_path}"]
+            procs.append(host.popen(["bash", "launch/accelerate.sh", *args], REPO, env))
+        results = finish(*procs)
+    ok_all(results)
+    assert f"--main_process_ip {h0.name}" in results[1][2]
+    assert "launcher=accelerate parallel=ddp world_size=2" in results[0][1]
+    assert metrics(tmp_path)[-1]["world_size"] == 2
+
+
+@pytest.fixture(scope="module")
+def two_nodes(tmp_path_factory) -> Iterator[tuple[list[Host], dict[str, str]]]:
+    """Two hosts and a SLURM cluster over them (slurmctld on the first, a slurmd on each)."""
+    with hosts(2) as made, slurm_cluster(made, tmp_path_factory.mktemp("slurm")) as env:
+        yield made, env
+
+
+def slurm_job_state(host: Host, env: dict[str, str], job: str, name: str) -> str:
+    shown = subprocess.run(host.command(["scontrol", "show", "job", job]), env=env, capture_output=True, text=True)
+    return next((w.split("=", 1)[1] for w in shown.stdout.split() if w.startswith(f"{name}=")), "")
+
+
+def test_srun_on_two_nodes_two_tasks_each_is_one_job_of_4_ranks(two_nodes, tmp_path):
+    (h0, _), env = two_nodes
+    cmd = ["srun", "--nodes=2", "--ntasks-per-node=2", "python", str(TRAIN), *TINY, f"run.out_dir={tmp_path}"]
+    proc = subprocess.run(h0.command(cmd), cwd=REPO, env={**env, "OMP_NUM_THREADS": "1"}, capture_output=True,
+                          text=True, timeout=180)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "launcher=slurm parallel=ddp world_size=4" in proc.stdout
+    assert [(m["world_size"], m["test_images"]) for m in metrics(tmp_path)] == [(4, 101), (4, 101)]
+
+
+def test_sbatch_on_two_nodes_stopped_requeued_ends_with_the_weights_of_an_uninterrupted_run(two_nodes, tmp_path):
+    """sbatch --nodes=2 slurm/train.sh: one torchrun per node, the rendezvous on the first node by
+    name. A stop signal (what --signal=TERM@120 and preemption send) checkpoints and requeues the
+    job; it resumes and ends bitwise where an uninterrupted run on this machine ends."""
+    (h0, _), env = two_nodes
+    args = [*TINY, "data.synthetic_train=2048", "train.epochs=4", "run.save_every_steps=10"]
+    submitted = subprocess.run(h0.command(["sbatch", "--parsable", "--nodes=2", f"--output={tmp_path}/log-%j.out",
+                                           "slurm/train.sh", *args]),
+                               cwd=REPO, env={**env, "OUT_ROOT": str(tmp_path), "NPROC": "1"}, capture_output=True,
+                               text=True, timeout=60)  # fmt: skip
+    assert submitted.returncode == 0, submitted.stderr
+    job = submitted.stdout.strip().split(";")[0]
+    out, deadline = tmp_path / f"slurm-{job}", time.monotonic() + 120
+    while not list((out / "checkpoints").glob("step-*.pt")):
+        assert time.monotonic() < deadline, f"no checkpoint after 120 s: {slurm_job_state(h0, env, job, 'JobState')}"
+        time.sleep(0.2)
+    subprocess.run(h0.command(["scancel", "--signal=TERM", job]), env=env, check=True, capture_output=True)
+    while (state := slurm_job_state(h0, env, job, "JobState")) not in ("COMPLETED", "FAILED", "CANCELLED"):
+        assert time.monotonic() < deadline + 180, f"job {job} still {state}"
+        time.sleep(1)
+    log = (tmp_path / f"log-{job}.out").read_text()
+    assert state == "COMPLETED" and slurm_job_state(h0, env, job, "Restarts") == "1", log[-3000:]
+    assert "on 2 node(s)" in log and "stopping on SIGTERM: checkpoint" in log and "resumed from" in log
+    reference = tmp_path / "uninterrupted"
+    ok(torchrun(2, str(TRAIN), *args, f"run.out_dir={reference}"))
+    got = torch.load(out / "checkpoints" / "last.pt", weights_only=True)["model"]
+    want = torch.load(reference / "checkpoints" / "last.pt", weights_only=True)["model"]
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    REPORT.append("sbatch --nodes=2 on 2 hosts: stopped by SIGTERM, requeued, resumed bitwise")

@@ -48,6 +48,21 @@ def split_batch(global_batch: int, world_size: int, key: str, accum_steps: int =
     )
 
 
+def accumulation(global_batch: int, world_size: int, micro_batch: int) -> int:
+    """train.micro_batch_size: the micro-batches per optimizer step that keep the global batch on
+    `world_size` ranks (DeepSpeed's convention); refused with the sizes that would work."""
+    unit = world_size * micro_batch
+    if global_batch % unit == 0:
+        return global_batch // unit
+    per_rank = global_batch // world_size if global_batch % world_size == 0 else 0
+    fits = [str(m) for m in range(1, per_rank + 1) if per_rank % m == 0][-4:]
+    hint = f"train.micro_batch_size={' or '.join(fits)}" if fits else f"a train.batch_size that {world_size} divides"
+    raise UsageError(
+        f"train.batch_size={global_batch} is not a multiple of world_size x train.micro_batch_size = {world_size} x "
+        f"{micro_batch} = {unit}: with {world_size} rank(s), try {hint}"
+    )
+
+
 def steps_per_epoch(cfg: Config, train_images: int) -> int:
     """Global batches in an epoch (the last, partial one is dropped)."""
     if train_images < cfg.train.batch_size:

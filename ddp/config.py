@@ -119,6 +119,12 @@ class TrainConfig:
         "gradients all-reduced once; same update as one big batch",
         valid=POSITIVE,
     )
+    micro_batch_size: int = opt(
+        0,
+        "images per rank in each forward/backward (DeepSpeed's micro-batch per GPU): with the global batch it "
+        "fixes train.grad_accum_steps for whatever world size a run (or its restart) gets; 0 = off",
+        valid=NATURAL,
+    )
     sync_bn: bool = opt(False, "BatchNorm statistics over the global batch (all ranks), as 1 process computes them")
     dist_bn: str = opt(
         "broadcast",

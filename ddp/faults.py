@@ -7,6 +7,8 @@ a lost node does: no handler runs, nothing is flushed.
                                   temporary file is left cut in half, as a kill halfway through leaves it
     DDP_CIFAR_FAULT=launcher:N    SIGKILL rank 0's launcher (its parent, torchrun say) as rank 0 writes
                                   the checkpoint of global step N; rank 0 itself goes on
+    DDP_CIFAR_FAULT=node:N[:rR]   SIGKILL rank R's launcher, then rank R, in global step N: its node is
+                                  lost (with one process per node)
 
 A fault fires once per run directory: it leaves rundir.fault_marker there first, so the restarted
 job (same command, same environment) runs through.
@@ -39,11 +41,13 @@ def arm(out_dir: str, rank: int, steps_done: int) -> None:
     marker = rundir.fault_marker(out_dir, point, step)
     if rank != target or marker.exists():
         return
-    if point == "step":
+    if point in ("step", "node"):
         steps = itertools.count(steps_done + 1)  # the global step each optimizer step completes
 
         def after_optimizer_step(*_: Any) -> None:
             if next(steps) == step:
+                if point == "node":
+                    os.kill(os.getppid(), signal.SIGKILL)
                 _kill(marker, spec, os.getpid())
 
         register_optimizer_step_post_hook(after_optimizer_step)

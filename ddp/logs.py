@@ -82,7 +82,8 @@ def accum_change(saved: int, now: int) -> str:
 def batch_split(cfg: Config, world: World) -> str:
     """How the global batch is split: "128 per rank" or "64 per rank = 4 micro-batches of 16"."""
     per_rank, accum = cfg.train.batch_size // world.world_size, cfg.train.grad_accum_steps
-    return f"{per_rank} per rank" + (f" = {accum} micro-batches of {per_rank // accum}" if accum > 1 else "")
+    micro = " (train.micro_batch_size)" if cfg.train.micro_batch_size else ""
+    return f"{per_rank} per rank" + (f" = {accum} micro-batches of {per_rank // accum}{micro}" if accum > 1 else "")
 
 
 def backend(world: World) -> str:

@@ -99,8 +99,10 @@ def checked(cfg: Config, world: World) -> Iterator[tuple[datasets.Data, Plan]]:
     instead of leaving some waiting, in the order it is cheapest to find: the settings; run.out_dir,
     locked for this run while inside (rank 0 holds it), against run.resume; the data (read here) and
     what depends on it. Yields the data and the Plan."""
-    accum = cfg.train.grad_accum_steps
-    per_rank_batch = checks.split_batch(cfg.train.batch_size, world.world_size, "train.batch_size", accum)
+    t = cfg.train
+    if t.micro_batch_size:  # the accumulation follows from the world size this run (or restart) got
+        t.grad_accum_steps = checks.accumulation(t.batch_size, world.world_size, t.micro_batch_size)
+    per_rank_batch = checks.split_batch(t.batch_size, world.world_size, "train.batch_size", t.grad_accum_steps)
     amp = checks.autocast_dtype(cfg.run.amp, world.device)
     checks.check_combinations(cfg, world)
     stop_signals = tuple(preemption.parse_signals(cfg.run.stop_signal))

@@ -6,11 +6,25 @@
 # 29400); ranks are numbered node by node as they join. NPROC processes per node (default: its GPUs,
 # or 2 CPU processes). RDZV_ID names the job, so two jobs on one address do not mix. run.out_dir
 # must be on a filesystem every node sees (rank 0 writes, every rank reads to resume).
-# Every argument is passed through to ddp/train.py.
+# RDZV_CONF adds torchrun --rdzv_conf settings (e.g. last_call_timeout=5). Every argument is passed
+# through to ddp/train.py.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 : "${NNODES:?set NNODES (how many machines)}" "${NODE_RANK:?set NODE_RANK (0 on the machine at MASTER_ADDR)}"
 : "${MASTER_ADDR:?set MASTER_ADDR (the address of node 0, as the other nodes reach it)}"
+# MIN_NODES < NNODES: an elastic job. When a node is lost, torchrun restarts the ranks left (up to
+# MAX_RESTARTS times, default 3) on the nodes still there, from the last checkpoint; set
+# train.micro_batch_size so that the global batch stays the same on the smaller world.
+whole() { [[ $2 =~ ^[0-9]+$ ]] || { echo "error: $1=$2 must be a whole number${3:+ ($3)}" >&2; exit 2; }; }
+whole NNODES "$NNODES" && whole NODE_RANK "$NODE_RANK" "0 to NNODES-1"
+((NODE_RANK < NNODES)) || { echo "error: NODE_RANK=$NODE_RANK must be 0 to NNODES-1=$((NNODES - 1))" >&2; exit 2; }
+nodes=$NNODES restarts=${MAX_RESTARTS:-0}
+if [ -n "${MIN_NODES:-}" ]; then
+  whole MIN_NODES "$MIN_NODES" "1 to NNODES=$NNODES"
+  ((MIN_NODES >= 1 && MIN_NODES <= NNODES)) || { echo "error: MIN_NODES=$MIN_NODES must be 1 to NNODES=$NNODES" >&2; exit 2; }
+  nodes="$MIN_NODES:$NNODES" restarts=${MAX_RESTARTS:-3}
+fi
+whole MAX_RESTARTS "$restarts"
 source "$root/launch/common.sh"
 nproc=${NPROC:-$(gpu_count_or_2)}
 omp_threads "$nproc"
@@ -18,8 +32,8 @@ omp_threads "$nproc"
 # within run.timeout_s: torchrun would wait without end); node 0 also takes and checks the lock.
 preflight $((NNODES * nproc)) "$@"
 is_host=$([ "$NODE_RANK" = 0 ] && echo true || echo false)  # node 0 serves the rendezvous store
-cmd=(torchrun --nnodes="$NNODES" --nproc_per_node="$nproc" --rdzv_backend=c10d
+cmd=(torchrun --nnodes="$nodes" --nproc_per_node="$nproc" --rdzv_backend=c10d --max-restarts="$restarts"
   --rdzv_endpoint="$MASTER_ADDR:${MASTER_PORT:-29400}" --rdzv_id="${RDZV_ID:-ddp-cifar}"
-  --rdzv_conf=is_host="$is_host" "$root/ddp/train.py" "$@")
+  --rdzv_conf="is_host=$is_host${RDZV_CONF:+,$RDZV_CONF}" "$root/ddp/train.py" "$@")
 echo "+ ${cmd[*]}" >&2
 exec "${cmd[@]}"

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from ddp import checkpoint, rundir
 
@@ -178,3 +179,9 @@ def cmdline(pid: int) -> bytes:
 def descendants(pid: int) -> list[int]:
     found = children(pid)
     return found + [d for child in found for d in descendants(child)]
+
+
+def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """The least d such that |a - b| <= d * (1 + |a|) for every float value of the two state dicts."""
+    assert a.keys() == b.keys()
+    return max(((a[k] - b[k]).abs() / (1 + a[k].abs())).max().item() for k in a if a[k].is_floating_point())

@@ -70,6 +70,15 @@ def assert_usage_error(proc, *fragments: str) -> None:
         (["ddp.static_graph=true", "train.grad_accum_steps=2"], ["DDP's static graph breaks under no_sync"]),
         (["train.dist_bn=mean"], ["train.dist_bn: 'mean' is not one of broadcast, reduce"]),
         (["run.deterministic=true", "run.cudnn_benchmark=true"], ["cuDNN's autotuning is not deterministic"]),
+        (["train.micro_batch_size=-1"], ["train.micro_batch_size=-1 is out of range: it must be >= 0"]),
+        (
+            [*TINY, "train.micro_batch_size=5"],
+            [
+                "train.batch_size=32 is not a multiple of world_size x train.micro_batch_size = 1 x 5 = 5",
+                "try train.micro_batch_size=4 or 8 or 16 or 32",
+            ],
+        ),  # fmt: skip
+        ([*TINY, "train.micro_batch_size=8", "--preflight", "3"], ["3 x 8 = 24", "a train.batch_size that 3 divides"]),
     ],
 )
 def test_bad_input_exits_2_with_one_line(args, fragments, tmp_path):

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPORT, TRAIN, clean_env, metrics, ok, python, torchrun
+from conftest import REPORT, TRAIN, clean_env, max_diff, metrics, ok, python, torchrun
 
 
 def job(images: int, lr: float) -> list[str]:
@@ -63,12 +63,6 @@ def train(out: Path, nproc: int, base: list[str], *args: str, kill: bool = True)
     else:
         ok(run())
     return torch.load(out / "checkpoints" / "last.pt", weights_only=True)["model"]
-
-
-def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    """The least d such that |a - b| <= d * (1 + |a|) for every float value of the two state dicts."""
-    assert a.keys() == b.keys()
-    return max(((a[k] - b[k]).abs() / (1 + a[k].abs())).max().item() for k in a if a[k].is_floating_point())
 
 
 @pytest.fixture(scope="module")

@@ -5,11 +5,13 @@ The failures of real clusters end with one line, in bounded time, and the run re
 from __future__ import annotations
 
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 
 import pytest
 import torch
+import yaml
 from conftest import (
     BIN,
     REPO,
@@ -19,6 +21,7 @@ from conftest import (
     clean_env,
     cmdline,
     kill_orphans,
+    max_diff,
     metrics,
     ok,
     require,
@@ -259,3 +262,62 @@ def test_sbatch_on_two_nodes_stopped_requeued_ends_with_the_weights_of_an_uninte
     want = torch.load(reference / "checkpoints" / "last.pt", weights_only=True)["model"]
     assert all(torch.equal(got[k], want[k]) for k in want)
     REPORT.append("sbatch --nodes=2 on 2 hosts: stopped by SIGTERM, requeued, resumed bitwise")
+
+
+# The tutorial net of tests/test_equivalence.py (no BatchNorm, no augmentation: world sizes agree to
+# 1e-6), the global batch of 16 as micro-batches of 8: 2 ranks x 1, then 1 rank x 2 micro-batches.
+ELASTIC = [
+    "data.dataset=synthetic", "data.synthetic_train=128", "data.synthetic_test=32", "data.workers=0",
+    "data.augment=false", "model.name=tutorial", "train.batch_size=16", "train.micro_batch_size=8", "train.epochs=2",
+    "optim.lr=0.02", "optim.warmup_epochs=0.5", "run.save_every_steps=2", "run.timeout_s=10",
+]  # fmt: skip
+
+
+def test_an_elastic_job_that_loses_a_node_finishes_on_the_other_with_the_same_weights(tmp_path):
+    """MIN_NODES=1 NNODES=2 (torchrun --nnodes=1:2, restarts on): h1 is lost in global step 11
+    (its torchrun and its rank killed); the rank on h0 restarts alone from step 10's checkpoint with
+    2 micro-batches of 8 instead of 1 (train.micro_batch_size), and ends where one uninterrupted
+    process ends, within the invariance bound of tests/test_equivalence.py (1e-6)."""
+    out = tmp_path / "elastic"
+    rdzv = "last_call_timeout=8,keep_alive_interval=1,keep_alive_max_attempt=2"  # h1 joins late; a lost one drops fast
+    with hosts(2) as (h0, h1):
+        procs = []
+        for rank, host in enumerate((h0, h1)):
+            fault = {"DDP_CIFAR_FAULT": "node:11:r1"} if rank == 1 else {}
+            env = clean_env(NNODES="2", MIN_NODES="1", NODE_RANK=str(rank), MASTER_ADDR=h0.name, MASTER_PORT=PORT,
+                            NPROC="1", RDZV_CONF=rdzv, **fault)  # fmt: skip
+            procs.append(host.popen(["bash", "launch/multinode.sh", *ELASTIC, f"run.out_dir={out}"], REPO, env))
+        started = time.monotonic()
+        (code, stdout, err), _ = finish(*procs, timeout=240)
+        seconds = time.monotonic() - started
+    assert code == 0, err[-3000:]
+    assert "resumed from" in stdout and "saved at world_size 2, now 1 (grad_accum_steps 1, now 2)" in stdout
+    assert "global batch 16 (16 per rank = 2 micro-batches of 8 (train.micro_batch_size))" in stdout
+    assert [(m["epoch"], m["world_size"]) for m in metrics(out)] == [(1, 2), (2, 1)]
+    alone = tmp_path / "alone"
+    ok(subprocess.run([sys.executable, str(TRAIN), *ELASTIC, f"run.out_dir={alone}"], cwd=REPO, env=clean_env(),
+                      capture_output=True, text=True, timeout=120))  # fmt: skip
+    final = [torch.load(d / "checkpoints" / "last.pt", weights_only=True)["model"] for d in (out, alone)]
+    diff = max_diff(*final)
+    assert diff < 1e-6
+    REPORT.append(f"elastic job on 2 hosts, h1 lost at step 11: finished on h0 alone in {seconds:.0f} s, "
+                  f"{diff:.1e} from one uninterrupted process")  # fmt: skip
+
+
+def test_the_skypilot_tasks_run_section_on_two_hosts_as_skypilot_starts_it(tmp_path):
+    """launch/skypilot.yaml's `run` on each host with the variables SkyPilot sets (the first line of
+    SKYPILOT_NODE_IPS is the head node): one job of 2 ranks, rendezvous at the head's address."""
+    task = yaml.safe_load((REPO / "launch" / "skypilot.yaml").read_text())
+    assert task["num_nodes"] >= 2 and "setup" in task and task["resources"]
+    with hosts(2) as (h0, h1):
+        ips = f"{h0.address}\n{h1.address}\n"
+        procs = []
+        for rank, host in enumerate((h0, h1)):
+            env = clean_env(SKYPILOT_NODE_RANK=str(rank), SKYPILOT_NODE_IPS=ips, SKYPILOT_NUM_NODES="2",
+                            SKYPILOT_NUM_GPUS_PER_NODE="0", NPROC="1", MASTER_PORT=PORT,
+                            ARGS=" ".join([*TINY, "train.epochs=1", f"run.out_dir={tmp_path}"]))  # fmt: skip
+            procs.append(host.popen(["bash", "-c", task["run"]], REPO, env))
+        results = finish(*procs)
+    ok_all(results)
+    assert f"--rdzv_endpoint={h0.address}:{PORT}" in results[1][2]
+    assert metrics(tmp_path)[-1]["world_size"] == 2

@@ -143,3 +143,23 @@ def test_accelerate_multi_machine_config_on_two_machines(tmp_path):
     done = on_two_machines("launch/accelerate.sh", "MACHINE_RANK", tmp_path, ACCELERATE_CONFIG=config, NUM_MACHINES="2")
     assert "--config_file launch/accelerate/multi-machine.yaml --num_machines 2" in done[0].stderr
     assert "launcher=accelerate parallel=ddp world_size=2" in done[0].stdout + done[1].stdout
+
+
+@pytest.mark.parametrize(
+    "setting, message",
+    [
+        ("MIN_NODES=x", "MIN_NODES=x must be a whole number (1 to NNODES=2)"),
+        ("MIN_NODES=3", "MIN_NODES=3 must be 1 to NNODES=2"),
+        ("MIN_NODES=0", "MIN_NODES=0 must be 1 to NNODES=2"),
+        ("MAX_RESTARTS=-1", "MAX_RESTARTS=-1 must be a whole number"),
+        ("NODE_RANK=2", "NODE_RANK=2 must be 0 to NNODES-1=1"),
+        ("NNODES=two", "NNODES=two must be a whole number"),
+    ],
+)
+def test_multinode_settings_that_cannot_work_are_one_line_and_exit_2(setting, message):
+    """launch/multinode.sh's elastic settings (MIN_NODES, MAX_RESTARTS) and node numbers, checked before
+    anything starts."""
+    name, value = setting.split("=")
+    env = clean_env(**{"NNODES": "2", "NODE_RANK": "0", "MASTER_ADDR": "h0", name: value})
+    proc = run_script("launch/multinode.sh", *TINY, env=env)
+    assert proc.returncode == 2 and proc.stderr.strip() == f"error: {message}", proc.stderr

@@ -127,6 +127,9 @@ def diagnose(run: config.RunConfig) -> list[str]:
     if world.parallel != "ddp":
         print_report(report(world, run.out_dir))
         addr, port, source = launchers.planned_rendezvous()
+        if network.resolve(addr) is None:
+            host = socket.gethostname()
+            problems.append(f"MASTER_ADDR={addr} does not resolve on {host}: check the name, or /etc/hosts")
         free = port_free(addr, port)
         print(f"rendezvous port {port} ({source}): " + ("free" if free else "IN USE"))
         if not free:

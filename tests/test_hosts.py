@@ -175,6 +175,15 @@ def test_a_host_lost_mid_training_every_rank_leaves_and_the_same_command_resumes
                   f"{left[h0.name]:.1f} s, the rank on h1 after {left[h1.name]:.1f} s; resumed to the end")  # fmt: skip
 
 
+def test_the_doctor_before_a_launch_finds_a_master_that_does_not_resolve(tmp_path):
+    with hosts(1) as (h0,):
+        proc = h0.run([sys.executable, "-m", "ddp.doctor", f"run.out_dir={tmp_path}"], REPO,
+                      clean_env(MASTER_ADDR="nosuchhost", MASTER_PORT=PORT))  # fmt: skip
+    assert proc.returncode == 1, proc.stderr
+    assert f"doctor: PROBLEM: MASTER_ADDR=nosuchhost does not resolve on {h0.name}" in proc.stderr
+    assert "network: eth0 (10.250.0.1, this host's name)" in proc.stdout
+
+
 def test_the_doctor_across_two_hosts_shows_each_ranks_host_and_interface(tmp_path):
     """`torchrun -m ddp.doctor` on 2 hosts, one of them with its own name on 127.0.1.1: rank 0 reports
     every rank's host and the interface and address gloo uses there, and the all_reduce across them."""

@@ -4,6 +4,7 @@
 #   bash slurm/cluster.sh start     start munged, slurmctld and slurmd; prints the SLURM_CONF to export
 #   bash slurm/cluster.sh status    sinfo of the running cluster (exit 1 if it does not answer)
 #   bash slurm/cluster.sh stop      stop the daemons this script started
+#   bash slurm/cluster.sh conf      write the slurm.conf alone (SLURM_NODES: several nodes; see write_conf)
 # Needs root (slurmd starts jobs as their user). Everything it writes lives in $SLURM_STATE
 # (default /tmp/ddp-cifar-slurm): slurm.conf, spool, state, logs. It never touches /etc/slurm, so a
 # real cluster's configuration is safe; commands find this one through SLURM_CONF.
@@ -32,24 +33,39 @@ install() {
 answers() { timeout 5 sinfo -h >/dev/null 2>&1; }
 
 write_conf() {
-  local node host
-  node=$(slurmd -C | head -n 1)  # NodeName=<host> CPUs=... RealMemory=...: what slurmd will find
-  host=$(hostname -s)
-  mkdir -p "$state/ctld" "$state/spool" "$state/log"
+  # One node, this machine, by default. SLURM_NODES="name:address ...": one node each, slurmctld on the
+  # first (tests/slurm_hosts.py: hosts made of network namespaces, which start their own daemons);
+  # MUNGE_SOCKET: a munged of their own.
+  local nodes ctld spool=$state/spool slurmd_pid=$state/slurmd.pid slurmd_log=$state/log/slurmd.log n
+  mkdir -p "$state/ctld" "$state/log"
+  if [ -n "${SLURM_NODES:-}" ]; then
+    nodes=""
+    for n in $SLURM_NODES; do
+      nodes+="NodeName=${n%%:*} NodeAddr=${n#*:} CPUs=2 RealMemory=1000 State=UNKNOWN"$'\n'
+      mkdir -p "$state/spool-${n%%:*}"
+    done
+    n=${SLURM_NODES%% *}
+    ctld="${n%%:*}(${n#*:})" spool=$state/spool-%n slurmd_pid=$state/slurmd-%n.pid
+    slurmd_log=$state/log/slurmd-%n.log
+  else
+    nodes="$(slurmd -C | head -n 1) NodeAddr=127.0.0.1 State=UNKNOWN"  # what slurmd will find
+    ctld="$(hostname -s)(127.0.0.1)"
+    mkdir -p "$spool"
+  fi
   cat >"$conf" <<EOF
-# Written by slurm/cluster.sh: one node on localhost, for tests. Not for production.
+# Written by slurm/cluster.sh: a cluster for tests. Not for production.
 ClusterName=ddpcifar
-SlurmctldHost=$host(127.0.0.1)
+SlurmctldHost=$ctld
 SlurmUser=root
 AuthType=auth/munge
 # Requeued jobs wait this long before they may start again (default 120 s).
-AuthInfo=cred_expire=10
+AuthInfo=${MUNGE_SOCKET:+socket=$MUNGE_SOCKET,}cred_expire=10
 StateSaveLocation=$state/ctld
-SlurmdSpoolDir=$state/spool
+SlurmdSpoolDir=$spool
 SlurmctldPidFile=$state/slurmctld.pid
-SlurmdPidFile=$state/slurmd.pid
+SlurmdPidFile=$slurmd_pid
 SlurmctldLogFile=$state/log/slurmctld.log
-SlurmdLogFile=$state/log/slurmd.log
+SlurmdLogFile=$slurmd_log
 SlurmctldPort=${SLURMCTLD_PORT:-6817}
 SlurmdPort=${SLURMD_PORT:-6818}
 ProctrackType=proctrack/linuxproc
@@ -67,7 +83,7 @@ SchedulerParameters=sched_interval=2
 MessageTimeout=20
 KillWait=10
 MinJobAge=300
-$node NodeAddr=127.0.0.1 State=UNKNOWN
+$nodes
 PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 EOF
 }
@@ -80,6 +96,7 @@ start() {
     echo "export SLURM_CONF=$conf"
     return
   fi
+  stop >/dev/null  # what is left of a cluster that no longer answers
   write_conf
   if ! pgrep -x munged >/dev/null; then
     mkdir -p /run/munge /var/log/munge /var/lib/munge
@@ -87,7 +104,9 @@ start() {
     [ -s /etc/munge/munge.key ] || runuser -u munge -- mungekey --create >/dev/null
     runuser -u munge -- munged
   fi
-  slurmctld -f "$conf"  # -f: this conf, whatever /etc/slurm holds
+  # -c: a cold start begins with an empty queue. The jobs that the state files still record died with
+  # the daemons (a reboot, a kill); recovered, they would stay RUNNING forever and hold the node.
+  slurmctld -c -f "$conf"  # -f: this conf, whatever /etc/slurm holds
   slurmd -f "$conf"
   for _ in $(seq 1 60); do
     if answers && sinfo -h -o %T | grep -qE '^(idle|mixed|allocated)'; then
@@ -106,6 +125,8 @@ stop() {
     pid_file=$state/$daemon.pid
     [ -f "$pid_file" ] || continue
     pid=$(cat "$pid_file")
+    # After a reboot the file may name another process: stop it only if it is this daemon.
+    [ "$(cat "/proc/$pid/comm" 2>/dev/null)" = "$daemon" ] || continue
     if kill "$pid" 2>/dev/null; then
       for _ in $(seq 1 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
       echo "stopped $daemon"
@@ -120,5 +141,6 @@ status() {
 
 case ${1:-} in
   install | start | stop | status) "$1" ;;
-  *) die "usage: bash slurm/cluster.sh install|start|status|stop" ;;
+  conf) write_conf && echo "$conf" ;;
+  *) die "usage: bash slurm/cluster.sh install|start|status|stop|conf" ;;
 esac

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -139,8 +140,17 @@ def children(pid: int) -> list[int]:
 
 
 def running(pid: int) -> bool:
+    """Alive, or still exiting: a killed process's main thread turns zombie before its other threads have
+    exited, and its files (the run's lock) close only with the last of them."""
     fields = _stat(pid)
-    return fields is not None and fields[0] != "Z"
+    if fields is None:
+        return False
+    if fields[0] != "Z":
+        return True
+    try:
+        return any(task.name != str(pid) for task in Path(f"/proc/{pid}/task").iterdir())
+    except OSError:
+        return False
 
 
 def seconds_until_gone(pids: list[int], since: float, limit: float = 10) -> float:
@@ -164,9 +174,24 @@ def assert_free_and_whole(out: Path) -> None:
     """run.out_dir after the run's processes are gone: the lock free, every checkpoint whole."""
     if (out / rundir.LOCK).exists():
         with open(out / rundir.LOCK) as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raises BlockingIOError if still held
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise AssertionError(f"the lock is still held, open in: {holders(out / rundir.LOCK)}") from None
     for path in rundir.step_files(out):
         checkpoint.load(path)
+
+
+def holders(path: Path) -> list[str]:
+    """The processes with `path` open, as 'pid: command line'."""
+    found = []
+    for fd in Path("/proc").glob("[0-9]*/fd/*"):
+        with contextlib.suppress(OSError):
+            if os.readlink(fd) == str(path):
+                pid = int(fd.parent.parent.name)
+                command = cmdline(pid).replace(b"\0", b" ").decode(errors="replace")
+                found.append(f"{pid}: {command[:200]}")
+    return found
 
 
 def cmdline(pid: int) -> bytes:

@@ -1,7 +1,8 @@
 """A SLURM cluster over hosts made of network namespaces (tests/hosts.py): slurmctld on the first host,
-a slurmd on each (NodeName and NodeAddr per host), a private munged and SLURM_CONF, its own ports,
-so it never meets another cluster on this machine. ../shared/notes/namespace-hosts.md says why
-slurmd is started with nsenter and not `ip netns exec` (that would hide /sys/fs/cgroup)."""
+a slurmd on each (NodeName and NodeAddr per host: slurm/cluster.sh conf with SLURM_NODES), a private
+munged and SLURM_CONF, its own ports, so it never meets another cluster on this machine.
+../shared/notes/namespace-hosts.md says why slurmd is started with nsenter and not `ip netns exec`
+(that would hide /sys/fs/cgroup)."""
 
 from __future__ import annotations
 
@@ -13,46 +14,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import clean_env, require
+from conftest import REPO, clean_env, require
 from hosts import Host
 
+CLUSTER = REPO / "slurm" / "cluster.sh"  # writes the slurm.conf; the daemons start here, in each host's namespaces
+
 SBIN = "/usr/sbin:/sbin"
-
-
-def _conf(state: Path, hosts: list[Host], munge_socket: Path) -> str:
-    nodes = "\n".join(f"NodeName={h.name} NodeAddr={h.address} CPUs=2 RealMemory=1000 State=UNKNOWN" for h in hosts)
-    return f"""# tests/slurm_hosts.py: a cluster of namespace hosts, for tests only.
-ClusterName=ddphosts
-SlurmctldHost={hosts[0].name}({hosts[0].address})
-SlurmUser=root
-AuthType=auth/munge
-AuthInfo=socket={munge_socket},cred_expire=10
-CryptoType=crypto/munge
-StateSaveLocation={state}/ctld
-SlurmdSpoolDir={state}/spool-%n
-SlurmctldPidFile={state}/slurmctld.pid
-SlurmdPidFile={state}/slurmd-%n.pid
-SlurmctldLogFile={state}/slurmctld.log
-SlurmdLogFile={state}/slurmd-%n.log
-SlurmctldPort=6917
-SlurmdPort=6918
-ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
-SelectType=select/cons_tres
-SelectTypeParameters=CR_CPU
-SchedulerType=sched/backfill
-JobAcctGatherType=jobacct_gather/none
-AccountingStorageType=accounting_storage/none
-MpiDefault=none
-ReturnToService=2
-JobRequeue=1
-SchedulerParameters=sched_interval=2
-MessageTimeout=20
-KillWait=10
-MinJobAge=300
-{nodes}
-PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
-"""
 
 
 @contextlib.contextmanager
@@ -62,16 +29,17 @@ def slurm_cluster(hosts: list[Host], state: Path) -> Iterator[dict[str, str]]:
     for tool, package in tools:
         require(tool, f"apt-get install {package}")
     state.mkdir(parents=True, exist_ok=True)
-    (state / "ctld").mkdir()
-    for host in hosts:
-        (state / f"spool-{host.name}").mkdir()
     key, socket = state / "munge.key", state / "munge.socket"
     subprocess.run(["dd", "if=/dev/urandom", f"of={key}", "bs=1024", "count=1"], check=True, capture_output=True)
     key.chmod(0o400)
-    conf = state / "slurm.conf"
-    conf.write_text(_conf(state, hosts, socket))
-    env = clean_env(SLURM_CONF=str(conf))
+    nodes = " ".join(f"{h.name}:{h.address}" for h in hosts)
+    env = clean_env(
+        SLURM_STATE=str(state), SLURM_NODES=nodes, MUNGE_SOCKET=str(socket), SLURMCTLD_PORT="6917", SLURMD_PORT="6918"
+    )  # fmt: skip (its own ports: never another cluster on this machine)
     env["PATH"] = f"{env['PATH']}:{SBIN}"
+    written = subprocess.run(["bash", str(CLUSTER), "conf"], env=env, capture_output=True, text=True, check=True)
+    conf = written.stdout.strip()
+    env["SLURM_CONF"] = conf
     daemons = []
     try:
         munged = ["munged", "--foreground", f"--key-file={key}", f"--socket={socket}", f"--pid-file={state}/munged.pid",

@@ -162,3 +162,31 @@ def test_srun_killed_leaves_no_task_and_the_same_command_resumes_to_the_same_wei
     want = torch.load(reference / "checkpoints" / "last.pt", weights_only=True)["model"]
     assert all(torch.equal(got[k], want[k]) for k in want)
     REPORT.append(f"kill -9 of srun mid-training: its tasks gone {gone:.1f} s later, then resumed bitwise")
+
+
+def test_a_cold_start_after_the_daemons_died_begins_with_an_empty_queue(slurm):
+    """The machine restarts (every SLURM process dies at once, a job running): `cluster.sh start` must
+    not recover that job as RUNNING, where it would hold the node and queue every later job forever.
+    Last in this module: it restarts the cluster the tests above share."""
+    job = subprocess.run(["sbatch", "--parsable", "--output=/dev/null", "--wrap=sleep 600"],
+                         env=slurm, capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert job.returncode == 0, job.stderr
+    job_id = job.stdout.strip().split(";")[0]
+    deadline = time.monotonic() + 60
+    while job_field(slurm, job_id, "JobState") != "RUNNING":
+        assert time.monotonic() < deadline, f"job {job_id} did not start within 60 s"
+        time.sleep(0.5)
+    state = Path(slurm["SLURM_CONF"]).parent
+    listed = subprocess.run(["scontrol", "listpids", job_id], env=slurm, capture_output=True, text=True).stdout
+    doomed = [int(line.split()[0]) for line in listed.splitlines()[1:] if line.split()[0].isdigit()]
+    doomed += [int((state / f"{daemon}.pid").read_text()) for daemon in ("slurmctld", "slurmd")]
+    doomed += [int(pid) for pid in subprocess.run(["pgrep", "-f", f"slurmstepd: \\[{job_id}\\."],
+                                                  capture_output=True, text=True).stdout.split()]  # fmt: skip
+    for pid in doomed:  # all at once, as a power cut would
+        os.kill(pid, 9)
+    seconds_until_gone(doomed, time.monotonic())
+    started = subprocess.run(["bash", str(CLUSTER), "start"], capture_output=True, text=True, timeout=120)
+    assert started.returncode == 0, started.stderr
+    queue = subprocess.run(["squeue", "-h"], env=slurm, capture_output=True, text=True, timeout=30)
+    assert queue.stdout.strip() == "", f"a dead job came back:\n{queue.stdout}"
+    ok(subprocess.run(["srun", "--ntasks=1", "true"], env=slurm, capture_output=True, text=True, timeout=60))

@@ -38,7 +38,7 @@ train: $(STAMP)
 	bash launch/torchrun.sh --config configs/quick.yaml $(DATA_ARGS) $(ARGS)
 
 test: $(STAMP) lint system-packages
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q --durations=15 $(PYTEST_ARGS)
 
 # make bench [DATA=cifar10-subset.npz]: python -m bench on this machine, results in bench/results/.
 bench: $(STAMP)

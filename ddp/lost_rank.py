@@ -18,8 +18,9 @@ from ddp.devices import World
 from ddp.errors import PeerLost
 
 # Failures of a collective that say nothing more specific than their text (gloo and nccl raise
-# RuntimeError or DistError with these words).
-_COMM_WORDS = ("gloo", "NCCL", "Connection reset", "Connection closed", "imed out")
+# RuntimeError or DistError with these words). gloo's "Application timeout caused pair closure" comes
+# from a collective inside DDP's forward (its buffer broadcast) when a peer's link is down.
+_COMM_WORDS = ("gloo", "NCCL", "Connection reset", "Connection closed", "imed out", "pair closure")
 
 
 def is_comm_failure(e: BaseException) -> bool:

@@ -91,13 +91,33 @@ def torchrun(
     return subprocess.run(cmd, cwd=REPO, env=env or clean_env(), capture_output=True, text=True, timeout=timeout)
 
 
-REPORT: list[str] = []  # lines for the end of the pytest run (e.g. the kill points tried)
+REPORT: list[str] = []  # a test's lines for the end of the pytest run (e.g. the kill points tried)
+_REPORTED: list[str] = []  # every test's, gathered where the run is reported (pytest-xdist: its controller)
+
+
+def pytest_configure(config) -> None:
+    # Drawn once here, so that every pytest-xdist worker (started after this, with this environment)
+    # draws the same kill points; test_resume.py reads it.
+    os.environ.setdefault("KILL_SEED", str(time.time_ns() % 2**31))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    if REPORT:  # carried in the test's report: the run's controller gets it from a pytest-xdist worker too
+        outcome.get_result().user_properties.extend(("report", line) for line in REPORT)
+        REPORT.clear()
+
+
+def pytest_runtest_logreport(report) -> None:
+    _REPORTED.extend(line for key, line in report.user_properties if key == "report")
 
 
 def pytest_terminal_summary(terminalreporter) -> None:
-    if REPORT:
+    if _REPORTED:
         terminalreporter.section("launch / kill / resume report")
-        for line in REPORT:
+        terminalreporter.write_line(f"KILL_SEED={os.environ['KILL_SEED']}")
+        for line in _REPORTED:
             terminalreporter.write_line(line)
 
 

@@ -2,9 +2,10 @@
 
 import pytest
 import torch
+import torch.distributed as dist
 from launch_envs import SRUN, TORCHRUN
 
-from ddp import checks, devices, launchers, logs
+from ddp import checks, devices, launchers, logs, lost_rank
 from ddp.config import RunConfig
 from ddp.errors import UsageError
 
@@ -126,3 +127,19 @@ def test_global_batch_splits_evenly_or_says_what_would():
     assert checks.split_batch(96, world.world_size, "train.batch_size") == 32
     with pytest.raises(UsageError, match="train.batch_size=100 must be a positive multiple of world_size=3.*99 or 102"):
         checks.split_batch(100, world.world_size, "train.batch_size")
+
+
+@pytest.mark.parametrize(
+    "error, comm",
+    [
+        (RuntimeError("Application timeout caused pair closure"), True),  # gloo, a peer's link down (DDP's forward)
+        (RuntimeError("[../gloo/transport/tcp/pair.cc:534] Connection closed by peer [10.250.0.2]:5432"), True),
+        (RuntimeError("[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 8000ms"), True),
+        (RuntimeError("NCCL communicator was aborted on rank 0"), True),
+        (dist.DistNetworkError("failed to recv, got 0 bytes"), True),
+        (RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x3 and 5x6)"), False),
+        (ValueError("Connection closed"), False),  # not what a collective raises
+    ],
+)
+def test_a_collective_that_lost_a_peer_is_told_from_other_errors(error, comm):
+    assert lost_rank.is_comm_failure(error) is comm

@@ -96,13 +96,22 @@ def test_a_run_of_4_ranks_continues_in_1_process_with_k_4(tutorial_1x4, tmp_path
     assert diff < 1e-6
 
 
+@pytest.fixture(scope="module")
+def small_2_ranks(tmp_path_factory) -> dict[str, torch.Tensor]:
+    """`small` on 2 ranks, BatchNorm per rank, uncompressed: sync_bn's control and fp16's reference."""
+    return train(tmp_path_factory.mktemp("small") / "2-plain", 2, SMALL, "model.name=small", kill=False)
+
+
 @pytest.mark.parametrize("model, base", [("small", SMALL), ("resnet18", RESNET)], ids=["small", "resnet18"])
-def test_sync_bn_makes_1_2_and_4_ranks_one_computation(model, base, tmp_path):
+def test_sync_bn_makes_1_2_and_4_ranks_one_computation(model, base, tmp_path, request):
     net = f"model.name={model}"
     one = train(tmp_path / "1", 1, base, net, kill=False)
     two = train(tmp_path / "2", 2, base, net, "train.sync_bn=true", kill=False)
     four = train(tmp_path / "4", 4, base, net, "train.sync_bn=true")
-    control = train(tmp_path / "2-plain", 2, base, net, kill=False)
+    if model == "small":
+        control = request.getfixturevalue("small_2_ranks")
+    else:
+        control = train(tmp_path / "2-plain", 2, base, net, kill=False)
     d2, d4, dc = max_diff(one, two), max_diff(one, four), max_diff(one, control)
     REPORT.append(
         f"{model}, sync_bn, 2 epochs, weights and BatchNorm statistics: 1 process vs 2 ranks {d2:.1e}, "
@@ -112,8 +121,8 @@ def test_sync_bn_makes_1_2_and_4_ranks_one_computation(model, base, tmp_path):
     assert dc > 100 * max(d2, d4, 1e-7)
 
 
-def test_fp16_gradient_compression_trains_and_differs_by_a_measured_amount(tmp_path):
-    plain = train(tmp_path / "plain", 2, SMALL, "model.name=small", kill=False)
+def test_fp16_gradient_compression_trains_and_differs_by_a_measured_amount(small_2_ranks, tmp_path):
+    plain = small_2_ranks
     fp16 = train(tmp_path / "fp16", 2, SMALL, "model.name=small", "ddp.comm_hook=fp16", kill=False)
     losses = [m["train_loss"] for m in metrics(tmp_path / "fp16")]
     diff = max_diff(plain, fp16)

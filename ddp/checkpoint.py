@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -208,7 +209,7 @@ class Checkpoints:
         with distributed.fail_together(world):  # a failed write (a full disk) stops every rank, none waits
             if world.is_main:
                 state = build_state(self.trained, position, ranks, self.info, metrics)  # the unwrapped model
-                state["checksum"] = files.digest(state)
+                state["checksum"] = digest(state)
                 with _previous_kept(out_dir):
                     with files.atomic(path) as f:  # a temporary file, fsynced, renamed: all or nothing
                         torch.save(state, f)
@@ -256,7 +257,7 @@ def _verified(state: Any, path: Path) -> dict[str, Any]:
     if not isinstance(state, dict) or not {"model", "epoch", "checksum"} <= state.keys():
         raise CorruptCheckpoint(f"{path} is not a ddp-cifar checkpoint (no model/epoch/checksum entries)")
     stored = state.pop("checksum")
-    if files.digest(state) != stored:
+    if digest(state) != stored:
         raise CorruptCheckpoint(f"{path} fails its checksum (the file was altered or damaged)")
     if state.get("format") != FORMAT:
         raise UsageError(f"{path} has checkpoint format {state.get('format')}; this ddp-cifar reads format {FORMAT}")
@@ -365,6 +366,32 @@ def main(argv: list[str]) -> int:
             f"its outputs: {state['classes']}"
         )
     return EXIT_OK
+
+
+def digest(obj: Any) -> str:
+    """sha256 over a checkpoint's content (tensors by dtype, shape and bytes), independent of how
+    torch.save lays it out, so it can be stored inside the file it checks."""
+    h = hashlib.sha256()
+
+    def walk(x: Any) -> None:
+        if isinstance(x, torch.Tensor):
+            t = x.detach().cpu().contiguous()
+            h.update(f"T{t.dtype}{tuple(t.shape)}".encode())
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+        elif isinstance(x, dict):
+            h.update(f"D{len(x)}".encode())
+            for k in sorted(x, key=repr):
+                walk(k)
+                walk(x[k])
+        elif isinstance(x, (list, tuple)):
+            h.update(f"L{len(x)}".encode())
+            for v in x:
+                walk(v)
+        else:
+            h.update(f"S{type(x).__name__}:{x!r}".encode())
+
+    walk(obj)
+    return h.hexdigest()
 
 
 if __name__ == "__main__":

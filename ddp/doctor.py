@@ -26,7 +26,7 @@ import torch.distributed as dist
 from ddp import config, devices, distributed, launchers, metrics, network
 from ddp.cli import command, parse_args
 from ddp.devices import World
-from ddp.errors import EXIT_FAILURE, EXIT_OK
+from ddp.errors import EXIT_FAILURE, EXIT_OK, UsageError
 
 
 def versions() -> dict[str, str]:
@@ -127,9 +127,10 @@ def diagnose(run: config.RunConfig) -> list[str]:
     if world.parallel != "ddp":
         print_report(report(world, run.out_dir))
         addr, port, source = launchers.planned_rendezvous()
-        if network.resolve(addr) is None:
-            host = socket.gethostname()
-            problems.append(f"MASTER_ADDR={addr} does not resolve on {host}: check the name, or /etc/hosts")
+        try:
+            network.check_master(addr, port, node_rank=0, timeout_s=0)  # node 0: whether it resolves
+        except UsageError as e:
+            problems.append(str(e))
         free = port_free(addr, port)
         print(f"rendezvous port {port} ({source}): " + ("free" if free else "IN USE"))
         if not free:

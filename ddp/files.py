@@ -4,7 +4,6 @@ failed addition off. A failure is one WriteFailed: the file, the bytes it needed
 
 from __future__ import annotations
 
-import hashlib
 import io
 import os
 import shutil
@@ -12,9 +11,6 @@ import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
-
-import torch
 
 from ddp.errors import WriteFailed
 
@@ -78,7 +74,7 @@ def replace(path: Path, data: bytes | memoryview) -> None:
 
 @contextmanager
 def atomic(path: Path) -> Iterator[io.BytesIO]:
-    """`with atomic(path) as f: torch.save(state, f)`: what is written to f becomes `path`'s content
+    """`with atomic(path) as f: write(f)`: what is written to f becomes `path`'s content
     when the `with` ends without an error, whole (replace); an error inside leaves `path` as it was.
     The bytes go to memory first, so a full disk is an OSError here, never a half-written zip."""
     buffer = io.BytesIO()
@@ -124,29 +120,3 @@ def remove_temporary(directory: Path) -> None:
     """The temporary files that writers killed before their rename left in `directory`."""
     for tmp in Path(directory).glob(TEMPORARY):
         tmp.unlink(missing_ok=True)
-
-
-def digest(obj: Any) -> str:
-    """sha256 over a checkpoint's content (tensors by dtype, shape and bytes), independent of how
-    torch.save lays it out, so it can be stored inside the file it checks."""
-    h = hashlib.sha256()
-
-    def walk(x: Any) -> None:
-        if isinstance(x, torch.Tensor):
-            t = x.detach().cpu().contiguous()
-            h.update(f"T{t.dtype}{tuple(t.shape)}".encode())
-            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-        elif isinstance(x, dict):
-            h.update(f"D{len(x)}".encode())
-            for k in sorted(x, key=repr):
-                walk(k)
-                walk(x[k])
-        elif isinstance(x, (list, tuple)):
-            h.update(f"L{len(x)}".encode())
-            for v in x:
-                walk(v)
-        else:
-            h.update(f"S{type(x).__name__}:{x!r}".encode())
-
-    walk(obj)
-    return h.hexdigest()

@@ -28,6 +28,11 @@ def interface_address(name: str) -> str | None:
     return socket.inet_ntoa(packed[20:24])
 
 
+def interface_with(address: str) -> str | None:
+    """The interface that holds IPv4 `address` on this host, or None."""
+    return next((n for _, n in socket.if_nameindex() if interface_address(n) == address), None)
+
+
 def route_to(address: str) -> tuple[str, str] | None:
     """(interface, local address) this host sends from to reach `address` (no packet is sent), or
     None when no route leads there."""
@@ -37,7 +42,7 @@ def route_to(address: str) -> tuple[str, str] | None:
         except OSError:
             return None
         local = s.getsockname()[0]
-    name = next((n for _, n in socket.if_nameindex() if interface_address(n) == local), None)
+    name = interface_with(local)
     return (name, local) if name else None
 
 
@@ -122,5 +127,4 @@ def gloo_interface(env: MutableMapping[str, str] = os.environ) -> str:
         return "none: this host's name does not resolve (gloo falls back to loopback)"
     if ipaddress.ip_address(own).is_loopback:
         return f"lo ({own}, this host's name): right on one machine, out of other machines' reach"
-    name = next((n for _, n in socket.if_nameindex() if interface_address(n) == own), "?")
-    return f"{name} ({own}, this host's name)"
+    return f"{interface_with(own) or '?'} ({own}, this host's name)"

@@ -11,7 +11,9 @@ Markdown table under --out, named after the machine:
 - DDP overhead: DDP at world size 1 against the bare model, and 1 against N processes at the same
   global batch (gloo on CPU, nccl on GPUs);
 - time from process start to the first training step, and peak memory;
-- on a GPU, model-FLOPs utilisation against the bf16 matmul rate measured in the same run;
+- on a GPU, model-FLOPs utilisation against the bf16 matmul rate measured in the same run, also
+  with torch.compile at larger batches (the compile's seconds beside), and DDP over the compiled
+  model; the per-step stop agreement's all-reduce alone;
 - with --data (the real subset) and without --quick: time-to-accuracy of configs/fast.yaml against
   the tutorial pipeline on the CPU.
 --quick is the same code with small sizes (under a minute on a CPU; the test suite runs it).
@@ -40,10 +42,13 @@ SIZES = {
         "data_images": 8192, "ddp": [("small", 256), ("fast", 256)],
         "train": [("tutorial", 128), ("small", 128), ("small", 512), ("fast", 256), ("fast", 1024), ("resnet18", 256)],
         "gpu_only": [("fast", 1024), ("resnet18", 256)],  # minutes per row on a 2-core CPU
+        "compiled": [("fast", 1024), ("fast", 2048), ("resnet18", 512), ("resnet18", 1024)],  # GPU only
+        "ddp_compiled": ["fast"],  # GPU only
     },
     "quick": {
         "images": 1024, "warmup": 1, "steps": 3, "repeats": 3, "baseline_workers": 0, "data_batch": 256,
         "data_images": 1024, "train": [("small", 128)], "ddp": [("small", 64)], "gpu_only": [],
+        "compiled": [], "ddp_compiled": [],
     },
 }  # fmt: skip
 
@@ -74,9 +79,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=str(harness.REPO / "bench" / "results"), help="where the JSON and .md go")
     parser.add_argument("--data", help="the real CIFAR-10 subset (.npz) for the time-to-accuracy check")
     parser.add_argument("--tutorial-epochs", type=int, default=10)
+    parser.add_argument("--gpu-only", action="store_true", help="no CPU rows (make gpu-check)")
     args = parser.parse_args(argv)
     sizes = SIZES["quick" if args.quick else "full"]
-    devices = [torch.device("cpu")] + ([torch.device("cuda", 0)] if torch.cuda.is_available() else [])
+    cuda = [torch.device("cuda", 0)] if torch.cuda.is_available() else []
+    if args.gpu_only and not cuda:
+        parser.error("--gpu-only: no CUDA device here")
+    devices = ([] if args.gpu_only else [torch.device("cpu")]) + cuda
     result: dict[str, Any] = {
         "machine": machine(),
         "quick": args.quick,
@@ -85,6 +94,9 @@ def main(argv: list[str] | None = None) -> int:
     }
     print("training throughput", flush=True)
     result["train"] = harness.train_throughput(sizes, devices)
+    if cuda and sizes["compiled"]:
+        print("compiled", flush=True)
+        result["compiled"] = harness.compiled_sweep(sizes, cuda[0])
     print("data path", flush=True)
     result["data_path"] = harness.data_path(sizes, devices)
     print("DDP overhead", flush=True)

@@ -10,6 +10,9 @@
 #   fast, resnet18   time to accuracy of configs/fast.yaml and configs/resnet18.yaml on the subset
 #   ranks      2 and 3 ranks on the one GPU (run.backend=gloo), each killed at a step and resumed; 1 rank nccl
 #   airbench   airbench94 (PyPI airbench 0.1.8) on the same subset: its time and accuracy beside ours
+#   lightning  Lightning training the same net with the same recipe, DDP on the one GPU (bench/lightning_fast.py)
+# STEP...: only those steps (e.g. `bash bench/gpu_check.sh bench` in a device call of its own, the
+# others in another: one call has 10 minutes); none named: all of them.
 # Before the device call, here (once): `make gpu-carry` puts the subset and airbench's source archive
 # into .gpu/ (git-ignored); the call carries it: run(command="bash bench/gpu_check.sh", carry=[".gpu"]).
 # --dry-run: the same steps on this machine's CPU at toy sizes (tests/test_gpu_check.py runs it), so
@@ -19,7 +22,12 @@ set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 dry=0
-[ "${1:-}" = --dry-run ] && dry=1
+[ "${1:-}" = --dry-run ] && dry=1 && shift
+only=("$@")
+known=" env tests bench fast resnet18 ranks airbench lightning "
+for name in "${only[@]}"; do
+  [[ $known == *" $name "* ]] || { echo "gpu_check.sh: no step '$name' (steps:$known)" >&2; exit 64; }
+done
 out=${GPU_CHECK_OUT:-${OUT:-$root/bench/results/gpu-check}}
 mkdir -p "$out"
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -30,9 +38,14 @@ airbench=$(ls "$root"/.gpu/airbench-*.tar.gz 2>/dev/null | head -1)
 failed=()
 summary=("| step | result | log |" "| --- | --- | --- |")
 
+wanted() {  # wanted NAME: whether this check runs step NAME
+  [ ${#only[@]} = 0 ] || [[ " ${only[*]} " == *" $1 "* ]]
+}
+
 step() {  # step NAME COMMAND...: run it, its output in $out/NAME.log; remember how it went
   local name=$1 started=$SECONDS
   shift
+  wanted "$name" || return 0
   echo "== $name: $*"
   if "$@" >"$out/$name.log" 2>&1; then
     summary+=("| $name | ok ($((SECONDS - started)) s) | $name.log |")
@@ -53,8 +66,8 @@ if [ $dry = 1 ]; then  # the CPU: toy sizes, gloo, fp32
 else
   train_sizes=()
   device=(run.device=cuda)
-  bench=(--data "$data")
-  test_select=()
+  bench=(--gpu-only)
+  test_select=(-k "gpu or cuda")  # the CPU tests of test_evaluate and test_sync_bn run in CI
 fi
 data_args=(data.dataset=npz "data.path=$data")
 [ $dry = 1 ] && data_args=(data.dataset=synthetic data.synthetic_train=256 data.synthetic_test=64)
@@ -91,7 +104,9 @@ step bench "$py" -m bench "${bench[@]}" --out "$out"
 step fast train fast --config configs/fast.yaml "${train_sizes[@]}"
 step resnet18 train resnet18 --config configs/resnet18.yaml "${train_sizes[@]}"
 step ranks ranks
-if [ -n "$airbench" ]; then
+if ! wanted airbench; then
+  :
+elif [ -n "$airbench" ]; then
   step airbench "$py" bench/airbench_subset.py --data "$data" --airbench "$airbench" --out "$out/airbench.json"
 elif [ $dry = 1 ]; then
   summary+=("| airbench | skipped: no .gpu/airbench-*.tar.gz (make gpu-carry) | |")
@@ -99,6 +114,10 @@ else
   failed+=(airbench)
   summary+=("| airbench | FAILED: no .gpu/airbench-*.tar.gz; run make gpu-carry here and carry .gpu | |")
 fi
+
+lightning=(--workers 4)
+[ $dry = 1 ] && lightning=(--workers 0 model.name=small "${train_sizes[@]}")
+step lightning "$py" bench/lightning_fast.py "${data_args[@]}" --out "$out/lightning.json" "${lightning[@]}"
 
 {
   echo "# make gpu-check$([ $dry = 1 ] && echo ' --dry-run (CPU, toy sizes)') — $(date -u +%Y-%m-%dT%H:%MZ)"

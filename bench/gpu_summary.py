@@ -1,6 +1,6 @@
 """The figures of a `make gpu-check` folder as markdown (the end of its summary.md): per-epoch test
-accuracy and time of the fast and resnet18 runs, airbench94 on the same subset, and where the
-bench's own report is.
+accuracy and time of the fast and resnet18 runs, airbench94 and Lightning on the same subset, and
+where the bench's own report is.
 
     python bench/gpu_summary.py OUT_DIR
 """
@@ -45,9 +45,30 @@ def airbench(out: Path) -> list[str]:
     ]
 
 
+def lightning(out: Path, ours: list[dict] | None) -> list[str]:
+    path = out / "lightning.json"
+    if not path.is_file():
+        return ["Lightning: not run"]
+    r = json.loads(path.read_text())
+    last = r["epochs"][-1] if r["epochs"] else {"test_acc": float("nan")}
+    line = (
+        f"{r['framework']} ({r['precision']}, DDP on one device, {r['device']}), the same {r['model']} net and "
+        f"recipe, batch {r['batch']}, {len(r['epochs'])} epochs: {100 * last['test_acc']:.2f}% in "
+        f"{r['fit_wall_s']:.1f} s (trainer.fit)"
+    )
+    if ours:
+        line += f"; ddp/train.py: {100 * ours[-1]['test_acc']:.2f}% in {sum(o['seconds'] for o in ours):.1f} s"
+    return [line]
+
+
 def main(out: Path) -> None:
     reports = sorted(p.name for p in out.glob("*.md") if p.name != "summary.md")
-    print("\n".join([*runs(out), "", *airbench(out), "", "bench report: " + (", ".join(reports) or "none")]))
+    try:
+        ours = read_run(out / "fast")
+    except UsageError:
+        ours = None
+    lines = [*runs(out), "", *airbench(out), "", *lightning(out, ours), ""]
+    print("\n".join([*lines, "bench report: " + (", ".join(reports) or "none")]))
 
 
 if __name__ == "__main__":

@@ -171,6 +171,36 @@ def train_throughput(sizes: dict, devices: list[torch.device]) -> list[dict]:
     return rows
 
 
+def compiled_sweep(sizes: dict, device: torch.device) -> list[dict]:
+    """On a GPU: bf16 + channels_last + cudnn.benchmark + torch.compile at each (model, batch) of
+    sizes["compiled"]: the compile (the first two steps), then img/s with our data path and on one
+    batch repeated, and MFU. Each batch size compiles afresh (no dynamic-shape graph)."""
+    rows = []
+    timing = (device, sizes["warmup"], sizes["steps"], sizes["repeats"])
+    for name, batch in sizes["compiled"]:
+        torch._dynamo.reset()
+        ours = job(name, batch, sizes["images"], World(0, 0, 1, device, "none"), "run.compile=true",
+                   f"run.cudnn_benchmark={device.type == 'cuda'}")  # fmt: skip
+        step = stepping(ours, cycle(ours.train_loader))
+        start = time.perf_counter()
+        step()
+        step()
+        row: dict[str, Any] = {"device": device_name(device), "model": name, "batch": batch}
+        row["first_two_steps_s"] = metrics.elapsed(start, device)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        row["ours_img_s"] = batch / seconds_per_call(step, *timing)
+        row["peak_mb"] = peak_memory_mb(device)
+        fixed = next(iter(ours.train_loader))
+        row["one_batch_img_s"] = batch / seconds_per_call(stepping(ours, lambda fixed=fixed: fixed), *timing)
+        if device.type == "cuda":
+            row.update(mfu(ours.trained.model, batch, row["ours_img_s"], device))
+        rows.append(row)
+        print(f"  compiled {row['device']} {name} batch {batch}: {row['ours_img_s']:.0f} img/s, "
+              f"compile {row['first_two_steps_s']:.0f} s", flush=True)  # fmt: skip
+    return rows
+
+
 _PEAK_BF16: dict[str, float] = {}
 
 
@@ -229,16 +259,19 @@ def _ddp_worker(
     rank: int, world_size: int, port: int, name: str, global_batch: int, sizes: dict, threads: int, out: Any
 ) -> None:
     """Seconds per DDP step on rank 0; at world size 1 also the bare model's, in the same process with
-    the same threads, measured alternately (bare, DDP, bare, DDP) so that drift hits both alike."""
+    the same threads, measured alternately (bare, DDP, bare, DDP) so that drift hits both alike; the
+    per-step stop agreement (distributed.any_rank) alone; and with name in sizes["ddp_compiled"],
+    DDP over the compiled model: its first two steps (the compile), then its step."""
     torch.set_num_threads(threads)
     device = torch.device("cuda", rank) if torch.cuda.is_available() else torch.device("cpu")
     world = World(rank, rank, world_size, device, "ddp", "bench", f"tcp://127.0.0.1:{port}")
     timing = (device, sizes["warmup"], sizes["steps"], sizes["repeats"])
     with distributed.setup(world, 120) as world:
-        _time_ddp(world, name, global_batch, timing, out)
+        compiled = world_size == 1 and name in sizes["ddp_compiled"]
+        _time_ddp(world, name, global_batch, timing, out, compiled)
 
 
-def _time_ddp(world: World, name: str, global_batch: int, timing: tuple, out: Any) -> None:
+def _time_ddp(world: World, name: str, global_batch: int, timing: tuple, out: Any, compiled: bool) -> None:
     """Inside the process group, so that the DDP objects die before it does (distributed.setup)."""
     ddp = job(name, global_batch, global_batch, world)
     fixed = next(iter(ddp.train_loader))
@@ -250,8 +283,19 @@ def _time_ddp(world: World, name: str, global_batch: int, timing: tuple, out: An
         if bare:
             times["bare"].append(seconds_per_call(stepping(bare, lambda: fixed), *timing))
         times["ddp"].append(seconds_per_call(stepping(ddp, lambda: fixed), *timing))
+    result = {k: statistics.mean(v) if v else None for k, v in times.items()}
+    agree = lambda: distributed.any_rank(False, world)  # noqa: E731 (timed right here)
+    result["stop_agreement_s"] = seconds_per_call(agree, world.device, 10, 100, timing[3])
+    if compiled:
+        torch._dynamo.reset()
+        step = stepping(job(name, global_batch, global_batch, world, "run.compile=true"), lambda: fixed)
+        start = time.perf_counter()
+        step()
+        step()
+        result["compiled_first_two_steps_s"] = metrics.elapsed(start, world.device)
+        result["ddp_compiled"] = seconds_per_call(step, *timing)
     if world.is_main:
-        out.put({k: statistics.mean(v) if v else None for k, v in times.items()})
+        out.put(result)
 
 
 def free_port() -> int:
@@ -294,7 +338,11 @@ def ddp_overhead(sizes: dict) -> list[dict]:
             "bare_step_s": bare_s,
             "ddp1_step_s": one_s,
             "ddp1_overhead": one_s / bare_s - 1,
+            "stop_agreement_s": one["stop_agreement_s"],
         }
+        if "ddp_compiled" in one:
+            row["compiled_first_two_steps_s"] = one["compiled_first_two_steps_s"]
+            row["ddp1_compiled_step_s"] = one["ddp_compiled"]
         if n > 1:
             row.update({"processes": n, "ddpN_step_s": ddp_step_seconds(n, name, batch, sizes)["ddp"]})
             row["speedup_N_vs_1"] = one_s / row["ddpN_step_s"]

@@ -12,6 +12,7 @@ def markdown(result: dict) -> str:
         f"{m['date']}; CPU: {m['cpu']} ({m['cores']} cores); torch {m['torch']}; python {m['python']}.",
         f"Command: `{result['command']}`",
         *training(result),
+        *compiled(result.get("compiled", [])),
         *data_path(result["data_path"]),
         *ddp(result["ddp"]),
         "",
@@ -49,6 +50,26 @@ def training(result: dict) -> list[str]:
     ]
 
 
+def compiled(rows: list[dict]) -> list[str]:
+    if not rows:
+        return []
+    lines = [
+        "",
+        "## torch.compile, bf16, channels_last, cudnn.benchmark (img/s and MFU by batch size)",
+        "",
+        "| device | model | batch | compile (first two steps) s | ours | one batch repeated | ours / one batch "
+        "| peak memory MB | MFU |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['device']} | {r['model']} | {r['batch']} | {r['first_two_steps_s']:.1f} | {r['ours_img_s']:.0f} | "
+            f"{r['one_batch_img_s']:.0f} | {r['ours_img_s'] / r['one_batch_img_s']:.0%} | {r['peak_mb']:.0f} | "
+            f"{r.get('mfu', float('nan')):.1%} |"
+        )
+    return lines
+
+
 def data_path(rows: list[dict]) -> list[str]:
     lines = [
         "",
@@ -69,16 +90,20 @@ def ddp(rows: list[dict]) -> list[str]:
         "## DDP overhead (one pre-made batch, same global batch)",
         "",
         "| device | model | global batch | bare step ms | DDP world size 1 ms | overhead | N processes | step ms "
-        "| speed-up N vs 1 |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| speed-up N vs 1 | stop agreement ms (all-reduce alone) | compiled: first two steps s, DDP step ms |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         n = "n/a | | "
         if "processes" in r:
             n = f"{r['processes']} | {r['ddpN_step_s'] * 1e3:.1f} | {r['speedup_N_vs_1']:.2f}x"
+        c = "not measured"
+        if "ddp1_compiled_step_s" in r:
+            c = f"{r['compiled_first_two_steps_s']:.1f} s, {r['ddp1_compiled_step_s'] * 1e3:.1f} ms"
         lines.append(
             f"| {r['device']} | {r['model']} | {r['global_batch']} | {r['bare_step_s'] * 1e3:.1f} | "
-            f"{r['ddp1_step_s'] * 1e3:.1f} | {r['ddp1_overhead']:+.1%} | {n} |"
+            f"{r['ddp1_step_s'] * 1e3:.1f} | {r['ddp1_overhead']:+.1%} | {n} | "
+            f"{r['stop_agreement_s'] * 1e3:.3f} | {c} |"
         )
     return lines
 

@@ -2,6 +2,7 @@
 (so that on a lent GPU machine it cannot fail for a typo), writes each step's log and summary.md, and
 its exit status counts the failed steps."""
 
+import json
 import subprocess
 import sys
 
@@ -18,12 +19,28 @@ def test_gpu_check_dry_run_runs_every_step(tmp_path):
                           text=True, timeout=600)  # fmt: skip
     summary = (tmp_path / "summary.md").read_text()
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    for step in ("env", "tests", "bench", "fast", "resnet18", "ranks"):
+    for step in ("env", "tests", "bench", "fast", "resnet18", "ranks", "lightning"):
         assert f"| {step} | ok (" in summary, (step, summary)
         assert (tmp_path / f"{step}.log").is_file()
     assert "| airbench |" in summary  # skipped here without .gpu/ (or run, with it)
     assert (tmp_path / "ranks-3" / "metrics.jsonl").read_text().count('"epoch"') == 2  # killed, resumed, done
     assert "| fast | 1 |" in summary and "| resnet18 | 1 |" in summary
+    lightning = json.loads((tmp_path / "lightning.json").read_text())  # the same net and recipe, in Lightning
+    assert lightning["optimizer_steps"] == 256 // 64 and [e["epoch"] for e in lightning["epochs"]] == [1]
+    assert lightning["test_images"] == 64 and 0 <= lightning["epochs"][0]["test_acc"] <= 1
+    assert "lightning 2." in summary and "ddp/train.py:" in summary
+
+
+def test_gpu_check_runs_only_the_steps_named_and_refuses_an_unknown_one(tmp_path):
+    env = clean_env(GPU_CHECK_OUT=str(tmp_path), PYTHON=sys.executable)
+    run = lambda *steps: subprocess.run(["bash", "bench/gpu_check.sh", "--dry-run", *steps], cwd=REPO, env=env,  # noqa: E731
+                                        capture_output=True, text=True, timeout=120)  # fmt: skip
+    proc = run("env", "bnech")
+    assert proc.returncode == 64 and "no step 'bnech'" in proc.stderr and not (tmp_path / "summary.md").exists()
+    proc = run("env")
+    summary = (tmp_path / "summary.md").read_text()
+    assert proc.returncode == 0 and "| env | ok (" in summary and "| bench |" not in summary
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["env.log", "summary.md"]
 
 
 def test_a_failing_step_is_counted_in_the_exit_status(tmp_path):

@@ -1,0 +1,153 @@
+"""Lightning (lightning.pytorch) training ddp-cifar's `fast` net with configs/fast.yaml's recipe on the
+same .npz data, DDP on one device: its wall time and per-epoch test accuracy beside ddp/train.py's,
+for `make gpu-check`.
+
+    python bench/lightning_fast.py --out R.json [--config configs/fast.yaml] [--workers 4] data.dataset=npz
+        data.path=.gpu/cifar10-subset.npz [KEY=VALUE ...]   (ddp/train.py's overrides, e.g. run.device=cpu)
+
+What is the same as ours: the model (ddp.models.build), the optimizer and its per-step schedule
+(ddp.optim.make_optimizer over the config's optim section), global batch, epochs, label smoothing,
+flip test-time augmentation when train.tta_flip, bf16 autocast ("bf16-mixed") and channels_last when
+the config asks, evaluation on the whole test split after every epoch. What a Lightning user writes
+instead of our device-resident loader: the usual DataLoader over PIL images with torchvision
+RandomCrop(32, padding=4) + flip + Normalize in worker processes (bench.harness.tutorial_loader).
+Timed: trainer.fit from its call to its return (training and the per-epoch evaluation), device
+synchronised; the per-epoch times are from epoch start to the end of that epoch's evaluation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `ddp` and `bench` from the checkout
+
+import lightning.pytorch as pl  # noqa: E402
+
+from bench.harness import CIFAR_MEAN, CIFAR_STD, PILImages, tutorial_loader  # noqa: E402
+from ddp import config, datasets, metrics, models, optim  # noqa: E402
+from ddp.config import Config  # noqa: E402
+from ddp.devices import World  # noqa: E402
+
+
+class FastNet(pl.LightningModule):
+    """The training step, the per-epoch test accuracy and the optimizer of ddp/train.py's recipe."""
+
+    def __init__(self, cfg: Config, num_classes: int, steps_per_epoch: int) -> None:
+        super().__init__()
+        self.cfg, self.steps_per_epoch = cfg, steps_per_epoch
+        self.net = models.build(cfg.model.name, num_classes, cfg.model.dropout, cfg.model.width)
+        if cfg.run.channels_last:
+            self.net = self.net.to(memory_format=torch.channels_last)
+        self.loss = nn.CrossEntropyLoss(label_smoothing=cfg.train.label_smoothing)
+        self.correct = self.seen = 0
+        self.epochs: list[dict] = []
+        self.epoch_started = 0.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.cfg.run.channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
+        return self.net(x)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], _: int) -> torch.Tensor:
+        x, y = batch
+        return self.loss(self(x), y)
+
+    def on_train_epoch_start(self) -> None:
+        metrics.synchronize(self.device)
+        self.epoch_started = time.perf_counter()
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], _: int) -> None:
+        x, y = batch
+        logits = self(x)
+        if self.cfg.train.tta_flip:
+            logits = logits + self(x.flip(3))
+        self.correct += int((logits.argmax(1) == y).sum())
+        self.seen += len(y)
+
+    def on_validation_epoch_end(self) -> None:
+        if self.trainer.sanity_checking:
+            self.correct = self.seen = 0
+            return
+        seconds = metrics.elapsed(self.epoch_started, self.device)
+        self.epochs.append({"epoch": self.current_epoch + 1, "seconds": seconds, "test_acc": self.correct / self.seen})
+        print(f"  lightning epoch {self.current_epoch + 1}: {self.correct / self.seen:.1%} in {seconds:.1f} s")
+        self.correct = self.seen = 0
+
+    def configure_optimizers(self):  # noqa: ANN201 (Lightning's own return shape)
+        total = self.steps_per_epoch * self.cfg.train.epochs
+        optimizer, schedule = optim.make_optimizer(self.net, self.cfg.optim, total, self.steps_per_epoch)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=Path, required=True, help="the result, as JSON")
+    parser.add_argument("--config", default=str(Path(__file__).resolve().parent.parent / "configs" / "fast.yaml"))
+    parser.add_argument("--workers", type=int, default=4, help="DataLoader worker processes")
+    parser.add_argument("overrides", nargs="*", help="KEY=VALUE, as ddp/train.py takes them")
+    args = parser.parse_intermixed_args(argv)
+    cfg = config.load(args.config, args.overrides)
+    cuda = cfg.run.device != "cpu" and torch.cuda.is_available()
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    data = datasets.read(cfg.data, World(0, 0, 1, device, "none"))
+    batch = cfg.train.batch_size
+    train = tutorial_loader(data.train, batch, args.workers)
+    test = torch.utils.data.DataLoader(
+        PILImages(data.test, tutorial_transform_for_test()), batch_size=cfg.train.eval_batch_size,
+        num_workers=args.workers, persistent_workers=args.workers > 0,
+    )  # fmt: skip
+    steps = len(data.train.labels) // batch
+    torch.manual_seed(cfg.run.seed)
+    module = FastNet(cfg, len(data.classes), steps)
+    trainer = pl.Trainer(
+        accelerator="gpu" if cuda else "cpu",
+        devices=1,
+        strategy="ddp",  # DistributedDataParallel on the one device, as torchrun --nproc_per_node=1 does
+        precision="bf16-mixed" if cuda and cfg.run.amp == "bf16" else "32-true",
+        max_epochs=cfg.train.epochs,
+        num_sanity_val_steps=0,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        logger=False,
+        benchmark=cuda and cfg.run.cudnn_benchmark,
+    )
+    if cuda and cfg.run.tf32:
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    metrics.synchronize(device)
+    started = time.perf_counter()
+    trainer.fit(module, train, test)
+    wall = metrics.elapsed(started, device)
+    result = {
+        "framework": f"lightning {pl.__version__}",
+        "device": torch.cuda.get_device_name(0) if cuda else "CPU",
+        "model": cfg.model.name,
+        "batch": batch,
+        "precision": trainer.precision,
+        "train_images": len(data.train.labels),
+        "test_images": len(data.test.labels),
+        "fit_wall_s": wall,
+        "optimizer_steps": trainer.global_step,  # steps per epoch x epochs: the schedule's length
+        "epochs": module.epochs,
+    }
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps({k: v for k, v in result.items() if k != "epochs"}))
+    return 0
+
+
+def tutorial_transform_for_test():  # noqa: ANN201 (a torchvision transform)
+    """ToTensor + Normalize with the CIFAR mean and std: the test half of the usual pipeline."""
+    from torchvision import transforms
+
+    return transforms.Compose([transforms.ToTensor(), transforms.Normalize(CIFAR_MEAN, CIFAR_STD)])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -38,12 +38,13 @@ from bench.report import markdown
 
 SIZES = {
     "full": {
-        "images": 8192, "warmup": 2, "steps": 5, "repeats": 5, "baseline_workers": 2, "data_batch": 512,
-        "data_images": 8192, "ddp": [("small", 256), ("fast", 256)],
+        "images": 8192, "warmup": 5, "steps": 5, "repeats": 7, "baseline_workers": 2, "data_batch": 512,
+        "data_images": 8192, "ddp": [("small", 256), ("fast", 256), ("fast", 1024), ("resnet18", 512)],
         "train": [("tutorial", 128), ("small", 128), ("small", 512), ("fast", 256), ("fast", 1024), ("resnet18", 256)],
         "gpu_only": [("fast", 1024), ("resnet18", 256)],  # minutes per row on a 2-core CPU
-        "compiled": [("fast", 1024), ("fast", 2048), ("resnet18", 512), ("resnet18", 1024)],  # GPU only
-        "ddp_compiled": ["fast"],  # GPU only
+        "compiled": [("fast", 2048), ("fast", 4096), ("fast", 8192), ("resnet18", 1024), ("resnet18", 2048),
+                     ("resnet18", 4096)],  # GPU only
+        "ddp_compiled": [("fast", 1024)],  # GPU only, world size 1
     },
     "quick": {
         "images": 1024, "warmup": 1, "steps": 3, "repeats": 3, "baseline_workers": 0, "data_batch": 256,

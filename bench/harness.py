@@ -50,6 +50,21 @@ def seconds_per_call(fn: Callable[[], Any], device: torch.device, warmup: int, c
     return statistics.median(times)
 
 
+def alternating(
+    fns: dict[str, Callable[[], Any]], device: torch.device, warmup: int, calls: int, repeats: int
+) -> dict[str, float]:
+    """seconds_per_call of each of `fns`, their windows taken in turn (a, b, a, b, ...) so that
+    clock ramps and drift hit them alike: the median per name."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            times[name].append(seconds_per_call(fn, device, 0, calls, 1))
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
 def peak_memory_mb(device: torch.device) -> float:
     """GPU: the peak allocation since the last reset; CPU: the process's peak RSS so far."""
     if device.type == "cuda":
@@ -156,10 +171,8 @@ def train_throughput(sizes: dict, devices: list[torch.device]) -> list[dict]:
             ours = job(name, batch, sizes["images"], World(0, 0, 1, device, "none"))
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
-            row["ours_img_s"] = batch / seconds_per_call(stepping(ours, cycle(ours.train_loader)), *timing)
+            row.update(loader_and_ceiling(ours, batch, timing))
             row["peak_mb"] = peak_memory_mb(device)
-            fixed = next(iter(ours.train_loader))
-            row["one_batch_img_s"] = batch / seconds_per_call(stepping(ours, lambda fixed=fixed: fixed), *timing)
             loader = tutorial_loader(ours.data.train, batch, sizes["baseline_workers"])
             theirs = stepping(replace(ours, to_input=to_device(device)), cycle(loader))
             row["tutorial_pipeline_img_s"] = batch / seconds_per_call(theirs, *timing)
@@ -171,6 +184,14 @@ def train_throughput(sizes: dict, devices: list[torch.device]) -> list[dict]:
     return rows
 
 
+def loader_and_ceiling(trained: train.Job, batch: int, timing: tuple) -> dict[str, float]:
+    """img/s of the job's step fed by its own loader, and fed one pre-made batch again and again
+    (the data path's ceiling), their timing windows alternating."""
+    fixed = next(iter(trained.train_loader))
+    steps = {"ours": stepping(trained, cycle(trained.train_loader)), "one_batch": stepping(trained, lambda: fixed)}
+    return {f"{k}_img_s": batch / s for k, s in alternating(steps, *timing).items()}
+
+
 def compiled_sweep(sizes: dict, device: torch.device) -> list[dict]:
     """On a GPU: bf16 + channels_last + cudnn.benchmark + torch.compile at each (model, batch) of
     sizes["compiled"]: the compile (the first two steps), then img/s with our data path and on one
@@ -179,7 +200,8 @@ def compiled_sweep(sizes: dict, device: torch.device) -> list[dict]:
     timing = (device, sizes["warmup"], sizes["steps"], sizes["repeats"])
     for name, batch in sizes["compiled"]:
         torch._dynamo.reset()
-        ours = job(name, batch, sizes["images"], World(0, 0, 1, device, "none"), "run.compile=true",
+        images = max(sizes["images"], 4 * batch)  # epochs of 4+ steps
+        ours = job(name, batch, images, World(0, 0, 1, device, "none"), "run.compile=true",
                    f"run.cudnn_benchmark={device.type == 'cuda'}")  # fmt: skip
         step = stepping(ours, cycle(ours.train_loader))
         start = time.perf_counter()
@@ -189,10 +211,8 @@ def compiled_sweep(sizes: dict, device: torch.device) -> list[dict]:
         row["first_two_steps_s"] = metrics.elapsed(start, device)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        row["ours_img_s"] = batch / seconds_per_call(step, *timing)
+        row.update(loader_and_ceiling(ours, batch, timing))
         row["peak_mb"] = peak_memory_mb(device)
-        fixed = next(iter(ours.train_loader))
-        row["one_batch_img_s"] = batch / seconds_per_call(stepping(ours, lambda fixed=fixed: fixed), *timing)
         if device.type == "cuda":
             row.update(mfu(ours.trained.model, batch, row["ours_img_s"], device))
         rows.append(row)
@@ -260,14 +280,15 @@ def _ddp_worker(
 ) -> None:
     """Seconds per DDP step on rank 0; at world size 1 also the bare model's, in the same process with
     the same threads, measured alternately (bare, DDP, bare, DDP) so that drift hits both alike; the
-    per-step stop agreement (distributed.any_rank) alone; and with name in sizes["ddp_compiled"],
-    DDP over the compiled model: its first two steps (the compile), then its step."""
+    per-step stop agreement (distributed.any_rank) alone; and with (name, batch) in
+    sizes["ddp_compiled"], DDP over the compiled model: its first two steps (the compile), then its
+    step, alternating with the others."""
     torch.set_num_threads(threads)
     device = torch.device("cuda", rank) if torch.cuda.is_available() else torch.device("cpu")
     world = World(rank, rank, world_size, device, "ddp", "bench", f"tcp://127.0.0.1:{port}")
     timing = (device, sizes["warmup"], sizes["steps"], sizes["repeats"])
     with distributed.setup(world, 120) as world:
-        compiled = world_size == 1 and name in sizes["ddp_compiled"]
+        compiled = world_size == 1 and [name, global_batch] in [list(c) for c in sizes["ddp_compiled"]]
         _time_ddp(world, name, global_batch, timing, out, compiled)
 
 
@@ -275,17 +296,10 @@ def _time_ddp(world: World, name: str, global_batch: int, timing: tuple, out: An
     """Inside the process group, so that the DDP objects die before it does (distributed.setup)."""
     ddp = job(name, global_batch, global_batch, world)
     fixed = next(iter(ddp.train_loader))
-    times = {"ddp": [], "bare": []}
-    bare = (
-        job(name, global_batch, global_batch, World(0, 0, 1, world.device, "none")) if world.world_size == 1 else None
-    )
-    for _ in range(2 if bare else 1):
-        if bare:
-            times["bare"].append(seconds_per_call(stepping(bare, lambda: fixed), *timing))
-        times["ddp"].append(seconds_per_call(stepping(ddp, lambda: fixed), *timing))
-    result = {k: statistics.mean(v) if v else None for k, v in times.items()}
-    agree = lambda: distributed.any_rank(False, world)  # noqa: E731 (timed right here)
-    result["stop_agreement_s"] = seconds_per_call(agree, world.device, 10, 100, timing[3])
+    steps, result = {"ddp": stepping(ddp, lambda: fixed)}, {"bare": None}
+    if world.world_size == 1:
+        bare = job(name, global_batch, global_batch, World(0, 0, 1, world.device, "none"))
+        steps["bare"] = stepping(bare, lambda: fixed)
     if compiled:
         torch._dynamo.reset()
         step = stepping(job(name, global_batch, global_batch, world, "run.compile=true"), lambda: fixed)
@@ -293,7 +307,10 @@ def _time_ddp(world: World, name: str, global_batch: int, timing: tuple, out: An
         step()
         step()
         result["compiled_first_two_steps_s"] = metrics.elapsed(start, world.device)
-        result["ddp_compiled"] = seconds_per_call(step, *timing)
+        steps["ddp_compiled"] = step
+    result.update(alternating(steps, *timing))
+    agree = lambda: distributed.any_rank(False, world)  # noqa: E731 (timed right here)
+    result["stop_agreement_s"] = seconds_per_call(agree, world.device, 10, 100, timing[3])
     if world.is_main:
         out.put(result)
 

@@ -28,12 +28,16 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `ddp` and `bench` from the checkout
 
-import lightning.pytorch as pl  # noqa: E402
+try:
+    import lightning.pytorch as pl
+except ImportError:
+    sys.exit("bench/lightning_fast.py needs Lightning: pip install lightning (make install includes it)")
 
 from bench.harness import CIFAR_MEAN, CIFAR_STD, PILImages, tutorial_loader  # noqa: E402
 from ddp import config, datasets, metrics, models, optim  # noqa: E402
 from ddp.config import Config  # noqa: E402
 from ddp.devices import World  # noqa: E402
+from ddp.errors import UsageError  # noqa: E402
 
 
 class FastNet(pl.LightningModule):
@@ -90,13 +94,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="the result, as JSON")
     parser.add_argument("--config", default=str(Path(__file__).resolve().parent.parent / "configs" / "fast.yaml"))
-    parser.add_argument("--workers", type=int, default=4, help="DataLoader worker processes")
+    parser.add_argument("--workers", type=workers, default=4, help="DataLoader worker processes (0 or more)")
     parser.add_argument("overrides", nargs="*", help="KEY=VALUE, as ddp/train.py takes them")
     args = parser.parse_intermixed_args(argv)
-    cfg = config.load(args.config, args.overrides)
-    cuda = cfg.run.device != "cpu" and torch.cuda.is_available()
-    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
-    data = datasets.read(cfg.data, World(0, 0, 1, device, "none"))
+    try:  # a bad setting or data that cannot be read: one line, as ddp/train.py says it
+        cfg = config.load(args.config, args.overrides)
+        cuda = cfg.run.device != "cpu" and torch.cuda.is_available()
+        device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+        data = datasets.read(cfg.data, World(0, 0, 1, device, "none"))
+    except UsageError as e:
+        parser.error(str(e))
     batch = cfg.train.batch_size
     train = tutorial_loader(data.train, batch, args.workers)
     test = torch.utils.data.DataLoader(
@@ -140,6 +147,13 @@ def main(argv: list[str] | None = None) -> int:
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps({k: v for k, v in result.items() if k != "epochs"}))
     return 0
+
+
+def workers(text: str) -> int:
+    """--workers: a count of processes, 0 or more."""
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a count of processes (0, 1, 2, ...)")
+    return int(text)
 
 
 def tutorial_transform_for_test():  # noqa: ANN201 (a torchvision transform)

@@ -30,3 +30,20 @@ def test_quick_bench_writes_json_and_a_markdown_table(tmp_path):
     for heading in ("## Training images/s", "## Data path alone", "## DDP overhead", "## Startup"):
         assert heading in table
     assert f"| CPU | small | 128 | {train['ours_img_s']:.0f} |" in table
+
+
+def test_bad_values_of_the_gpu_bench_options_end_in_one_line():
+    """--gpu-only without a GPU, and bench/lightning_fast.py given a bad count, setting or file: exit 2
+    and the reason, before anything trains (the Lightning run itself: tests/test_gpu_check.py)."""
+    cases = [
+        (["-m", "bench", "--gpu-only", "--quick"], "--gpu-only: no CUDA device here"),
+        (["bench/lightning_fast.py", "--out", "r.json", "--workers", "-1"], "'-1' is not a count of processes"),
+        (["bench/lightning_fast.py", "--out", "r.json", "train.batch_size=0"], "train.batch_size=0 is out of range"),
+        (["bench/lightning_fast.py", "--out", "r.json", "data.dataset=npz", "data.path=/no/such.npz"],
+         "data.path=/no/such.npz: no such file"),
+    ]  # fmt: skip
+    for args, reason in cases:
+        proc = subprocess.run([sys.executable, *args], cwd=REPO, env=clean_env(), capture_output=True, text=True,
+                              timeout=120)  # fmt: skip
+        assert proc.returncode == 2 and reason in proc.stderr and "Traceback" not in proc.stderr, (args, proc.stderr)
+        assert not (REPO / "r.json").exists()

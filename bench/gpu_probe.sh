@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# The follow-up probes of the first `make gpu-check` on an H100 (2026-11-23), one device call:
+#   ddp    DDP at world size 1 (nccl) cost +18..33% over the bare model in the bench: the same job
+#          through ddp/train.py bare, under torchrun with nccl, and with each DDP knob that could
+#          remove a copy or a broadcast, and a profile of each of the two (top-10 by self time)
+#   tune   fast at batch 8192 compiled, default against TORCHINDUCTOR_MAX_AUTOTUNE=1 (MFU short of 30%)
+# Each run's epoch lines (and profile tables) go to $OUT/probe-<step>.log.
+#   bash bench/gpu_probe.sh [ddp] [tune]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+out=${OUT:-/tmp/probe}
+mkdir -p "$out"
+common=(data.dataset=synthetic data.synthetic_test=1000 run.amp=bf16 run.channels_last=true run.cudnn_benchmark=true
+  run.resume=never run.progress=false model.name=fast)
+run() {  # run LABEL COMMAND...: the command's epoch lines and profile table, under LABEL
+  local label=$1 dir=/tmp/probe-run
+  shift
+  rm -rf "$dir"
+  echo "== $label"
+  "$@" "run.out_dir=$dir" 2>&1 | grep -E "^epoch|^ +[a-zA-Z_].*(%|us)|Self (CPU|CUDA) time|^profile|Error|error" | cut -c1-200
+}
+for step in "${@:-ddp tune}"; do
+  for s in $step; do
+    case $s in
+      ddp)
+        job=("${common[@]}" data.synthetic_train=32768 train.batch_size=1024 train.epochs=3)
+        tr=(python3 -m torch.distributed.run --standalone --nproc_per_node=1 ddp/train.py)
+        {
+          run "bare" python3 ddp/train.py "${job[@]}"
+          run "ddp nccl" "${tr[@]}" "${job[@]}"
+          run "ddp nccl broadcast_buffers=false" "${tr[@]}" "${job[@]}" ddp.broadcast_buffers=false
+          run "ddp nccl gradient_as_bucket_view=true" "${tr[@]}" "${job[@]}" ddp.gradient_as_bucket_view=true
+          run "ddp nccl static_graph=true" "${tr[@]}" "${job[@]}" ddp.static_graph=true
+          run "bare, profiled" python3 ddp/train.py "${job[@]}" run.profile=70:73
+          run "ddp nccl, profiled" "${tr[@]}" "${job[@]}" run.profile=70:73
+        } >"$out/probe-ddp.log"
+        ;;
+      tune)
+        job=("${common[@]}" data.synthetic_train=65536 train.batch_size=8192 train.epochs=3 run.compile=true)
+        {
+          run "compiled, default" python3 ddp/train.py "${job[@]}"
+          TORCHINDUCTOR_MAX_AUTOTUNE=1 run "compiled, max-autotune" timeout 300 python3 ddp/train.py "${job[@]}"
+        } >"$out/probe-tune.log"
+        ;;
+      *) echo "no probe '$s'" >&2; exit 64 ;;
+    esac
+  done
+done
+cat "$out"/probe-*.log

@@ -29,6 +29,28 @@ def test_gpu_check_dry_run_runs_every_step(tmp_path):
     assert lightning["optimizer_steps"] == 256 // 64 and [e["epoch"] for e in lightning["epochs"]] == [1]
     assert lightning["test_images"] == 64 and 0 <= lightning["epochs"][0]["test_acc"] <= 1
     assert "lightning 2." in summary and "ddp/train.py:" in summary
+    check_quick_bench(tmp_path)  # its bench step is python -m bench --quick
+
+
+def check_quick_bench(out):
+    """python -m bench --quick (the dry run's bench step): its JSON and its Markdown table."""
+    result = json.loads((out / "quick-cpu.json").read_text())
+    assert result["quick"] and result["machine"]["cores"] >= 1 and result["machine"]["torch"]
+    (train,) = result["train"]
+    assert (train["device"], train["model"], train["batch"]) == ("CPU", "small", 128)
+    for key in ("ours_img_s", "one_batch_img_s", "tutorial_pipeline_img_s", "peak_mb"):
+        assert train[key] > 0, key
+    loaders = {row["loader"]: row["img_s"] for row in result["data_path"]}
+    assert "device-resident (ours)" in loaders and "torchvision DataLoader, 0 workers" in loaders
+    assert "torchvision DataLoader, 2 workers" in loaders and all(v > 0 for v in loaders.values())
+    (ddp,) = result["ddp"]
+    assert ddp["bare_step_s"] > 0 and ddp["ddp1_step_s"] > 0 and ddp["processes"] == 2 and ddp["ddpN_step_s"] > 0
+    assert 0 < result["startup"]["startup_s"] < 120
+    table = (out / "quick-cpu.md").read_text()
+    assert table.startswith("# ddp.bench on CPU only (quick)")
+    for heading in ("## Training images/s", "## Data path alone", "## DDP overhead", "## Startup"):
+        assert heading in table
+    assert f"| CPU | small | 128 | {train['ours_img_s']:.0f} |" in table
 
 
 def test_gpu_check_runs_only_the_steps_named_and_refuses_an_unknown_one(tmp_path):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import importlib
 import inspect
 import traceback
 from collections.abc import Callable, Iterator
@@ -55,7 +56,7 @@ def setup(world: World, timeout_s: float) -> Iterator[World]:
     # it on first use) it keeps that group alive past destroy_process_group; its gloo threads then race
     # the interpreter's exit and abort it (SIGABRT: 3 of 120 two-rank runs). tests/test_ddp.py checks
     # it. Here, not at the top of the module: a run that stops on a usage error never pays its 1 s.
-    import torch._dynamo  # noqa: F401
+    importlib.import_module("torch._dynamo")  # (an `import torch._dynamo` here would make torch local)
     store = None
     try:
         if world.parallel == "ddp":

@@ -62,13 +62,12 @@ if [ $dry = 1 ]; then  # the CPU: toy sizes, gloo, fp32
     run.cudnn_benchmark=false run.compile=false)
   device=(run.device=cpu)
   bench=(--quick)
-  test_select=(-k "gpu or cuda")  # the CUDA tests alone: they skip here, which proves the command
 else
   train_sizes=()
   device=(run.device=cuda)
   bench=(--gpu-only)
-  test_select=(-k "gpu or cuda")  # the CPU tests of test_evaluate and test_sync_bn run in CI
 fi
+test_select=(-k "gpu or cuda")  # the CUDA tests alone (the CPU ones run in CI; here on a CPU they skip)
 data_args=(data.dataset=npz "data.path=$data")
 [ $dry = 1 ] && data_args=(data.dataset=synthetic data.synthetic_train=256 data.synthetic_test=64)
 

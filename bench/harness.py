@@ -169,27 +169,39 @@ def train_throughput(sizes: dict, devices: list[torch.device]) -> list[dict]:
             row: dict[str, Any] = {"device": device_name(device), "model": name, "batch": batch}
             timing = (device, sizes["warmup"], sizes["steps"], sizes["repeats"])
             ours = job(name, batch, sizes["images"], World(0, 0, 1, device, "none"))
-            if device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(device)
-            row.update(loader_and_ceiling(ours, batch, timing))
-            row["peak_mb"] = peak_memory_mb(device)
+            row.update(step_rates(ours, batch, timing))
             loader = tutorial_loader(ours.data.train, batch, sizes["baseline_workers"])
             theirs = stepping(replace(ours, to_input=to_device(device)), cycle(loader))
             row["tutorial_pipeline_img_s"] = batch / seconds_per_call(theirs, *timing)
             del loader
-            if device.type == "cuda":
-                row.update(mfu(ours.trained.model, batch, row["ours_img_s"], device))
             rows.append(row)
             print(f"  train {row['device']} {name} batch {batch}: {row['ours_img_s']:.0f} img/s", flush=True)
     return rows
 
 
-def loader_and_ceiling(trained: train.Job, batch: int, timing: tuple) -> dict[str, float]:
+def step_rates(trained: train.Job, batch: int, timing: tuple) -> dict[str, float]:
     """img/s of the job's step fed by its own loader, and fed one pre-made batch again and again
-    (the data path's ceiling), their timing windows alternating."""
+    (the data path's ceiling), their timing windows alternating; the peak memory of those steps;
+    and on a GPU the MFU of the first."""
+    device = timing[0]
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     fixed = next(iter(trained.train_loader))
     steps = {"ours": stepping(trained, cycle(trained.train_loader)), "one_batch": stepping(trained, lambda: fixed)}
-    return {f"{k}_img_s": batch / s for k, s in alternating(steps, *timing).items()}
+    row = {f"{k}_img_s": batch / s for k, s in alternating(steps, *timing).items()}
+    row["peak_mb"] = peak_memory_mb(device)
+    if device.type == "cuda":
+        row.update(mfu(trained.trained.model, batch, row["ours_img_s"], device))
+    return row
+
+
+def first_two_steps_s(step: Callable[[], Any], device: torch.device) -> float:
+    """Seconds of a step's first two calls: with torch.compile, the compile (the second call can
+    recompile, e.g. for the optimizer's first step having run)."""
+    start = time.perf_counter()
+    step()
+    step()
+    return metrics.elapsed(start, device)
 
 
 def compiled_sweep(sizes: dict, device: torch.device) -> list[dict]:
@@ -203,18 +215,9 @@ def compiled_sweep(sizes: dict, device: torch.device) -> list[dict]:
         images = max(sizes["images"], 4 * batch)  # epochs of 4+ steps
         ours = job(name, batch, images, World(0, 0, 1, device, "none"), "run.compile=true",
                    f"run.cudnn_benchmark={device.type == 'cuda'}")  # fmt: skip
-        step = stepping(ours, cycle(ours.train_loader))
-        start = time.perf_counter()
-        step()
-        step()
         row: dict[str, Any] = {"device": device_name(device), "model": name, "batch": batch}
-        row["first_two_steps_s"] = metrics.elapsed(start, device)
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-        row.update(loader_and_ceiling(ours, batch, timing))
-        row["peak_mb"] = peak_memory_mb(device)
-        if device.type == "cuda":
-            row.update(mfu(ours.trained.model, batch, row["ours_img_s"], device))
+        row["first_two_steps_s"] = first_two_steps_s(stepping(ours, cycle(ours.train_loader)), device)
+        row.update(step_rates(ours, batch, timing))
         rows.append(row)
         print(f"  compiled {row['device']} {name} batch {batch}: {row['ours_img_s']:.0f} img/s, "
               f"compile {row['first_two_steps_s']:.0f} s", flush=True)  # fmt: skip
@@ -303,10 +306,7 @@ def _time_ddp(world: World, name: str, global_batch: int, timing: tuple, out: An
     if compiled:
         torch._dynamo.reset()
         step = stepping(job(name, global_batch, global_batch, world, "run.compile=true"), lambda: fixed)
-        start = time.perf_counter()
-        step()
-        step()
-        result["compiled_first_two_steps_s"] = metrics.elapsed(start, world.device)
+        result["compiled_first_two_steps_s"] = first_two_steps_s(step, world.device)
         steps["ddp_compiled"] = step
     result.update(alternating(steps, *timing))
     agree = lambda: distributed.any_rank(False, world)  # noqa: E731 (timed right here)

@@ -34,7 +34,7 @@ except ImportError:
     sys.exit("bench/lightning_fast.py needs Lightning: pip install lightning (make install includes it)")
 
 from bench.harness import CIFAR_MEAN, CIFAR_STD, PILImages, tutorial_loader  # noqa: E402
-from ddp import config, datasets, metrics, models, optim  # noqa: E402
+from ddp import checks, config, datasets, metrics, models, optim  # noqa: E402
 from ddp.config import Config  # noqa: E402
 from ddp.devices import World  # noqa: E402
 from ddp.errors import UsageError  # noqa: E402
@@ -102,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         cuda = cfg.run.device != "cpu" and torch.cuda.is_available()
         device = torch.device("cuda", 0) if cuda else torch.device("cpu")
         data = datasets.read(cfg.data, World(0, 0, 1, device, "none"))
+        steps = checks.steps_per_epoch(cfg, len(data.train.labels))  # ddp/train.py's count (drop_last)
     except UsageError as e:
         parser.error(str(e))
     batch = cfg.train.batch_size
@@ -110,7 +111,6 @@ def main(argv: list[str] | None = None) -> int:
         PILImages(data.test, tutorial_transform_for_test()), batch_size=cfg.train.eval_batch_size,
         num_workers=args.workers, persistent_workers=args.workers > 0,
     )  # fmt: skip
-    steps = len(data.train.labels) // batch
     torch.manual_seed(cfg.run.seed)
     module = FastNet(cfg, len(data.classes), steps)
     trainer = pl.Trainer(

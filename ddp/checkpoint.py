@@ -395,4 +395,4 @@ def digest(obj: Any) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(cli.command(main))
+    cli.leave(cli.command(main))

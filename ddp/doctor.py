@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from ddp import config, devices, distributed, launchers, metrics, network
-from ddp.cli import command, parse_args
+from ddp.cli import command, leave, parse_args
 from ddp.devices import World
 from ddp.errors import EXIT_FAILURE, EXIT_OK, UsageError
 
@@ -192,4 +192,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(command(main, prog="doctor"))
+    leave(command(main, prog="doctor"))

@@ -13,7 +13,6 @@ With more than 20 classes (CIFAR-100) the table lists the 10 best and the 10 wor
 from __future__ import annotations
 
 import json
-import sys
 import time
 from typing import Any
 
@@ -111,4 +110,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(cli.command(main))
+    cli.leave(cli.command(main))

@@ -11,7 +11,6 @@ matplotlib is an optional extra: pip install 'ddp-cifar[plot]'.
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -109,4 +108,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(cli.command(main))
+    cli.leave(cli.command(main))

@@ -51,7 +51,7 @@ from ddp import (
 )
 from ddp.checkpoint import Position
 from ddp.checks import Plan
-from ddp.cli import command, parse_args
+from ddp.cli import command, leave, parse_args
 from ddp.config import Config
 from ddp.devices import World
 from ddp.errors import Diverged, UsageError
@@ -365,4 +365,4 @@ def cli(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(cli())
+    leave(cli())

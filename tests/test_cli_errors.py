@@ -189,3 +189,14 @@ def test_under_plain_torchrun_the_line_comes_once_first_and_is_the_root_cause(np
     assert proc.stderr.index(lines[0]) < proc.stderr.index("ChildFailedError")
     root_cause = proc.stderr.split("Root Cause (first observed failure):", 1)[1]
     assert "exitcode  : 2" in root_cause and f"traceback : {lines[0]}" in root_cause, root_cause
+
+
+def test_a_command_leaves_with_its_code_after_its_exit_handlers_and_all_its_output():
+    """cli.leave (the end of every ddp command): the exit handlers run, output still buffered in a pipe
+    comes out, the code is the command's; only the interpreter's teardown is skipped."""
+    code = (
+        "import atexit, sys; from ddp import cli; atexit.register(print, 'handler ran', file=sys.stderr); "
+        "print('buffered, no newline', end=''); cli.leave(3)"
+    )
+    proc = python("-c", code, env=clean_env(PYTHONUNBUFFERED=""))  # a pipe: stdout is block-buffered
+    assert (proc.returncode, proc.stdout, proc.stderr) == (3, "buffered, no newline", "handler ran\n")

@@ -67,7 +67,9 @@ else
   device=(run.device=cuda)
   bench=(--gpu-only)
 fi
-test_select=(-k "gpu or cuda")  # the CUDA tests alone (the CPU ones run in CI; here on a CPU they skip)
+# The CUDA tests alone (the CPU ones run in CI; here on a CPU they skip), not a CPU test whose
+# parameter names a device (test_evaluate's mistakes: run.device='gpu'; 10 s of set-up)
+test_select=(-k "(gpu or cuda) and not mistakes")
 data_args=(data.dataset=npz "data.path=$data")
 [ $dry = 1 ] && data_args=(data.dataset=synthetic data.synthetic_train=256 data.synthetic_test=64)
 

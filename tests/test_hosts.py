@@ -247,7 +247,7 @@ def test_sbatch_on_two_nodes_stopped_requeued_ends_with_the_weights_of_an_uninte
     name. A stop signal (what --signal=TERM@120 and preemption send) checkpoints and requeues the
     job; it resumes and ends bitwise where an uninterrupted run on this machine ends."""
     (h0, _), env = two_nodes
-    args = [*TINY, "data.synthetic_train=2048", "train.epochs=4", "run.save_every_steps=10"]
+    args = [*TINY, "data.synthetic_train=1024", "train.epochs=4", "run.save_every_steps=10"]  # 128 steps
     submitted = subprocess.run(h0.command(["sbatch", "--parsable", "--nodes=2", f"--output={tmp_path}/log-%j.out",
                                            "slurm/train.sh", *args]),
                                cwd=REPO, env={**env, "OUT_ROOT": str(tmp_path), "NPROC": "1"}, capture_output=True,

@@ -26,8 +26,8 @@ from conftest import (
 )
 
 CLUSTER = REPO / "slurm" / "cluster.sh"
-# Long enough (4 epochs x 64 steps, ~2 s an epoch) that a stop signal lands mid-run.
-PREEMPTIBLE = [*TINY, "data.synthetic_train=2048", "train.epochs=4", "run.save_every_steps=10"]
+# Long enough (4 epochs x 32 steps, ~1 s an epoch) that a stop signal lands mid-run.
+PREEMPTIBLE = [*TINY, "data.synthetic_train=1024", "train.epochs=4", "run.save_every_steps=10"]
 
 
 @pytest.fixture(scope="module")

@@ -140,7 +140,13 @@ def leave(code: int) -> NoReturn:
     (its libraries' destructors) takes 0.5-0.8 s of every process that imported torch, even on a CPU
     (measured on the 2-core test machine: `python -c "import torch"` 2.4-3.0 s, with os._exit 2.0-2.3 s),
     and every rank's launcher waits for it. Everything a command writes is written through file
-    descriptors and closed (ddp.files, the run's lock) before this."""
+    descriptors and closed (ddp.files, the run's lock) before this.
+    A rank of several that failed exits the usual way, as every rank did before: a launcher stops the
+    other ranks as soon as it sees one fail, and a rank that left early would get the rank that prints
+    the one line stopped before it has, or stopped with SIGTERM while its error is the report's root
+    cause (tests/test_cli_errors.py, 3 torchrun ranks: 1 run in 3 failed so)."""
+    if code != EXIT_OK and launchers.has_peers():
+        sys.exit(code)
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         stream.flush()

@@ -193,6 +193,15 @@ def speaks_for_its_machine(env: Env = os.environ) -> bool:
         return True
 
 
+def has_peers(env: Env = os.environ) -> bool:
+    """Whether a launcher started this process as one rank of several. Launcher variables that do not
+    make sense: not known, so no."""
+    try:
+        return detect_launch(env).world_size > 1
+    except UsageError:
+        return False
+
+
 def master_address(env: Env = os.environ) -> str | None:
     """MASTER_ADDR: the host where the ranks meet (rank 0's, or torchrun's rendezvous store)."""
     return env.get("MASTER_ADDR")

@@ -75,3 +75,12 @@ def test_accelerate_flags_fill_what_the_config_left_at_its_default():
         launchers.accelerate_flags(RunConfig(device="cuda:1"), {"ACCELERATE_USE_CPU": "True"})
     with pytest.raises(UsageError, match="--mixed_precision fp16 but run.amp=bf16"):
         launchers.accelerate_flags(RunConfig(amp="bf16"), {"ACCELERATE_MIXED_PRECISION": "fp16"})
+
+
+def test_a_rank_has_peers_under_each_launcher_and_a_single_process_or_nonsense_has_none():
+    """cli.leave's question: a failing rank of several exits the usual way (see tests/test_cli_errors.py)."""
+    for env in (TORCHRUN, SRUN, OPEN_MPI):
+        assert launchers.has_peers(env), env
+    one_rank = {**TORCHRUN, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}
+    assert not launchers.has_peers({}) and not launchers.has_peers(one_rank)
+    assert not launchers.has_peers({**TORCHRUN, "RANK": "x"})  # unknown (a usage error of its own): no

@@ -295,10 +295,12 @@ def test_the_launcher_killed_leaves_no_worker_and_the_same_command_resumes_bitwi
 
 @pytest.mark.parametrize("sizes", [(4, 2, 1), (1, 2, 4)], ids=lambda s: "->".join(map(str, s)))
 def test_resume_in_other_world_sizes_keeps_batch_and_data_order(tmp_path, sizes):
-    """A run on sizes[0] ranks is killed at a random step; at each change of world size, copies of
-    its directory continue from the same checkpoint on the old and on the new number of ranks for
-    4 steps (then are killed), and the weights must agree; the new one carries the chain on, and
-    the last runs to the end.
+    """A run on sizes[0] ranks is killed at a random step. At each change of world size a copy of its
+    directory, cut back to the checkpoint 4 steps before its newest, continues on the new number of
+    ranks, and after those 4 steps its weights must agree with the old number's own checkpoint there;
+    it is killed 4 steps further on (its newest checkpoint is then the next change's comparison), and
+    the last runs to the end. Three runs: each run is both one change's new world size and the next
+    change's old one.
 
     Why 4 steps and not the final weights: float reordering across world sizes (~1e-8 after a few
     steps, or ~4e-6 when it tips a max-pool/ReLU decision) grows exponentially along some trajectories
@@ -307,32 +309,35 @@ def test_resume_in_other_world_sizes_keeps_batch_and_data_order(tmp_path, sizes)
     batch statistics would legitimately differ."""
     args = [*JOB, "model.name=tutorial", "optim.lr=0.01", "run.save_every_steps=4", "run.keep_last=100"]
 
-    def train_on(size: int, out: Path, kill_after: int | None) -> subprocess.CompletedProcess:
-        env = clean_env(DDP_CIFAR_FAULT=f"step:{kill_after}") if kill_after else clean_env()
+    def train_on(size: int, out: Path, kill_in: int | None) -> subprocess.CompletedProcess:
+        env = clean_env(DDP_CIFAR_FAULT=f"step:{kill_in}") if kill_in else clean_env()
         run = torchrun(size, str(TRAIN), f"run.out_dir={out}", *args, env=env)
-        assert (run.returncode != 0) == (kill_after is not None), run.stderr[-2000:]
+        assert (run.returncode != 0) == (kill_in is not None), run.stderr[-2000:]
         return run
 
-    first_kill = RNG.randint(5, STEPS - 12)  # room for 2 changes of 4 steps and their kills
+    def weights(out: Path, step: int) -> dict:
+        return torch.load(rundir.step_path(out, step), weights_only=True)
+
+    first_kill = RNG.randint(9, STEPS - 12)  # a checkpoint 4 steps before the newest; room for 2 changes
     out = tmp_path / f"run{sizes[0]}"
-    train_on(sizes[0], out, first_kill)
+    train_on(sizes[0], out, first_kill)  # killed in that step, before its checkpoint: the newest is older
+    resume_at = int(rundir.step_files(out)[0].name[5:-3]) - 4
     diffs = []
-    for before, after in zip(sizes, sizes[1:]):
-        resume_at = int(rundir.step_files(out)[0].name[5:-3])
-        same, other = tmp_path / f"{out.name}-{before}", tmp_path / f"{out.name}-{after}"
-        for copy, size in ((same, before), (other, after)):
-            shutil.copytree(out, copy)
-            run = train_on(size, copy, resume_at + 5)  # saves at resume_at + 4, killed one step later
+    for i, (before, after) in enumerate(zip(sizes, sizes[1:])):
+        new = tmp_path / f"run{after}"
+        shutil.copytree(out, new)
+        for path in rundir.step_files(new):  # auto-resume takes the newest: the files after resume_at go
+            if int(path.name[5:-3]) > resume_at:
+                path.unlink()
+        last = i == len(sizes) - 2
+        run = train_on(after, new, None if last else resume_at + 9)  # saves at +4 and +8, killed in +9
         assert f"saved at world_size {before}, now {after}; same global batch 32 and data order" in run.stdout
-        a, b = (
-            torch.load(d / "checkpoints" / f"step-{resume_at + 4:09d}.pt", weights_only=True) for d in (same, other)
-        )
+        a, b = weights(out, resume_at + 4), weights(new, resume_at + 4)
         assert (a["world_size"], b["world_size"]) == (before, after)
         diffs.append(max((a["model"][k] - b["model"][k]).abs().max().item() for k in a["model"]))
-        out = other
-    train_on(sizes[-1], out, None)
+        out, resume_at = new, resume_at + 4
     assert final_state(out)["epoch"] == 3 and final_state(out)["world_size"] == sizes[-1]
-    assert max(diffs) < 1e-4, f"first kill after step {first_kill}: {diffs}"
+    assert max(diffs) < 1e-4, f"first kill in step {first_kill}: {diffs}"
     REPORT.append(f"world sizes {sizes} from step {first_kill}: 4 steps after each change, weights agree "
                   f"within {max(diffs):.0e} with the unchanged world size")  # fmt: skip
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import atexit
 import os
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NoReturn
@@ -109,6 +110,14 @@ def debug_requested(argv: list[str]) -> bool:
         return bool(values) and config.parse_bool(values[-1]) is True
 
 
+# A rank that stops with the error its machine's local rank 0 prints waits this long before it exits:
+# a launcher stops every rank as soon as one fails, and a silent rank that failed first (local rank 0
+# still importing, 1-2 s behind on a busy machine) would get the rank that prints stopped before it
+# has printed (tests/test_cli_errors.py delays rank 0 so). The launcher ends the wait when local rank
+# 0 exits; without one that does (srun without --kill-on-bad-exit), the error takes this much longer.
+SILENT_RANK_GRACE_S = 5.0
+
+
 def command(main: Callable[[list[str]], Any], argv: list[str] | None = None, prog: str = "") -> int:
     """Run main(argv) as a command; its exit code. main returns an int exit code (e.g. the doctor's
     1 for problems found) or anything else for done. A UsageError, a divergence, a failed write or a
@@ -127,8 +136,11 @@ def command(main: Callable[[list[str]], Any], argv: list[str] | None = None, pro
         if debug_requested(argv):
             raise  # the traceback, for a bug report
         line = f"{prog + ': ' if prog else ''}error: {e}"
-        if isinstance(e, PeerLost) or launchers.speaks_for_its_machine():
+        speaks = isinstance(e, PeerLost) or launchers.speaks_for_its_machine()
+        if speaks:
             print(line, file=sys.stderr)
+        if not speaks and launchers.has_peers():
+            time.sleep(SILENT_RANK_GRACE_S)  # then its error file: the report's root cause is the earliest
         launchers.record_error(line)  # torchrun's report names it (its own box, after this line)
         return exit_code(e)
     return code if isinstance(code, int) else EXIT_OK

@@ -1,9 +1,13 @@
 """Every bad input a user can type: exit code 2 and one line on stderr, never a traceback.
 
-Run as real processes (`python ddp/train.py ...`), the way users meet them."""
+Run as real processes (`python ddp/train.py ...`), the way users meet them, where the process is
+what is tested (the launcher variables, CUDA hidden, torchrun's report); the long list of bad values
+runs through train.cli in this process (the same code, without the interpreter around it)."""
+
+import subprocess
 
 import pytest
-from conftest import TINY, TRAIN, clean_env, python, torchrun
+from conftest import REPO, TINY, TRAIN, clean_env, python, torchrun
 
 from ddp import rundir, train
 
@@ -17,18 +21,34 @@ def assert_usage_error(proc, *fragments: str) -> None:
         assert fragment in lines[0]
 
 
-# With CUDA hidden, as on every CI machine: "cuda:7" and "cuda" fail for want of any GPU (the
-# one-GPU case of cuda:7 is covered in test_distributed with a given GPU count).
+def test_bad_input_exits_2_with_one_line_as_a_real_process(tmp_path):
+    """The command itself: `python ddp/train.py` with a bad value exits 2 with the one line (the
+    rest of the values below are checked in this process, through the same train.cli)."""
+    assert_usage_error(python(str(TRAIN), f"run.out_dir={tmp_path}", "optim.lr=fast"), "optim.lr: expected float")
+
+
+# Real processes with CUDA hidden, as on every CI machine: "cuda:7" and "cuda" fail for want of any
+# GPU (the one-GPU case of cuda:7 is covered in test_distributed with a given GPU count). In this
+# process a GPU machine's CUDA could not be hidden any more.
+@pytest.mark.parametrize(
+    "args, fragments",
+    [
+        (["run.device=cuda:7"], ["run.device=cuda:7 but no CUDA GPU is visible"]),
+        (["run.device=cuda"], ["run.device=cuda but no CUDA GPU is visible"]),
+        (["run.parallel=dp"], ["run.parallel=dp needs at least 2 visible GPUs, found 0"]),
+        (["run.amp=fp16"], ["run.amp=fp16 needs a CUDA device"]),
+    ],
+)
+def test_bad_input_for_want_of_a_gpu_exits_2_with_one_line(args, fragments, tmp_path):
+    assert_usage_error(python(str(TRAIN), f"run.out_dir={tmp_path}", *args), *fragments)
+
+
 @pytest.mark.parametrize(
     "args, fragments",
     [
         (["run.device=cuda0"], ["run.device='cuda0' is not a device"]),
         (["run.device=gpu"], ["run.device='gpu' is not a device"]),
-        (["run.device=cuda:7"], ["run.device=cuda:7 but no CUDA GPU is visible"]),
-        (["run.device=cuda"], ["run.device=cuda but no CUDA GPU is visible"]),
-        (["run.parallel=dp"], ["run.parallel=dp needs at least 2 visible GPUs, found 0"]),
         (["run.parallel=ddp"], ["torchrun --standalone --nproc_per_node=N"]),
-        (["run.amp=fp16"], ["run.amp=fp16 needs a CUDA device"]),
         (["optim.lrr=1"], ["unknown key 'optim.lrr'", "valid keys in optim"]),
         (["--config", "nope.yaml"], ["config file not found: nope.yaml"]),
         (["data.dataset=npz"], ["data.dataset=npz needs data.path"]),
@@ -81,8 +101,13 @@ def assert_usage_error(proc, *fragments: str) -> None:
         ([*TINY, "train.micro_batch_size=8", "--preflight", "3"], ["3 x 8 = 24", "a train.batch_size that 3 divides"]),
     ],
 )
-def test_bad_input_exits_2_with_one_line(args, fragments, tmp_path):
-    assert_usage_error(python(str(TRAIN), f"run.out_dir={tmp_path}", *args), *fragments)
+def test_bad_input_exits_2_with_one_line(args, fragments, tmp_path, capsys, monkeypatch):
+    """train.cli, the whole command but the interpreter around it (a python process costs 2 s here),
+    from the repository as the process above runs (relative paths), launcher variables removed
+    (conftest): exit code 2, one line on stderr, no exception out of it."""
+    monkeypatch.chdir(REPO)
+    code = train.cli([f"run.out_dir={tmp_path}", *args])
+    assert_usage_error(subprocess.CompletedProcess(args, code, *capsys.readouterr()), *fragments)
 
 
 def test_batch_not_divisible_by_world_size_fails_before_the_rendezvous(tmp_path):
@@ -171,18 +196,28 @@ def test_launcher_variables_set_inconsistently(env, args, fragments, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "nproc, args, fragment",
+    "nproc, args, fragment, rank_0_late",
     [
-        (3, ["train.batch_size=64"], "train.batch_size=64 must be a positive multiple of world_size=3"),
-        (2, ["run.stop_signal=SIGFOO"], "run.stop_signal: 'SIGFOO' is not a signal that can be caught"),
-        (2, ["data.dataset=npz", "data.path=/no/such.npz"], "data.path=/no/such.npz: no such file"),
+        (3, ["train.batch_size=64"], "train.batch_size=64 must be a positive multiple of world_size=3", False),
+        (2, ["run.stop_signal=SIGFOO"], "run.stop_signal: 'SIGFOO' is not a signal that can be caught", True),
+        (2, ["data.dataset=npz", "data.path=/no/such.npz"], "data.path=/no/such.npz: no such file", False),
     ],
-    ids=["batch", "signal", "data"],
+    ids=["batch", "signal, rank 0 late", "data"],
 )
-def test_under_plain_torchrun_the_line_comes_once_first_and_is_the_root_cause(nproc, args, fragment, tmp_path):
+def test_under_plain_torchrun_the_line_comes_once_first_and_is_the_root_cause(
+    nproc, args, fragment, rank_0_late, tmp_path
+):
     """No --preflight here: torchrun's report follows the line, and its box shows the line as the
-    root cause's traceback with the worker's exit code (2), not error_file: <N/A>."""
-    proc = torchrun(nproc, str(TRAIN), *TINY, f"run.out_dir={tmp_path}", *args, timeout=120)
+    root cause's traceback with the worker's exit code (2), not error_file: <N/A>. Also when local rank
+    0, the one that prints, reaches the error 2 s after the others (as on a busy machine: a
+    sitecustomize on PYTHONPATH delays its start), which once stopped it before it had printed."""
+    env = clean_env()
+    if rank_0_late:
+        (tmp_path / "site").mkdir()
+        delay = "import os, time\nif os.environ.get('LOCAL_RANK') == '0':\n    time.sleep(2)\n"
+        (tmp_path / "site" / "sitecustomize.py").write_text(delay)
+        env["PYTHONPATH"] = str(tmp_path / "site")
+    proc = torchrun(nproc, str(TRAIN), *TINY, f"run.out_dir={tmp_path / 'run'}", *args, timeout=120, env=env)
     assert proc.returncode != 0
     lines = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert len(lines) == 1 and fragment in lines[0], proc.stderr

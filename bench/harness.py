@@ -23,9 +23,7 @@ from typing import Any
 
 import torch
 import torch.multiprocessing as mp
-from PIL import Image
 from torch import nn
-from torchvision import transforms
 
 from ddp import checks, config, datasets, distributed, loaders, metrics, models, train
 from ddp.config import DataConfig
@@ -131,17 +129,22 @@ class PILImages(torch.utils.data.Dataset):
         self.images = split.images.permute(0, 2, 3, 1).numpy()
         self.labels = split.labels.tolist()
         self.transform = transform
+        from PIL import Image  # with torchvision's transforms, not at import: see tutorial_loader
+
+        self.to_pil = Image.fromarray
 
     def __len__(self) -> int:
         return len(self.labels)
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
-        return self.transform(Image.fromarray(self.images[i])), self.labels[i]
+        return self.transform(self.to_pil(self.images[i])), self.labels[i]
 
 
 def tutorial_loader(split: datasets.Split, batch: int, workers: int) -> torch.utils.data.DataLoader:
     """The usual pipeline: torchvision RandomCrop + flip + ToTensor + Normalize on PIL images in
     DataLoader workers."""
+    from torchvision import transforms  # here: 1.7 s of imports that only the tutorial's pipeline needs
+
     steps = [transforms.RandomCrop(32, padding=4), transforms.RandomHorizontalFlip(), transforms.ToTensor()]
     transform = transforms.Compose([*steps, transforms.Normalize(CIFAR_MEAN, CIFAR_STD)])
     return torch.utils.data.DataLoader(
@@ -418,6 +421,8 @@ def tutorial_run(npz: Path, epochs: int) -> list[dict]:
     torch.manual_seed(0)
     net = models.build("tutorial", 10)
     optimizer = torch.optim.SGD(net.parameters(), lr=0.001, momentum=0.9)
+    from torchvision import transforms
+
     transform = transforms.Compose([transforms.ToTensor(), transforms.Normalize((0.5,) * 3, (0.5,) * 3)])
     loader = torch.utils.data.DataLoader(PILImages(data.train, transform), batch_size=4, shuffle=True, num_workers=2)
     test_loader = torch.utils.data.DataLoader(PILImages(data.test, transform), batch_size=256, num_workers=2)

@@ -71,7 +71,7 @@ fi
 # parameter names a device (test_evaluate's mistakes: run.device='gpu'; 10 s of set-up)
 test_select=(-k "(gpu or cuda) and not mistakes")
 data_args=(data.dataset=npz "data.path=$data")
-[ $dry = 1 ] && data_args=(data.dataset=synthetic data.synthetic_train=256 data.synthetic_test=64)
+[ $dry = 1 ] && data_args=(data.dataset=synthetic data.synthetic_train=128 data.synthetic_test=64)  # 2 steps of 64
 
 train() {  # train OUT_NAME ARGS...: ddp/train.py on the subset into $out/OUT_NAME (an earlier check's, replaced)
   local name=$1

@@ -26,7 +26,7 @@ def test_gpu_check_dry_run_runs_every_step(tmp_path):
     assert (tmp_path / "ranks-3" / "metrics.jsonl").read_text().count('"epoch"') == 2  # killed, resumed, done
     assert "| fast | 1 |" in summary and "| resnet18 | 1 |" in summary
     lightning = json.loads((tmp_path / "lightning.json").read_text())  # the same net and recipe, in Lightning
-    assert lightning["optimizer_steps"] == 256 // 64 and [e["epoch"] for e in lightning["epochs"]] == [1]
+    assert lightning["optimizer_steps"] == 128 // 64 and [e["epoch"] for e in lightning["epochs"]] == [1]
     assert lightning["test_images"] == 64 and 0 <= lightning["epochs"][0]["test_acc"] <= 1
     assert "lightning 2." in summary and "ddp/train.py:" in summary
     check_quick_bench(tmp_path)  # its bench step is python -m bench --quick

@@ -1,9 +1,12 @@
 """What the `ddp:` settings and gradient accumulation make DDP do, seen from inside a real torchrun job.
 
-torchrun --standalone --nproc_per_node=2 tests/knob_worker.py OUT.json [section.key=value ...]
-    Two optimizer steps of the small net, wrapped by distributed.wrap with the ddp: settings and
-    run in train.grad_accum_steps micro-batches (distributed.micro_batches); rank 0 writes what
-    happened (buckets, all-reduces per step, gradient dtype and storage, buffers) to OUT.json.
+torchrun --standalone --nproc_per_node=2 tests/knob_worker.py OUT.json PROBES
+    PROBES: a JSON object, {name: [section.key=value, ...]}. For each probe in turn, in the one
+    process group: two optimizer steps of a new small net, wrapped by distributed.wrap with that
+    probe's ddp: settings and run in its train.grad_accum_steps micro-batches
+    (distributed.micro_batches); rank 0 writes what happened (buckets, all-reduces per step,
+    gradient dtype and storage, buffers) to OUT.json, {name: report}. One job for every probe: a
+    torchrun launch per probe cost 6-7 s of process starts each on the 2-core test machine.
 torchrun --standalone --nproc_per_node=2 tests/knob_worker.py --unused-parameter [ddp/train.py arguments]
     ddp/train.py itself, with model.name=tutorial replaced by a net that has a layer it never uses.
 """
@@ -28,11 +31,11 @@ def counting(hook, counter):
     return count
 
 
-def probe(out: str, overrides: list[str]) -> None:
-    cfg = config.load(None, overrides)
-    world = devices.resolve(cfg.run)
+def probe(out: str, probes: dict[str, list[str]]) -> None:
+    configs = {name: config.load(None, overrides) for name, overrides in probes.items()}
+    world = devices.resolve(config.load(None, []).run)
     with distributed.setup(world, timeout_s=60) as world:
-        report = run_steps(cfg, world)
+        report = {name: run_steps(cfg, world) for name, cfg in configs.items()}
         if world.is_main:
             with open(out, "w") as f:
                 json.dump(report, f)
@@ -85,5 +88,5 @@ if __name__ == "__main__":
     if sys.argv[1] == "--unused-parameter":
         models.MODELS["tutorial"] = WithUnusedLayer
         cli.leave(train.cli(sys.argv[2:]))
-    probe(sys.argv[1], sys.argv[2:])
+    probe(sys.argv[1], json.loads(sys.argv[2]))
     cli.leave(0)  # as ddp/train.py exits

@@ -16,31 +16,34 @@ from ddp.errors import UsageError
 WORKER = str(REPO / "tests" / "knob_worker.py")
 
 
-def probe(tmp_path, *overrides: str) -> dict:
-    out = tmp_path / "report.json"
-    ok(torchrun(2, WORKER, str(out), *overrides, env=clean_env(PYTHONPATH=str(REPO))))
-    return json.loads(out.read_text())
+# Every probe in one torchrun job (tests/knob_worker.py): each builds and wraps its own net.
+PROBES = {
+    "default": [],
+    "small buckets": ["ddp.bucket_cap_mb=0.05", "ddp.gradient_as_bucket_view=true", "ddp.broadcast_buffers=false"],
+    "accum 2": ["train.grad_accum_steps=2"],
+    "accum 4": ["train.grad_accum_steps=4"],
+    "fp16": ["ddp.comm_hook=fp16"],
+    "bf16": ["ddp.comm_hook=bf16"],
+}
 
 
 @pytest.fixture(scope="module")
-def default(tmp_path_factory) -> dict:
-    return probe(tmp_path_factory.mktemp("default"))
+def probes(tmp_path_factory) -> dict[str, dict]:
+    out = tmp_path_factory.mktemp("knobs") / "report.json"
+    ok(torchrun(2, WORKER, str(out), json.dumps(PROBES), env=clean_env(PYTHONPATH=str(REPO))))
+    return json.loads(out.read_text())
 
 
-def test_defaults_one_bucket_per_step_buffers_from_rank_0_float32_gradients(default):
+def test_defaults_one_bucket_per_step_buffers_from_rank_0_float32_gradients(probes):
+    default = probes["default"]
     assert default["allreduces_per_step"] == [1, 1]  # the small net fits one 25 MiB bucket
     assert default["running_means"][0] == default["running_means"][1]  # rank 1's buffer was replaced
     assert not default["grads_are_bucket_views"] and not default["grads_fp16_exact"]
     assert not default["static_graph"]
 
 
-def test_small_buckets_gradient_views_and_no_buffer_broadcast(default, tmp_path):
-    got = probe(
-        tmp_path,
-        "ddp.bucket_cap_mb=0.05",
-        "ddp.gradient_as_bucket_view=true",
-        "ddp.broadcast_buffers=false",
-    )
+def test_small_buckets_gradient_views_and_no_buffer_broadcast(probes):
+    got, default = probes["small buckets"], probes["default"]
     REPORT.append(f"ddp.bucket_cap_mb=0.05: {got['allreduces_per_step'][-1]} all-reduces per optimizer step (25: 1)")
     assert got["allreduces_per_step"][-1] > default["allreduces_per_step"][-1]  # more, smaller buckets
     assert got["grads_are_bucket_views"]
@@ -48,13 +51,13 @@ def test_small_buckets_gradient_views_and_no_buffer_broadcast(default, tmp_path)
 
 
 @pytest.mark.parametrize("accum", [2, 4])
-def test_accumulation_all_reduces_once_per_optimizer_step_not_per_micro_batch(accum, tmp_path):
-    assert probe(tmp_path, f"train.grad_accum_steps={accum}")["allreduces_per_step"] == [1, 1]
+def test_accumulation_all_reduces_once_per_optimizer_step_not_per_micro_batch(accum, probes):
+    assert probes[f"accum {accum}"]["allreduces_per_step"] == [1, 1]
 
 
 @pytest.mark.parametrize("hook", ["fp16", "bf16"])
-def test_a_compression_hook_sends_the_gradients_in_its_dtype(hook, tmp_path):
-    got = probe(tmp_path, f"ddp.comm_hook={hook}")
+def test_a_compression_hook_sends_the_gradients_in_its_dtype(hook, probes):
+    got = probes[hook]
     assert got[f"grads_{hook}_exact"]  # every averaged gradient came back through that dtype
     assert not got["grads_fp16_exact" if hook == "bf16" else "grads_bf16_exact"]
 

@@ -13,6 +13,15 @@ from torch import nn
 from ddp import devices, distributed, models, sync_bn
 
 SHAPE = (12, 3, 5, 4)  # N, C, H, W
+# The ranks are forked from one server process that imported torch and ddp once: spawned, each
+# imported them itself (about 2 s of CPU each on the 2-core test machine, 15 of them). The server
+# never ran torch code, so its forks are as clean as spawned processes (CUDA included). (Not this
+# module: the server does not get pytest's sys.path; each rank imports it, torch already loaded.)
+mp.set_forkserver_preload(["torch", "torch.distributed", "ddp.devices", "ddp.distributed", "ddp.models", "ddp.sync_bn"])
+
+
+def spawn(worker, *args, nprocs: int) -> None:
+    mp.start_processes(worker, args=args, nprocs=nprocs, start_method="forkserver")
 
 
 def full_batch():
@@ -65,7 +74,7 @@ def rank_worker(rank, world_size, init_file, sizes, momentum, out):
     ids=["even", "uneven", "3-ranks-cumulative-average"],
 )
 def test_n_ranks_compute_what_one_batchnorm_computes_on_the_whole_batch(sizes, momentum, tmp_path):
-    mp.spawn(rank_worker, args=(len(sizes), tmp_path / "init", sizes, momentum, tmp_path), nprocs=len(sizes))
+    spawn(rank_worker, len(sizes), tmp_path / "init", sizes, momentum, tmp_path, nprocs=len(sizes))
     want = reference(momentum)
     ranks = [torch.load(tmp_path / f"{r}.pt") for r in range(len(sizes))]
     for key in ("y", "dx"):
@@ -123,7 +132,7 @@ def gpu_worker(rank, world_size, init_file, out):
 )
 def test_gloo_sync_batchnorm_matches_torchs_sync_batchnorm_on_a_gpu(tmp_path):
     """Two ranks on one GPU, over gloo (which, unlike nccl, lets two ranks share it)."""
-    mp.spawn(gpu_worker, args=(2, tmp_path / "init", tmp_path), nprocs=2)
+    spawn(gpu_worker, 2, tmp_path / "init", tmp_path, nprocs=2)
     for rank in range(2):
         r = torch.load(tmp_path / f"{rank}.pt")
         for key in r["gloo"]:
@@ -163,7 +172,7 @@ def test_in_float64_a_ddp_step_with_sync_bn_is_the_one_process_step(model_name, 
     x, y = float64_batch()
     nn.functional.cross_entropy(model(x), y).backward()
     want = {f"grad of {n}": p.grad for n, p in model.named_parameters()} | model.state_dict()
-    mp.spawn(ddp_worker, args=(2, tmp_path / "init", model_name, tmp_path), nprocs=2)
+    spawn(ddp_worker, 2, tmp_path / "init", model_name, tmp_path, nprocs=2)
     got = torch.load(tmp_path / "ddp.pt")
     worst = max(
         ((got[k] - v).abs().max() / (1 + v.abs().max())).item() for k, v in want.items() if v.is_floating_point()
@@ -188,7 +197,7 @@ def buffers_worker(rank, world_size, init_file, how, out):
 @pytest.mark.parametrize("how, mean, var", [("broadcast", 0.0, 1.0), ("reduce", 1.0, 2.0)])
 def test_dist_bn_broadcasts_rank_0s_statistics_or_averages_them(how, mean, var, tmp_path):
     """train.dist_bn: 3 ranks with running means 0, 1, 2 (variances 1, 2, 3) before evaluating."""
-    mp.spawn(buffers_worker, args=(3, tmp_path / "init", how, tmp_path), nprocs=3)
+    spawn(buffers_worker, 3, tmp_path / "init", how, tmp_path, nprocs=3)
     for rank in range(3):
         state = torch.load(tmp_path / f"{rank}.pt")
         assert state["running_mean"].tolist() == [mean, mean] and state["running_var"].tolist() == [var, var]

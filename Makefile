@@ -37,8 +37,11 @@ system-packages:
 train: $(STAMP)
 	bash launch/torchrun.sh --config configs/quick.yaml $(DATA_ARGS) $(ARGS)
 
+# TEST_WORKERS: pytest-xdist processes, whole test files each (--dist loadfile: a file's shared runs
+# and the SLURM cluster stay in one); 0 runs the files one after another in pytest's own process.
+TEST_WORKERS ?= 2
 test: $(STAMP) lint system-packages
-	$(PY) -m pytest -q --durations=15 $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15 $(PYTEST_ARGS)
 
 # make bench [DATA=cifar10-subset.npz]: python -m bench on this machine, results in bench/results/.
 bench: $(STAMP)

@@ -5,8 +5,9 @@ torchrun --standalone --nproc_per_node=2 tests/knob_worker.py OUT.json PROBES
     process group: two optimizer steps of a new small net, wrapped by distributed.wrap with that
     probe's ddp: settings and run in its train.grad_accum_steps micro-batches
     (distributed.micro_batches); rank 0 writes what happened (buckets, all-reduces per step,
-    gradient dtype and storage, buffers) to OUT.json, {name: report}. One job for every probe: a
-    torchrun launch per probe cost 6-7 s of process starts each on the 2-core test machine.
+    gradient dtype and storage, buffers) to OUT.json, {name: report}. One job for every probe: with
+    a torchrun launch per probe, tests/test_ddp_knobs.py took 51-54 s on the 2-core test machine,
+    26-27 s so.
 torchrun --standalone --nproc_per_node=2 tests/knob_worker.py --unused-parameter [ddp/train.py arguments]
     ddp/train.py itself, with model.name=tutorial replaced by a net that has a layer it never uses.
 """

@@ -15,8 +15,8 @@ from ddp import devices, distributed, models, sync_bn
 SHAPE = (12, 3, 5, 4)  # N, C, H, W
 # The ranks are forked from one server process that imported torch and ddp once: spawned, each
 # imported them itself (about 2 s of CPU each on the 2-core test machine, 15 of them). The server
-# never ran torch code, so its forks are as clean as spawned processes (CUDA included). (Not this
-# module: the server does not get pytest's sys.path; each rank imports it, torch already loaded.)
+# runs no torch code and never initialises CUDA, so a fork may (the GPU test has not yet run so on a
+# GPU). Not this module: the server does not get pytest's sys.path; each rank imports it, torch loaded.
 mp.set_forkserver_preload(["torch", "torch.distributed", "ddp.devices", "ddp.distributed", "ddp.models", "ddp.sync_bn"])
 
 

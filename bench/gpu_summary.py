@@ -26,7 +26,7 @@ def runs(out: Path) -> list[str]:
         except UsageError:  # the step failed before an epoch ended
             lines.append(f"| {name} | - | no finished epoch (no metrics.jsonl or an empty one) | - | - |")
             continue
-        per_epoch = ", ".join(f"{100 * r['test_acc']:.1f}/{r['seconds']:.1f}" for r in rows)
+        per_epoch = ", ".join(f"{100 * r['test_acc']:.1f}/{r['seconds']:.1f}" for r in rows if "test_acc" in r)
         total = sum(r["seconds"] for r in rows)
         lines.append(f"| {name} | {len(rows)} | {100 * rows[-1]['test_acc']:.2f}% | {total:.1f} | {per_epoch} |")
     return lines

@@ -336,7 +336,8 @@ def describe(path: str | Path) -> tuple[str, bool]:
         f"  versions {state['versions']}",
     ]
     if metrics:
-        lines.append(f"  last epoch: test_acc {metrics['test_acc']:.4f}, train_loss {metrics['train_loss']:.4f}")
+        tested = f"test_acc {metrics['test_acc']:.4f}, " if "test_acc" in metrics else "not evaluated, "
+        lines.append(f"  last epoch: {tested}train_loss {metrics['train_loss']:.4f}")
     if state.get("ema"):
         lines.append(f"  moving average of the weights: {state['ema']['updates']} updates (evaluate/export take it)")
     return "\n".join(lines), True

@@ -105,6 +105,10 @@ class TrainConfig:
     eval_batch_size: int = opt(1024, "GLOBAL evaluation batch, split across ranks", valid=POSITIVE)
     label_smoothing: float = opt(0.0, "label smoothing of the cross-entropy loss (0 = off)", valid=FRACTION)
     tta_flip: bool = opt(False, "evaluate on each test image and its mirror image, averaging the logits")
+    eval_every: int = opt(
+        1, "evaluate the test set after every N-th epoch and after the last (the epochs between: loss and speed only)",
+        valid=POSITIVE,
+    )  # fmt: skip
     ema_decay: float = opt(
         0.0, "keep a moving average of the weights, decayed by this per step, and evaluate it (0 = off)",
         valid=FRACTION,

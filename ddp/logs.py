@@ -29,10 +29,9 @@ def append(out_dir: str, metrics: dict[str, Any]) -> None:
 
 
 def epoch_line(m: dict[str, Any], epochs: int) -> str:
-    line = (
-        f"epoch {m['epoch']}/{epochs}  loss {m['train_loss']:.4f}  test_acc {100 * m['test_acc']:.2f}%  "
-        f"{m['images_per_s']:.0f} img/s  {m['seconds']:.1f} s"
-    )
+    tested = f"test_acc {100 * m['test_acc']:.2f}%  " if "test_acc" in m else ""  # none: train.eval_every
+    line = f"epoch {m['epoch']}/{epochs}  loss {m['train_loss']:.4f}  {tested}"
+    line += f"{m['images_per_s']:.0f} img/s  {m['seconds']:.1f} s"
     if "raw_test_acc" in m:  # test_acc is the moving average's
         line += f"  (test_acc of the EMA; raw weights {100 * m['raw_test_acc']:.2f}%)"
     if "grad_norm_mean" in m:
@@ -173,13 +172,16 @@ class Board:
         add("train/loss", m["train_loss"], step)
         add("train/lr", m["lr"], step)
         add("train/images_per_s", m["images_per_s"], step)
-        add("test/accuracy", m["test_acc"], step)
-        for key in ("raw_test_acc", "grad_norm_mean", "grad_norm_max"):
+        for key in ("grad_norm_mean", "grad_norm_max"):
             if key in m:
-                add(("test/" if key.startswith("raw") else "train/") + key, m[key], step)
-        for name, acc in zip(m["classes"], m["per_class_acc"]):
-            if acc is not None:
-                add(f"test_per_class/{name}", acc, step)
+                add(f"train/{key}", m[key], step)
+        if "test_acc" in m:  # an epoch that evaluated (train.eval_every)
+            add("test/accuracy", m["test_acc"], step)
+            if "raw_test_acc" in m:
+                add("test/raw_test_acc", m["raw_test_acc"], step)
+            for name, acc in zip(m["classes"], m["per_class_acc"]):
+                if acc is not None:
+                    add(f"test_per_class/{name}", acc, step)
         for key in ("gpu_allocated_mb", "gpu_reserved_mb", "gpu_peak_mb"):
             if key in m:
                 add(f"gpu/{key}", m[key], step)

@@ -121,23 +121,21 @@ def shown_classes(accuracies: list[float | None], most: int = 20) -> list[int]:
 
 
 def epoch_record(
-    epoch: int, train_loss: float, confusion: torch.Tensor, classes: list[str], world: World, **timing: float
+    epoch: int, train_loss: float, confusion: torch.Tensor | None, classes: list[str], world: World, **timing: float
 ) -> dict[str, Any]:
-    """One line of metrics.jsonl: the epoch's loss and evaluation, `timing` (lr, images_per_s,
-    seconds, startup_s), the layout of the run, and on a GPU its memory in MB (this rank's)."""
-    record = {
-        "epoch": epoch,
-        "train_loss": train_loss,
-        "test_acc": accuracy(confusion),
-        "test_images": int(confusion.sum()),
-        "per_class_acc": accuracy_per_class(confusion),
-        "classes": classes,
-        "confusion": confusion.tolist(),  # rows: true class, columns: predicted
-        **timing,
-        "world_size": world.world_size,
-        "parallel": world.parallel,
-        "device": str(world.device),
-    }
+    """One line of metrics.jsonl: the epoch's loss and evaluation (none for an epoch that did not
+    evaluate: confusion None, train.eval_every), `timing` (lr, images_per_s, seconds, startup_s), the
+    layout of the run, and on a GPU its memory in MB (this rank's)."""
+    record: dict[str, Any] = {"epoch": epoch, "train_loss": train_loss}
+    if confusion is not None:
+        record.update({
+            "test_acc": accuracy(confusion),
+            "test_images": int(confusion.sum()),
+            "per_class_acc": accuracy_per_class(confusion),
+            "classes": classes,
+            "confusion": confusion.tolist(),  # rows: true class, columns: predicted
+        })  # fmt: skip
+    record.update({**timing, "world_size": world.world_size, "parallel": world.parallel, "device": str(world.device)})
     if world.device.type == "cuda":
         record.update({f"gpu_{k}_mb": v for k, v in gpu_memory_mb(world.device).items()})
     return record

@@ -2,7 +2,7 @@
 matplotlib's Agg backend) from each run's metrics.jsonl, into --out (default: the first RUN_DIR).
 
 - curves.png: train loss and test accuracy per epoch, one line per run (e.g. 1 vs 2 vs 4 processes);
-- per_class.png: per-class test accuracy of each run's last epoch, bars with class names (with more
+- per_class.png: per-class test accuracy of each run's last evaluated epoch, bars with class names (with more
   than 20 classes, as for CIFAR-100: the first run's 10 best and 10 worst classes);
 - confusion-<run>.png: the confusion matrix of each run's last evaluation.
 matplotlib is an optional extra: pip install 'ddp-cifar[plot]'.
@@ -44,34 +44,39 @@ def plot(run_dirs: list[Path], out: Path) -> list[Path]:
     except ImportError:
         raise UsageError("ddp.plot needs matplotlib: pip install 'ddp-cifar[plot]'") from None
     runs = [(d, read_run(d)) for d in run_dirs]
+    tested = [(d, [r for r in rows if "test_acc" in r]) for d, rows in runs]  # the epochs that evaluated
+    tested = [(d, rows) for d, rows in tested if rows]
     out.mkdir(parents=True, exist_ok=True)
     written = []
 
     fig, (loss_ax, acc_ax) = plt.subplots(1, 2, figsize=(10, 4), dpi=DPI)
     for d, rows in runs:
-        epochs = [r["epoch"] for r in rows]
-        loss_ax.plot(epochs, [r["train_loss"] for r in rows], marker="o", label=label(d, rows))
-        acc_ax.plot(epochs, [100 * r["test_acc"] for r in rows], marker="o", label=label(d, rows))
+        loss_ax.plot([r["epoch"] for r in rows], [r["train_loss"] for r in rows], marker="o", label=label(d, rows))
+    for d, rows in tested:
+        acc_ax.plot([r["epoch"] for r in rows], [100 * r["test_acc"] for r in rows], marker="o", label=label(d, rows))
     loss_ax.set(title="train loss", xlabel="epoch", ylabel="loss")
     acc_ax.set(title="test accuracy", xlabel="epoch", ylabel="%")
-    acc_ax.legend(fontsize="small")
+    if tested:
+        acc_ax.legend(fontsize="small")
     written.append(_save(fig, out / "curves.png", plt))
+    if not tested:  # no epoch has evaluated yet (train.eval_every): no accuracy to show per class
+        return written
 
-    first = runs[0][1][-1]
+    first = tested[0][1][-1]
     shown = shown_classes(first["per_class_acc"])
     classes = [first["classes"][c] for c in shown]
     fig, ax = plt.subplots(figsize=(10, 4), dpi=DPI)
-    width = 0.8 / len(runs)
-    for i, (d, rows) in enumerate(runs):
+    width = 0.8 / len(tested)
+    for i, (d, rows) in enumerate(tested):
         accs = [100 * (rows[-1]["per_class_acc"][c] or 0) for c in shown]
-        ax.bar([c + (i - (len(runs) - 1) / 2) * width for c in range(len(accs))], accs, width, label=label(d, rows))
+        ax.bar([c + (i - (len(tested) - 1) / 2) * width for c in range(len(accs))], accs, width, label=label(d, rows))
     ax.set_xticks(range(len(classes)), classes, rotation=45, fontsize="small")
     some = "" if len(shown) == len(first["classes"]) else f": the 10 best and 10 worst of {len(first['classes'])}"
-    ax.set(title=f"per-class test accuracy, last epoch{some}", ylabel="%", ylim=(0, 100))
+    ax.set(title=f"per-class test accuracy, last evaluated epoch{some}", ylabel="%", ylim=(0, 100))
     ax.legend(fontsize="small")
     written.append(_save(fig, out / "per_class.png", plt))
 
-    for d, rows in runs:
+    for d, rows in tested:
         last = rows[-1]
         if "confusion" not in last:
             continue  # metrics from before ddp-cifar kept the confusion matrix

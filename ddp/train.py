@@ -207,7 +207,8 @@ def fit(cfg: Config, world: World, data: datasets.Data, plan: Plan) -> dict[str,
             images_trained = (job.stats.images() - images_before) * world.world_size  # all ranks'
             images_per_s = images_trained / metrics.elapsed(started, world.device)
             startup_s = job.startup_s if epoch == first_epoch else None  # reported with this process's first epoch
-            last_metrics = epoch_metrics(job, epoch, started, images_per_s, startup_s)  # all_reduce over ranks
+            evaluate = epoch % cfg.train.eval_every == 0 or epoch == cfg.train.epochs
+            last_metrics = epoch_metrics(job, epoch, started, images_per_s, startup_s, evaluate)  # all_reduce
             with distributed.fail_together(world):  # metrics.jsonl on a full disk stops every rank alike
                 if world.is_main:
                     logs.record_epoch(last_metrics, cfg.train.epochs, cfg.run.out_dir, board)
@@ -306,19 +307,23 @@ def bn_agreement(cfg: Config) -> str:
     return "broadcast" if cfg.train.sync_bn else cfg.train.dist_bn
 
 
-def epoch_metrics(job: Job, epoch: int, started: float, images_per_s: float, startup_s: float | None) -> dict[str, Any]:
-    """The epoch's record: the whole test set evaluated once over the ranks (after the ranks' BatchNorm
-    statistics are made one), by the moving average if there is one (the trained weights' accuracy
-    beside it as raw_test_acc), the mean training loss over the ranks, the gradients' norm, lr,
-    speed, and seconds since `started` (training and evaluation)."""
+def epoch_metrics(
+    job: Job, epoch: int, started: float, images_per_s: float, startup_s: float | None, evaluate: bool
+) -> dict[str, Any]:
+    """The epoch's record: the ranks' BatchNorm statistics made one (every epoch, so that the checkpoint
+    is the same whether the epoch evaluates or not); if `evaluate`, the whole test set evaluated once
+    over the ranks, by the moving average if there is one (the trained weights' accuracy beside it as
+    raw_test_acc); the mean training loss over the ranks, the gradients' norm, lr, speed, and seconds
+    since `started` (training and evaluation)."""
     how, world = bn_agreement(job.cfg), job.world
     distributed.sync_buffers(job.trained.model, world, how)
-    confusion = test_confusion(job, distributed.for_eval(job.wrapped))
+    confusion = test_confusion(job, distributed.for_eval(job.wrapped)) if evaluate else None
     extra = {} if startup_s is None else {"startup_s": startup_s}
     if job.trained.ema:
         distributed.sync_buffers(job.trained.ema.module, world, how)
-        extra["raw_test_acc"] = metrics.accuracy(confusion)
-        confusion = test_confusion(job, job.trained.ema.module)
+        if confusion is not None:
+            extra["raw_test_acc"] = metrics.accuracy(confusion)
+            confusion = test_confusion(job, job.trained.ema.module)
     train_loss = job.stats.mean_over_ranks(world)
     return metrics.epoch_record(
         epoch, train_loss, confusion, job.data.classes, world, lr=job.trained.scheduler.get_last_lr()[0],

@@ -38,6 +38,8 @@ def test_values_take_the_type_of_their_field(tmp_path):
         ("train.epochs=abc", "train.epochs: expected int, got 'abc'"),
         ("train.epochs=2.5", "train.epochs: expected int"),
         ("run.compile=maybe", "run.compile: expected bool"),
+        ("train.eval_every=1.5", "train.eval_every: expected int"),
+        ("train.eval_every=often", "train.eval_every: expected int"),
         ("run.amp=fp8", "run.amp: 'fp8' is not one of off, bf16, fp16"),
         ("data.dataset=imagenet", "not one of cifar10, cifar100, npz, synthetic"),
         ("optim.lr", "overrides are section.key=value"),
@@ -54,6 +56,8 @@ def test_bad_values_are_usage_errors(override, message):
     [
         ("train.epochs=0", "train.epochs=0 is out of range: it must be >= 1"),
         ("train.epochs=-1", "train.epochs=-1 is out of range: it must be >= 1"),
+        ("train.eval_every=0", "train.eval_every=0 is out of range: it must be >= 1"),
+        ("train.eval_every=-2", "train.eval_every=-2 is out of range: it must be >= 1"),
         ("train.batch_size=0", "train.batch_size=0 is out of range: it must be >= 1"),
         ("train.eval_batch_size=0", "train.eval_batch_size=0 is out of range"),
         ("train.label_smoothing=1", "train.label_smoothing=1.0 is out of range: it must be in [0, 1)"),

@@ -4,8 +4,11 @@ ddp.plot's PNGs from a short run on the real CIFAR-10 subset."""
 import struct
 
 import pytest
+import torch
 from conftest import TINY, TRAIN, metrics, ok, python, torchrun
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from ddp import checkpoint, plot, rundir, train
 
 
 def test_tensorboard_scalars_match_metrics_jsonl(tmp_path):
@@ -52,3 +55,41 @@ def test_plots_of_a_real_subset_run_and_of_several_runs_on_one_chart(subset, tmp
 def test_plotting_a_directory_without_metrics_is_a_clear_error(tmp_path):
     proc = python("-m", "ddp.plot", str(tmp_path))
     assert proc.returncode == 2 and "no metrics.jsonl" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_eval_every_evaluates_every_nth_and_the_last_epoch_and_trains_the_same(tmp_path, capsys):
+    """train.eval_every=2 over 3 epochs: epochs 2 and 3 evaluate, epoch 1 has its loss and speed only,
+    in the epoch line, metrics.jsonl, TensorBoard, the checkpoint's summary and the plots; and the
+    losses, every checkpoint's weights and buffers (the moving average's too) and the final
+    evaluation are those of a run that evaluates every epoch: evaluating changes nothing trained."""
+    every, some = tmp_path / "every", tmp_path / "some"
+    run = [*TINY, "train.epochs=3", "train.ema_decay=0.9", "run.progress=false"]
+    last_every = train.main([f"run.out_dir={every}", *run])
+    capsys.readouterr()
+    last_some = train.main([f"run.out_dir={some}", *run, "train.eval_every=2", "run.tensorboard=true"])
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("epoch ")]
+    assert ["test_acc" in line for line in lines] == [False, True, True], lines
+    rows = metrics(some)
+    assert [sorted(set(r) - set(rows[0])) for r in rows][1:] == [
+        ["classes", "confusion", "per_class_acc", "raw_test_acc", "test_acc", "test_images"]
+    ] * 2
+    assert [r["train_loss"] for r in rows] == [r["train_loss"] for r in metrics(every)]
+    assert last_some["test_acc"] == last_every["test_acc"] and last_some["confusion"] == last_every["confusion"]
+    for a, b in zip(rundir.step_files(every), rundir.step_files(some), strict=True):
+        saved_a, saved_b = checkpoint.load(a), checkpoint.load(b)
+        for part_a, part_b in (
+            (saved_a["model"], saved_b["model"]),
+            (saved_a["ema"]["weights"], saved_b["ema"]["weights"]),
+        ):
+            assert part_a.keys() == part_b.keys() and all(torch.equal(part_a[k], part_b[k]) for k in part_a), a
+    oldest = rundir.step_files(some)[-1]  # epoch 1's
+    assert "last epoch: not evaluated, train_loss" in checkpoint.describe(oldest)[0]
+    board = EventAccumulator(str(some / "tensorboard"))
+    board.Reload()
+    assert [p.step for p in board.Scalars("train/loss")] == [1, 2, 3]
+    assert [p.step for p in board.Scalars("test/accuracy")] == [2, 3]
+    assert [p.step for p in board.Scalars("test_per_class/class0")] == [2, 3]
+    charts = plot.plot([some], tmp_path / "charts")
+    assert [p.name for p in charts] == ["curves.png", "per_class.png", "confusion-some.png"]
+    rundir.metrics_path(some).write_text(rundir.metrics_path(some).read_text().splitlines()[0] + "\n")
+    assert [p.name for p in plot.plot([some], tmp_path / "early")] == ["curves.png"]  # nothing evaluated yet

@@ -38,10 +38,11 @@ train: $(STAMP)
 	bash launch/torchrun.sh --config configs/quick.yaml $(DATA_ARGS) $(ARGS)
 
 # TEST_WORKERS: pytest-xdist processes, whole test files each (--dist loadfile: a file's shared runs
-# and the SLURM cluster stay in one); 0 runs the files one after another in pytest's own process.
+# and the SLURM cluster stay in one), the longest files first (tests/conftest.py's LONGEST_FIRST; not
+# xdist's own order, by number of tests); 0 runs the files one after another in pytest's own process.
 TEST_WORKERS ?= 2
 test: $(STAMP) lint system-packages
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15 $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15 $(PYTEST_ARGS)
 
 # make bench [DATA=cifar10-subset.npz]: python -m bench on this machine, results in bench/results/.
 bench: $(STAMP)

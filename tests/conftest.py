@@ -108,6 +108,21 @@ def pytest_configure(config) -> None:
     os.environ.setdefault("KILL_SEED", str(time.time_ns() % 2**31))
 
 
+# make test gives pytest-xdist whole files (-n 2 --dist loadfile --no-loadscope-reorder), in this
+# order: the longest first, so that the workers end together instead of one finishing a long file
+# alone. Seconds of each file's tests in a 2-worker run (2026-11-24): 491, 357, 161, 135, 130, 123,
+# 92, 84, 76, 70, 66; every other file under 45. A file not listed runs after these, in name order.
+LONGEST_FIRST = [
+    "test_resume.py", "test_hosts.py", "test_slurm.py", "test_gpu_check.py", "test_equivalence.py", "test_launch.py",
+    "test_progress.py", "test_ddp.py", "test_checkpoint.py", "test_cli_errors.py", "test_run_dir.py",
+]  # fmt: skip
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a file's tests keep their order
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     outcome = yield

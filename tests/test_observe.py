@@ -38,7 +38,7 @@ def png_size(path) -> tuple[int, int]:
 def test_plots_of_a_real_subset_run_and_of_several_runs_on_one_chart(subset, tmp_path):
     real = tmp_path / "subset-1proc"
     ok(python(str(TRAIN), "--config", "configs/quick.yaml", "data.dataset=npz", f"data.path={subset}",
-              "train.epochs=2", "run.device=cpu", f"run.out_dir={real}"))  # fmt: skip
+              "train.epochs=2", "train.eval_every=1", "run.device=cpu", f"run.out_dir={real}"))  # fmt: skip
     two = tmp_path / "tiny-2proc"
     ok(torchrun(2, str(TRAIN), *TINY, f"run.out_dir={two}"))
     proc = ok(python("-m", "ddp.plot", str(real), str(two), "--out", str(tmp_path / "charts")))

@@ -12,6 +12,9 @@ import termios
 from conftest import REPO, TINY, TORCHRUN, TRAIN, clean_env, python
 
 BIG = [*TINY, "data.synthetic_train=4096", "train.epochs=2"]  # 128 steps an epoch: a few seconds
+# Where no bar (or one bar, not two) may show: 32 steps an epoch (1-2 s here), long enough for a bar's
+# loss= (after 0.25 s; 6 of them in a terminal here); a bar drawn at all shows "it/s" from its first line.
+MID = [*TINY, "data.synthetic_train=1024", "train.epochs=2"]
 
 
 def in_terminal(*cmd: str) -> str:
@@ -42,15 +45,15 @@ def test_a_terminal_gets_a_bar_with_loss_lr_and_images_per_second(tmp_path):
 
 
 def test_progress_false_or_a_pipe_gives_only_the_epoch_lines(tmp_path):
-    quiet = in_terminal(sys.executable, str(TRAIN), *BIG, f"run.out_dir={tmp_path / 'a'}", "run.progress=false")
-    piped = python(str(TRAIN), *BIG, f"run.out_dir={tmp_path / 'b'}")
+    quiet = in_terminal(sys.executable, str(TRAIN), *MID, f"run.out_dir={tmp_path / 'a'}", "run.progress=false")
+    piped = python(str(TRAIN), *MID, f"run.out_dir={tmp_path / 'b'}")
     for out in (quiet, piped.stdout + piped.stderr):
         assert "it/s" not in out and "loss=" not in out
         assert out.count("epoch 1/2  loss") == 1 and out.count("epoch 2/2  loss") == 1
 
 
 def test_under_torchrun_only_rank_0_shows_anything(tmp_path):
-    out = in_terminal(TORCHRUN, "--standalone", "--nproc_per_node=2", str(TRAIN), *BIG, f"run.out_dir={tmp_path}")
+    out = in_terminal(TORCHRUN, "--standalone", "--nproc_per_node=2", str(TRAIN), *MID, f"run.out_dir={tmp_path}")
     assert out.count("small (0.09M params)") == 1  # the start line, once
     assert out.count("epoch 2/2  loss") == 1
     assert out.count("epoch 1:   0%") <= 1  # one bar (rank 1 draws none)

@@ -20,7 +20,9 @@ from ddp import checkpoint, files, rundir
 from ddp.devices import World
 from ddp.errors import UsageError, WriteFailed
 
-LONG = [*TINY, "data.synthetic_train=4096", "train.epochs=30", "run.progress=false"]  # minutes: stopped by the test
+# Minutes if not stopped (the tests stop it): a first checkpoint 1-2 s in, then steps on one thread
+# while the test runs beside it.
+LONG = [*TINY, "data.synthetic_train=1024", "train.epochs=120", "run.progress=false"]
 
 
 def assert_one_error_line(proc: subprocess.CompletedProcess, *fragments: str) -> str:
@@ -34,7 +36,8 @@ def assert_one_error_line(proc: subprocess.CompletedProcess, *fragments: str) ->
 
 def start(out_dir: Path, *args: str) -> subprocess.Popen:
     proc = subprocess.Popen([sys.executable, str(TRAIN), f"run.out_dir={out_dir}", *LONG, *args], cwd=REPO,
-                            env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+                            env=clean_env(OMP_NUM_THREADS="1"), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)  # fmt: skip
     lock = out_dir / rundir.LOCK
     deadline = time.monotonic() + 120
     while not (lock.is_file() and lock.read_text() and rundir.step_files(out_dir)):

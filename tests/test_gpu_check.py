@@ -11,7 +11,7 @@ from conftest import REPO, clean_env
 
 def test_gpu_check_dry_run_runs_every_step(tmp_path):
     """Into a folder an earlier check left (its checkpoints would stop run.resume=never), as a rerun is."""
-    for name in ("fast", "resnet18", "ranks-3"):
+    for name in ("fast", "resnet18", "ranks-2"):
         (tmp_path / name / "checkpoints").mkdir(parents=True)
         (tmp_path / name / "checkpoints" / "step-000000004.pt").write_bytes(b"an earlier check's")
     env = clean_env(GPU_CHECK_OUT=str(tmp_path), PYTHON=sys.executable)
@@ -23,7 +23,7 @@ def test_gpu_check_dry_run_runs_every_step(tmp_path):
         assert f"| {step} | ok (" in summary, (step, summary)
         assert (tmp_path / f"{step}.log").is_file()
     assert "| airbench |" in summary  # skipped here without .gpu/ (or run, with it)
-    assert (tmp_path / "ranks-3" / "metrics.jsonl").read_text().count('"epoch"') == 2  # killed, resumed, done
+    assert (tmp_path / "ranks-2" / "metrics.jsonl").read_text().count('"epoch"') == 2  # killed, resumed, done
     assert "| fast | 1 |" in summary and "| resnet18 | 1 |" in summary
     lightning = json.loads((tmp_path / "lightning.json").read_text())  # the same net and recipe, in Lightning
     assert lightning["optimizer_steps"] == 128 // 64 and [e["epoch"] for e in lightning["epochs"]] == [1]

@@ -321,7 +321,7 @@ def epoch_metrics(
     extra = {} if startup_s is None else {"startup_s": startup_s}
     if job.trained.ema:
         distributed.sync_buffers(job.trained.ema.module, world, how)
-        if confusion is not None:
+        if evaluate:
             extra["raw_test_acc"] = metrics.accuracy(confusion)
             confusion = test_confusion(job, job.trained.ema.module)
     train_loss = job.stats.mean_over_ranks(world)

@@ -264,7 +264,7 @@ def data_path(sizes: dict, devices: list[torch.device]) -> list[dict]:
     batch, calls = sizes["data_batch"], sizes["data_images"] // sizes["data_batch"]
     for device in devices:
         world = World(0, 0, 1, device, "none")
-        loader = loaders.train_loader(split, batch, world, True, 0, 0, "device")
+        loader = loaders.train_loader(split, batch, world, loaders.Augment(), 0, 0, "device")
         loader.sampler.set_epoch(1, start_step=0)
         to_input, ours = loaders.input_fn(CIFAR_MEAN, CIFAR_STD, device, True), cycle(loader)
         s = seconds_per_call(lambda: to_input(ours()[0]), device, 2, calls, sizes["repeats"])  # noqa: B023

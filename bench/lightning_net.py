@@ -22,6 +22,8 @@ class FastNet(pl.LightningModule):
         self.net = models.build(cfg.model.name, num_classes, cfg.model.dropout, cfg.model.width)
         if cfg.run.channels_last:
             self.net = self.net.to(memory_format=torch.channels_last)
+        if cfg.optim.freeze_norm_weights:  # before Lightning's DDP wrap, as ddp/train.py freezes before its own
+            optim.freeze_norm_weights(self.net)
         self.loss = nn.CrossEntropyLoss(label_smoothing=cfg.train.label_smoothing)
         self.correct = self.seen = 0
         self.epochs: list[dict] = []

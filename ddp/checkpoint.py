@@ -26,7 +26,7 @@ from ddp import __version__ as ddp_version
 from ddp import cli, config, distributed, files, rng, rundir
 from ddp.config import RunConfig
 from ddp.devices import World
-from ddp.ema import EMA
+from ddp.ema import EMA, Lookahead
 from ddp.errors import EXIT_FAILURE, EXIT_OK, CorruptCheckpoint, UsageError, WriteFailed
 from ddp.metrics import StepStats
 
@@ -42,6 +42,7 @@ class Trained:
     scheduler: torch.optim.lr_scheduler.LRScheduler
     scaler: torch.amp.GradScaler  # enabled for fp16 only
     ema: EMA | None = None  # the weights' moving average (train.ema_decay > 0)
+    lookahead: Lookahead | None = None  # the slow weights of lookahead (train.lookahead_every > 0)
 
 
 @dataclass
@@ -78,6 +79,7 @@ def build_state(
         "scheduler": trained.scheduler.state_dict(),
         "scaler": trained.scaler.state_dict() if trained.scaler.is_enabled() else None,
         "ema": trained.ema.state_dict() if trained.ema else None,  # {"weights": the model's keys, "updates"}
+        "lookahead": trained.lookahead.state_dict() if trained.lookahead else None,  # {"slow": [tensors], "steps"}
         "ranks": ranks,  # per rank: RNG states, and an unfinished epoch's loss sums
         "global_batch": info.config["train"]["batch_size"],
         "world_size": info.world_size,
@@ -91,8 +93,7 @@ def build_state(
 
 
 def rank_state(device: torch.device, stats: StepStats | None) -> dict[str, Any]:
-    """This rank's part of a checkpoint: its RNG states, an unfinished epoch's loss sums and gradient
-    norms (or None)."""
+    """This rank's part: its RNG states, an unfinished epoch's loss sums and gradient norms (or None)."""
     unfinished = stats is not None
     return {
         "rng": rng.get_state(device),
@@ -125,6 +126,8 @@ def restore(state: dict[str, Any], trained: Trained) -> None:
         trained.scaler.load_state_dict(state["scaler"])
     if trained.ema and state.get("ema"):  # else the average starts at its first update, from these weights
         trained.ema.load_state_dict(state["ema"])
+    if trained.lookahead:  # without a saved one (a run without lookahead), the slow weights start as these
+        trained.lookahead.restore(state.get("lookahead"), trained.model, state["global_step"])
 
 
 def restore_rank(state: dict[str, Any], world: World, stats: StepStats) -> bool:
@@ -193,8 +196,7 @@ class Checkpoints:
         return Resumed(path, position, state["metrics"], state["world_size"], accum_steps, same_world, changes)
 
     def due(self, position: Position, steps_per_epoch: int, stopping: bool) -> bool:
-        """Whether to save after the step that led to `position` (mid-epoch: the epoch's last step
-        is saved at the epoch's end, after its evaluation)."""
+        """Whether to save after the step to `position` (an epoch's last step: at its end, evaluated)."""
         every = self.run.save_every_steps
         periodic = every > 0 and position.global_step % every == 0
         return position.step_in_epoch < steps_per_epoch and (stopping or periodic)
@@ -221,8 +223,7 @@ class Checkpoints:
 
 @contextlib.contextmanager
 def _previous_kept(out_dir: str) -> Iterator[None]:
-    """A failed write (WriteFailed: the file, the bytes, the space free) also says which checkpoint
-    is the newest left intact."""
+    """A failed write (WriteFailed: the file, the bytes, the space free) also names the newest intact one."""
     previous = rundir.step_files(out_dir)
     try:
         yield

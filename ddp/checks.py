@@ -80,7 +80,7 @@ def autocast_dtype(amp: str, device: torch.device) -> torch.dtype | None:
 
 def check_combinations(cfg: Config, world: World) -> None:
     """Settings that each parse but do not work together."""
-    models.check(cfg.model.name, cfg.model.dropout, cfg.model.width)
+    models.check(cfg.model.name, cfg.model.dropout, cfg.model.width, cfg.model.whiten)
     if cfg.train.sync_bn and world.parallel == "dp":
         raise UsageError(
             "train.sync_bn=true needs DDP (nn.DataParallel computes BatchNorm per GPU): "

@@ -59,7 +59,15 @@ class DataConfig:
     root: str = opt("data", "torchvision download/cache directory for cifar10/cifar100")
     path: str = opt("", "the .npz file for dataset=npz (x_train, y_train, x_test, y_test)")
     download: bool = opt(True, "download cifar10/cifar100 into data.root when missing")
-    augment: bool = opt(True, "random crop (4-px padding) and horizontal flip while training")
+    augment: bool = opt(True, "random translation (data.translate, data.pad) and flip (data.flip) while training")
+    translate: int = opt(
+        4, "augment: crop 32x32 of the image padded by this many px (shifts up to it)", valid=Range(0, 16)
+    )
+    pad: str = opt("zeros", "augment: the crop's padding: zeros | reflect = the image mirrored", ("zeros", "reflect"))
+    flip: str = opt(
+        "random", "augment: flip a random half each epoch | alternate = a random half in odd epochs, the other in "
+        "even ones (airbench) | none", ("random", "alternate", "none"),
+    )  # fmt: skip
     loader: str = opt(
         "device",
         "device = the split on the training device, batched augmentation there | torch = DataLoader workers",
@@ -94,6 +102,7 @@ class ModelConfig:
         "channel counts x this, for small and fast (parameters grow as its square)",
         valid=Range(0, 8, low_open=True),
     )
+    whiten: bool = opt(False, "fast's 2x2 stem whitens the first 5,000 training images' patches, frozen (airbench)")
 
 
 @dataclass
@@ -105,6 +114,7 @@ class TrainConfig:
     eval_batch_size: int = opt(1024, "GLOBAL evaluation batch, split across ranks", valid=POSITIVE)
     label_smoothing: float = opt(0.0, "label smoothing of the cross-entropy loss (0 = off)", valid=FRACTION)
     tta_flip: bool = opt(False, "evaluate on each test image and its mirror image, averaging the logits")
+    tta_translate: bool = opt(False, "also evaluate each test image shifted 1 px up-left and down-right (airbench)")
     eval_every: int = opt(
         1, "evaluate the test set after every N-th epoch and after the last (the epochs between: loss and speed only)",
         valid=POSITIVE,
@@ -117,6 +127,12 @@ class TrainConfig:
         10, "update n of the average decays by min(ema_decay, (1+n)/(ema_warmup+n)) (0 = ema_decay from the start)",
         valid=NATURAL,
     )  # fmt: skip
+    lookahead_every: int = opt(
+        0, "every N steps: slow weights -> towards the weights, weights = them (0 = off)", valid=NATURAL
+    )
+    lookahead_decay: float = opt(
+        0.95, "lookahead: slow weights keep decay**N x (step/steps)**3 of themselves", valid=FRACTION
+    )
     grad_accum_steps: int = opt(
         1,
         "K micro-batches per optimizer step: each rank runs K x batch_size/(world_size x K) images, "
@@ -145,8 +161,16 @@ class OptimConfig:
     momentum: float = opt(0.9, "SGD momentum", valid=FRACTION)
     nesterov: bool = opt(True, "Nesterov momentum for SGD")
     weight_decay: float = opt(5e-4, "L2 weight decay", valid=Range(0))
-    schedule: str = opt("cosine", "LR after warm-up, stepped per step", ("cosine", "constant"))
+    schedule: str = opt("cosine", "LR after warm-up, stepped per step", ("cosine", "linear", "constant"))
+    final_lr: float = opt(0.0, "cosine and linear: the LR at the last step, as a fraction of optim.lr", valid=FRACTION)
+    norm_bias_lr_scale: float = opt(
+        1.0, "BatchNorm biases: LR x this, weight decay / this", valid=Range(0, low_open=True)
+    )
+    norm_weight_decay: bool = opt(True, "weight decay on BatchNorm's weights and biases too (false: none on them)")
+    freeze_norm_weights: bool = opt(False, "BatchNorm's weights (scales) stay 1: only its biases learn (airbench)")
+    whiten_bias_epochs: int = opt(3, "model.whiten: the stem's bias learns in the first N epochs only", valid=NATURAL)
     warmup_epochs: float = opt(1.0, "linear LR warm-up from 0, in epochs (may be fractional)", valid=Range(0))
+    warmup_from: float = opt(0.0, "the warm-up starts from this fraction of optim.lr (airbench: 0.2)", valid=FRACTION)
     clip_grad_norm: float = opt(
         0.0, "clip the gradients' total L2 norm to this before each step (0 = off)", valid=Range(0)
     )

@@ -1,4 +1,7 @@
-"""The exponential moving average of the weights (train.ema_decay > 0): torch's AveragedModel holds it
+"""Averages of the weights: the exponential moving average (train.ema_decay > 0; class EMA) and lookahead
+(train.lookahead_every > 0; class Lookahead, at the end of this file).
+
+The moving average: torch's AveragedModel holds it
 (parameters and buffers, BatchNorm's statistics too) and get_ema_multi_avg_fn does the arithmetic,
 after every optimizer step on every rank. DDP's replicas are equal after a step: no communication.
 
@@ -55,3 +58,55 @@ class EMA:
         self.module.load_state_dict(state["weights"])
         self.updates = int(state["updates"])
         self.averaged.n_averaged.fill_(self.updates)
+
+
+class Lookahead:
+    """Lookahead of the weights (train.lookahead_every = N > 0; Zhang et al. 2019, in airbench's form):
+    a slow copy of the parameters and BatchNorm's running statistics; every N optimizer steps it moves
+    towards them, keeping decay**N x (step / steps)**3 of itself (little early on, more as training
+    ends), and the model is set to it. At the last step the model becomes the slow copy. The statistics
+    follow the weights they were measured with, as airbench's lookahead of the whole state_dict does;
+    each rank averages its own (the parameters are the same on every rank, the statistics become
+    rank 0's or their mean where the ranks' statistics become one: train.dist_bn)."""
+
+    def __init__(self, model: nn.Module, every: int, decay: float, total_steps: int) -> None:
+        self.every, self.decay, self.total_steps = every, decay, total_steps
+        self.start_from(model, 0)
+
+    def start_from(self, model: nn.Module, steps: int) -> None:
+        """The slow weights as `model`'s now, after `steps` optimizer steps."""
+        self.slow = [p.detach().clone() for p in self._learning(model)]
+        self.steps = steps
+
+    @staticmethod
+    def _learning(model: nn.Module) -> list[torch.Tensor]:
+        """What training changes: the parameters with gradients, the floating-point buffers."""
+        return [p for p in model.parameters() if p.requires_grad] + [
+            b for b in model.buffers() if b.is_floating_point()
+        ]
+
+    def kept_at(self, step: int) -> float:
+        """The share of itself the slow copy keeps at optimizer step `step`."""
+        return self.decay**self.every * (step / self.total_steps) ** 3
+
+    @torch.no_grad()
+    def update(self, model: nn.Module) -> None:
+        """After an optimizer step: every N-th, slow <- lerp(slow, weights) and weights <- slow; at
+        the last step, weights <- slow."""
+        self.steps += 1
+        weights = [p.detach() for p in self._learning(model)]
+        if self.steps % self.every == 0:
+            torch._foreach_lerp_(self.slow, weights, 1.0 - self.kept_at(self.steps))
+        if self.steps % self.every == 0 or self.steps == self.total_steps:
+            torch._foreach_copy_(weights, self.slow)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"slow": self.slow, "steps": self.steps}
+
+    def restore(self, state: dict[str, Any] | None, model: nn.Module, global_step: int) -> None:
+        """A checkpoint's state_dict(); None: start from `model` at `global_step`."""
+        if state is None:
+            return self.start_from(model, global_step)
+        for mine, saved in zip(self.slow, state["slow"], strict=True):
+            mine.copy_(saved)
+        self.steps = int(state["steps"])

@@ -38,7 +38,8 @@ def measure(path: str, device: str, batch_size: int, overrides: list[str], raw: 
     to_input = loaders.input_fn(norm["mean"], norm["std"], world.device, channels_last=False)
     metrics.synchronize(world.device)
     start = time.perf_counter()
-    confusion = metrics.confusion_matrix(model, loader, to_input, len(classes), world, None, cfg.train.tta_flip)
+    confusion = metrics.confusion_matrix(model, loader, to_input, len(classes), world, None, cfg.train.tta_flip,
+                                         cfg.train.tta_translate)  # fmt: skip
     seconds = metrics.elapsed(start, world.device)
     return {
         "checkpoint": str(path),

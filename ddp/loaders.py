@@ -8,6 +8,7 @@ from __future__ import annotations
 import itertools
 import signal
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -17,28 +18,58 @@ from ddp.datasets import Split
 from ddp.devices import World
 
 
-def augmentation_table(n: int, seed: int, epoch: int) -> torch.Tensor:
-    """(n, 3) rows of (dy, dx, flip) for image i in this epoch: crop offsets 0..8 into the image
-    padded by 4 px, flip 0/1. A function of (seed, epoch) alone, so an image gets the same
+@dataclass(frozen=True)
+class Augment:
+    """How training images are augmented (data.translate, data.pad, data.flip): a 32x32 crop of the
+    image padded by `translate` px on each side (zeros, or the edge mirrored: reflect), so shifted by
+    up to `translate` px each way; and a horizontal flip, of a random half of the images each epoch
+    (random), of a random half in odd epochs and the other half in even ones (alternate: airbench's
+    alternating flip, every image seen both ways in any two epochs), or never (none)."""
+
+    translate: int = 4
+    reflect: bool = False
+    flip: str = "random"
+
+
+def augmentation_table(n: int, seed: int, epoch: int, how: Augment = Augment()) -> torch.Tensor:
+    """(n, 3) rows of (dy, dx, flip) for image i in this epoch: crop offsets 0..2 x translate into
+    the padded image, flip 0/1. A function of (seed, epoch) alone, so an image gets the same
     augmentation whatever the world size, the loader workers or a resume in mid-epoch."""
     g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
-    offsets = torch.randint(0, 9, (n, 2), generator=g)
+    offsets = torch.randint(0, 2 * how.translate + 1, (n, 2), generator=g)
     flips = torch.randint(0, 2, (n, 1), generator=g)
+    if how.flip == "alternate":  # the random half of epoch 1, then the other half, and so on
+        first = torch.randint(0, 2, (n, 1), generator=torch.Generator().manual_seed(seed * 1_000_003))
+        flips = first ^ ((epoch - 1) % 2)
+    elif how.flip == "none":
+        flips = torch.zeros_like(flips)
     return torch.cat([offsets, flips], dim=1)
 
 
-def augment(image: torch.Tensor, dy: int, dx: int, flip: int) -> torch.Tensor:
-    """The standard CIFAR augmentation, with its randomness given: a 32x32 crop at (dy, dx) of the
-    image zero-padded by 4 px, then a horizontal flip if `flip`."""
-    crop = F.pad(image, (4, 4, 4, 4))[:, dy : dy + 32, dx : dx + 32]
+def pad(images: torch.Tensor, px: int, reflect: bool) -> torch.Tensor:
+    """Square images (..., S, S) of any dtype padded by `px` on each side: zeros, or reflect (the
+    pixels beside the edge mirrored, the edge itself not repeated, as F.pad's "reflect", which
+    takes no uint8)."""
+    if not reflect:
+        return F.pad(images, (px, px, px, px))
+    size = images.shape[-1]
+    index = torch.arange(-px, size + px, device=images.device).abs()
+    index = torch.where(index >= size, 2 * (size - 1) - index, index)
+    return images.index_select(-2, index).index_select(-1, index)
+
+
+def augment(image: torch.Tensor, dy: int, dx: int, flip: int, how: Augment = Augment()) -> torch.Tensor:
+    """One image's augmentation, with its randomness given: a 32x32 crop at (dy, dx) of the image
+    padded by how.translate px, then a horizontal flip if `flip`."""
+    crop = pad(image, how.translate, how.reflect)[:, dy : dy + 32, dx : dx + 32]
     return crop.flip(-1) if flip else crop.contiguous()
 
 
 class _Images(Dataset):
     """Images by index (evaluation) or by (index, epoch) (training, augmented from that epoch's table)."""
 
-    def __init__(self, split: Split, augment_seed: int | None) -> None:
-        self.split, self.augment_seed = split, augment_seed
+    def __init__(self, split: Split, augment_seed: int | None, how: Augment | None = None) -> None:
+        self.split, self.augment_seed, self.how = split, augment_seed, how
         self._table_epoch, self._table = None, None
 
     def __len__(self) -> int:
@@ -49,8 +80,11 @@ class _Images(Dataset):
         image = self.split.images[i]
         if self.augment_seed is not None and epoch is not None:
             if self._table_epoch != epoch:  # once per epoch per worker: 0.4 ms for 50k images here
-                self._table_epoch, self._table = epoch, augmentation_table(len(self), self.augment_seed, epoch)
-            image = augment(image, *self._table[i].tolist())
+                self._table_epoch, self._table = (
+                    epoch,
+                    augmentation_table(len(self), self.augment_seed, epoch, self.how),
+                )
+            image = augment(image, *self._table[i].tolist(), self.how)
         return image, self.split.labels[i]
 
 
@@ -90,17 +124,24 @@ def _leave_stopping_to_the_main_process(worker_id: int) -> None:
 
 
 def train_loader(
-    split: Split, per_rank_batch: int, world: World, augment: bool, workers: int, seed: int, kind: str = "torch"
+    split: Split,
+    per_rank_batch: int,
+    world: World,
+    how: Augment | None,
+    workers: int,
+    seed: int,
+    kind: str = "torch",
 ) -> DataLoader | DeviceLoader:
-    """Per-rank batches of uint8 images; call .sampler.set_epoch(epoch[, start_step]) before each epoch.
+    """Per-rank batches of uint8 images, augmented as `how` says (None: not at all); call
+    .sampler.set_epoch(epoch[, start_step]) before each epoch.
     kind: "device" (DeviceLoader) or "torch" (a DataLoader with `workers` processes).
 
     drop_last everywhere: every rank takes the same number of equal steps, and N ranks x B/N see
     exactly the images one process x B sees.
     """
     if kind == "device":
-        return DeviceLoader(split, per_rank_batch, world, seed if augment else None, seed)
-    dataset = _Images(split, seed if augment else None)
+        return DeviceLoader(split, per_rank_batch, world, how, seed)
+    dataset = _Images(split, None if how is None else seed, how)
     return DataLoader(
         dataset,
         batch_size=per_rank_batch,
@@ -138,9 +179,10 @@ def eval_loader(
 
 
 def crop_flip(padded_hwc: torch.Tensor, index: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """augment() for a batch, as one gather: images `index` of a split zero-padded by 4 px and stored
-    (N, 40, 40, C), each cropped at its (dy, dx) and flipped per its table row. Returns (B, C, 32, 32)
-    in channels_last memory (the gather writes pixels with their channels together)."""
+    """augment() for a batch, as one gather: images `index` of a split padded (pad_hwc) and stored
+    (N, 32 + 2 x translate, 32 + 2 x translate, C), each cropped at its (dy, dx) and flipped per its
+    table row. Returns (B, C, 32, 32) in channels_last memory (the gather writes pixels with their
+    channels together)."""
     n, height, width, channels = padded_hwc.shape
     span = torch.arange(32, device=padded_hwc.device)
     dy, dx, flip = table[:, 0:1], table[:, 1:2], table[:, 2:3].bool()
@@ -153,14 +195,14 @@ def crop_flip(padded_hwc: torch.Tensor, index: torch.Tensor, table: torch.Tensor
     return pixels.view(len(index), 32, 32, channels).permute(0, 3, 1, 2)
 
 
-def pad_hwc(images: torch.Tensor) -> torch.Tensor:
-    """(N, C, 32, 32) -> zero-padded by 4 px, (N, 40, 40, C): crop_flip's source."""
-    return F.pad(images, (4, 4, 4, 4)).permute(0, 2, 3, 1).contiguous()
+def pad_hwc(images: torch.Tensor, how: Augment = Augment()) -> torch.Tensor:
+    """(N, C, 32, 32) -> padded by how.translate px (zeros or reflect), (N, H, W, C): crop_flip's source."""
+    return pad(images, how.translate, how.reflect).permute(0, 2, 3, 1).contiguous()
 
 
 class DeviceLoader:
     """data.loader=device: the split lives on the training device as uint8, copied there once
-    (zero-padded for cropping when augmenting: 1.6x the bytes, 240 MB for CIFAR's 50k); each step
+    (padded for cropping when augmenting: 1.6x the bytes at 4 px, 240 MB for CIFAR's 50k); each step
     gathers its batch there, cropped and flipped, in one indexing operation. No worker processes
     and no host-to-device copy per step.
 
@@ -168,10 +210,10 @@ class DeviceLoader:
     ResumableSampler order (permutation of (seed, epoch), each rank its slice, resumable at a global
     step) and the same augmentation table. So switching loaders changes speed, not the run."""
 
-    def __init__(self, split: Split, per_rank_batch: int, world: World, augment_seed: int | None, seed: int) -> None:
-        self.augment_seed = augment_seed
-        source = pad_hwc(split.images) if augment_seed is not None else split.images
-        self.images = source.to(world.device)  # padded (N, 40, 40, C) when augmenting, else (N, C, 32, 32)
+    def __init__(self, split: Split, per_rank_batch: int, world: World, how: Augment | None, seed: int) -> None:
+        self.how, self.seed = how, seed
+        source = pad_hwc(split.images, how) if how is not None else split.images
+        self.images = source.to(world.device)  # padded (N, H, W, C) when augmenting, else (N, C, 32, 32)
         self.labels = split.labels.to(world.device)
         self.per_rank_batch = per_rank_batch
         self.sampler = ResumableSampler(_Images(split, None), world, per_rank_batch, seed)
@@ -183,8 +225,8 @@ class DeviceLoader:
         device = self.images.device
         order = torch.tensor([i for i, _ in self.sampler], dtype=torch.int64, device=device)
         table = None
-        if self.augment_seed is not None:
-            table = augmentation_table(len(self.labels), self.augment_seed, self.sampler.epoch).to(device)
+        if self.how is not None:
+            table = augmentation_table(len(self.labels), self.seed, self.sampler.epoch, self.how).to(device)
         for k in range(len(self)):
             picked = order[k * self.per_rank_batch : (k + 1) * self.per_rank_batch]
             images = crop_flip(self.images, picked, table[picked]) if table is not None else self.images[picked]

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 from ddp import distributed
@@ -81,24 +82,36 @@ def confusion_matrix(
     world: World,
     amp: torch.dtype | None,
     tta_flip: bool = False,
+    tta_translate: bool = False,
 ) -> torch.Tensor:
     """The confusion matrix (true class x predicted class, counts) over the whole test set, summed
     over ranks: each image once. Its diagonal is the correct count per class, its row sums the
-    images per class. tta_flip: predict from the sum of the logits of each image and its mirror."""
+    images per class. Test-time augmentation (the prediction from averaged logits): tta_flip, each
+    image and its mirror; tta_translate, also the image shifted by 1 px up-left and down-right
+    (reflect padding, each with its mirror if tta_flip), the two shifted views together weighing as
+    much as the image itself: airbench's level 2."""
     module.eval()
     confusion = torch.zeros(num_classes * num_classes, dtype=torch.int64, device=world.device)
     for images, labels in loader:
         x = to_input(images)
         y = labels.to(world.device, non_blocking=True)
         with torch.autocast(world.device.type, dtype=amp, enabled=amp is not None):
-            logits = module(x)
-            if tta_flip:
-                logits = logits + module(x.flip(-1))
+            logits = _logits(module, x, tta_flip)
+            if tta_translate:
+                padded = F.pad(x, (1, 1, 1, 1), mode="reflect")
+                size = x.shape[-1]
+                shifted = [padded[..., :size, :size], padded[..., 2:, 2:]]  # the image moved down-right, up-left
+                logits = logits + 0.5 * sum(_logits(module, view, tta_flip) for view in shifted)
             predicted = logits.argmax(dim=1)
         confusion.index_add_(0, y * num_classes + predicted, torch.ones_like(y))  # no sync per batch
     if world.parallel == "ddp":  # each rank counted its own images: the sum counts every test image once
         dist.all_reduce(confusion, op=dist.ReduceOp.SUM)
     return confusion.view(num_classes, num_classes).cpu()
+
+
+def _logits(module: nn.Module, x: torch.Tensor, tta_flip: bool) -> torch.Tensor:
+    """The logits of x, with those of its mirror added if tta_flip."""
+    return module(x) + module(x.flip(-1)) if tta_flip else module(x)
 
 
 def accuracy(confusion: torch.Tensor) -> float:

@@ -68,36 +68,85 @@ class _Scale(nn.Module):
         return x * self.factor
 
 
+def _conv(c_in: int, c_out: int, kernel: int = 3, bias: bool = False) -> nn.Conv2d:
+    """A convolution ("same" padding for 3x3) whose first c_in filters start as the identity (Dirac), the
+    rest as torch's default: each block starts close to passing its input on (airbench's init)."""
+    conv = nn.Conv2d(c_in, c_out, kernel, padding="same" if kernel == 3 else 0, bias=bias)
+    with torch.no_grad():
+        nn.init.dirac_(conv.weight[:c_in])
+        if bias:
+            conv.bias.zero_()
+    return conv
+
+
+def _fast_norm(channels: int) -> nn.BatchNorm2d:
+    # airbench's BatchNorm: running statistics that follow the weights within a few steps (a short run
+    # changes them fast), and an epsilon that does not blur the whitened channels
+    return nn.BatchNorm2d(channels, eps=1e-12, momentum=0.4)
+
+
 def _fast_block(c_in: int, c_out: int) -> nn.Sequential:
     return nn.Sequential(
-        nn.Conv2d(c_in, c_out, 3, padding=1, bias=False),
+        _conv(c_in, c_out),
         nn.MaxPool2d(2),  # pool before BN: BN and GELU then run on a quarter of the pixels
-        nn.BatchNorm2d(c_out),
+        _fast_norm(c_out),
         nn.GELU(),
-        nn.Conv2d(c_out, c_out, 3, padding=1, bias=False),
-        nn.BatchNorm2d(c_out),
+        _conv(c_out, c_out),
+        _fast_norm(c_out),
         nn.GELU(),
     )
+
+
+def fast_stem(width: float) -> int:
+    """The channels of the fast net's 2x2 stem at model.width=`width`."""
+    return _scaled((24,), width)[0]
 
 
 def fast(num_classes: int = 10, dropout: float = 0.0, width: float = 1.0) -> nn.Module:
-    """The layout of the fast CIFAR-10 speed-run nets (airbench): a 2x2 stem, three blocks of two
-    3x3 convs with BatchNorm and GELU at 64-256-256 channels x width (32 -> 16 -> 8 -> 4 px), global
-    max-pool, a linear head. ~2M parameters; made for large batches, bf16 and channels_last on a GPU
-    (model.width=0.25 makes it a CPU net: 1/16 of the convolutions' work)."""
-    stem, c1, c2, c3 = _scaled((24, 64, 256, 256), width)
+    """airbench94's net (Keller Jordan's CIFAR-10 speed-run): a 2x2 stem convolution with a bias (model.whiten
+    makes it a whitening filter), three blocks of two 3x3 convs with BatchNorm and GELU at 64-256-256
+    channels x width (31 -> 15 -> 7 -> 3 px), global max-pool, a linear head. ~2M parameters; made for
+    large batches, bf16 and channels_last on a GPU (model.width=0.25 makes it a CPU net: 1/16 of the
+    convolutions' work)."""
+    _, c1, c2, c3 = _scaled((24, 64, 256, 256), width)
+    stem = fast_stem(width)
     return nn.Sequential(
-        nn.Conv2d(3, stem, 2, padding=1, bias=False),  # 33x33
-        nn.BatchNorm2d(stem),
+        _conv(3, stem, kernel=2, bias=True),  # 31x31
         nn.GELU(),
-        _fast_block(stem, c1),  # 16x16
-        _fast_block(c1, c2),  # 8x8
-        _fast_block(c2, c3),  # 4x4
+        _fast_block(stem, c1),  # 15x15
+        _fast_block(c1, c2),  # 7x7
+        _fast_block(c2, c3),  # 3x3
         nn.AdaptiveMaxPool2d(1),
         nn.Flatten(),
         nn.Linear(c3, num_classes, bias=False),
-        _Scale(1 / 8),  # max-pooled GELU features are large: small initial logits let a high LR start
+        _Scale(1 / 9),  # max-pooled GELU features are large: small initial logits let a high LR start
     )
+
+
+WHITEN_IMAGES = 5000  # model.whiten: the training images whose patches it whitens (airbench's count)
+
+
+@torch.no_grad()
+def whiten(conv: nn.Conv2d, images: torch.Tensor, eps: float = 5e-4) -> None:
+    """Set `conv` (C -> 2k channels, kernel h x w, k <= C x h x w) to whiten the h x w patches of `images`
+    (normalised floats, N x C x H x W): filter i and k + i are +/- the i-th eigenvector of the patches'
+    covariance, largest eigenvalue first, divided by the square root of its eigenvalue (+ eps); then
+    freeze the filters. In float64 on the CPU, so every rank computes the same filters from the same
+    images (DDP's wrap broadcasts rank 0's anyway). airbench's init_whitening_conv."""
+    h, w = conv.kernel_size
+    dims = conv.in_channels * h * w
+    covariance, count = torch.zeros(dims, dims, dtype=torch.float64), 0
+    for chunk in images.split(500):  # 500 images' patches at a time: ~40 MB in float64
+        patches = chunk.cpu().double().unfold(2, h, 1).unfold(3, w, 1)  # N, C, H', W', h, w
+        patches = patches.permute(0, 2, 3, 1, 4, 5).reshape(-1, dims)  # one row per patch, as (C, h, w)
+        covariance += patches.T @ patches
+        count += len(patches)
+    values, vectors = torch.linalg.eigh(covariance / count)  # ascending eigenvalues, vectors as columns
+    values, vectors = values.flip(0), vectors.T.flip(0)
+    half = conv.out_channels // 2
+    filters = vectors[:half] / torch.sqrt(values[:half, None] + eps)
+    conv.weight.copy_(torch.cat([filters, -filters]).view_as(conv.weight))
+    conv.weight.requires_grad_(False)
 
 
 def resnet18(num_classes: int = 10, dropout: float = 0.0) -> nn.Module:
@@ -178,7 +227,7 @@ MODELS: dict[str, Callable[[int, float], nn.Module]] = {
 PARAMS = {
     "tutorial": 62_006,
     "small": 94_762,
-    "fast": 1_972_816,
+    "fast": 1_972_792,
     "resnet18": 11_173_962,
     "preact_resnet18": 11_172_170,
     "wrn16_8": 10_961_370,
@@ -193,13 +242,21 @@ def described() -> str:
     return "architecture: " + ", ".join(f"{name} ({PARAMS[name] / 1e6:.2f}M params)" for name in MODELS)
 
 
-def check(name: str, dropout: float = 0.0, width: float = 1.0) -> None:
+def check(name: str, dropout: float = 0.0, width: float = 1.0, whiten: bool = False) -> None:
     if name not in MODELS:
         raise UsageError(f"model.name={name!r} is not one of {', '.join(MODELS)}")
     if dropout > 0 and name not in HAS_DROPOUT:
         raise UsageError(f"model.dropout={dropout:g}: {name} has no dropout; models with one: {', '.join(HAS_DROPOUT)}")
     if width != 1 and name not in HAS_WIDTH:
         raise UsageError(f"model.width={width:g}: {name} has a fixed width; models with model.width: small, fast")
+    if whiten and name != "fast":
+        raise UsageError(f"model.whiten=true: {name} has no whitening stem; the model with one: fast")
+    if whiten and (fast_stem(width) % 2 or fast_stem(width) > 2 * 3 * 2 * 2):
+        raise UsageError(
+            f"model.whiten=true: at model.width={width:g} the stem has {fast_stem(width)} channels; whitening "
+            "fills an even number up to 24 (+/- 12 eigenvectors of 2x2x3 patches): a model.width of at most 1 "
+            "whose 24 x width rounds to an even number, e.g. 0.25, 0.5, 1"
+        )
 
 
 def build(name: str, num_classes: int, dropout: float = 0.0, width: float = 1.0) -> nn.Module:

@@ -1,10 +1,12 @@
-"""The optimizer and its learning-rate schedule, from the config's optim section: SGD (momentum,
-Nesterov) or AdamW, stepped once per optimizer step; linear warm-up from 0, then constant or cosine
-to 0 at the last step."""
+"""The optimizer and its learning-rate schedule, from the config's optim section: SGD or AdamW over the
+parameters that learn, grouped where their LR or decay differs (BatchNorm's, the whitening bias); per
+step: linear warm-up from 0 (or optim.warmup_from), then constant, cosine or linear to optim.final_lr at
+the last step."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -13,29 +15,70 @@ from ddp.config import OptimConfig
 
 
 def make_optimizer(
-    model: nn.Module, o: OptimConfig, total_steps: int, steps_per_epoch: int
+    model: nn.Module, o: OptimConfig, total_steps: int, steps_per_epoch: int, whitened: nn.Conv2d | None = None
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
-    """The optimizer over the model's parameters and its per-step schedule."""
+    """The optimizer over the model's learning parameters and its per-step schedule. Freezes
+    BatchNorm's weights first if optim.freeze_norm_weights (before the DDP wrap, which registers
+    only the parameters that learn). `whitened`: model.whiten's stem, whose bias learns in the first
+    optim.whiten_bias_epochs epochs only (its learning rate is 0 after them: no step moves it)."""
+    norms = norm_layers(model)
+    if o.freeze_norm_weights:
+        freeze_norm_weights(model)
+    norm_biases = {id(m.bias) for m in norms}
+    norm_weights = {id(m.weight) for m in norms}
+    whiten_bias = id(whitened.bias) if whitened is not None and whitened.bias is not None else None
+    groups: dict[tuple[float, float, bool], list[nn.Parameter]] = {}  # (lr x, weight decay, whiten bias)
+    for p in model.parameters():
+        if not p.requires_grad:
+            continue
+        scale, decay = 1.0, o.weight_decay
+        if id(p) in norm_biases | norm_weights and not o.norm_weight_decay:
+            decay = 0.0
+        if id(p) in norm_biases:  # its own learning rate, the same decay per step (lr x weight_decay)
+            scale, decay = o.norm_bias_lr_scale, decay / o.norm_bias_lr_scale
+        groups.setdefault((scale, decay, id(p) == whiten_bias), []).append(p)
+    # the group at optim.lr first: get_last_lr()[0], the LR a run reports, is its
+    ordered = sorted(groups.items(), key=lambda group: group[0][0] != 1.0 or group[0][2])
+    params = [{"params": ps, "lr": o.lr * scale, "weight_decay": decay} for (scale, decay, _), ps in ordered]
     if o.name == "sgd":
-        optimizer = torch.optim.SGD(
-            model.parameters(),
-            lr=o.lr,
-            momentum=o.momentum,
-            nesterov=o.nesterov and o.momentum > 0,
-            weight_decay=o.weight_decay,
-        )
+        optimizer = torch.optim.SGD(params, lr=o.lr, momentum=o.momentum, nesterov=o.nesterov and o.momentum > 0)
     else:
-        optimizer = torch.optim.AdamW(model.parameters(), lr=o.lr, weight_decay=o.weight_decay)
+        optimizer = torch.optim.AdamW(params, lr=o.lr, weight_decay=o.weight_decay)
+    factor = lr_factor(o, total_steps, steps_per_epoch)
+    whiten_steps = o.whiten_bias_epochs * steps_per_epoch
+
+    def whiten_bias_factor(step: int) -> float:
+        return factor(step) if step < whiten_steps else 0.0
+
+    factors = [whiten_bias_factor if is_whiten_bias else factor for (_, _, is_whiten_bias), _ in ordered]
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factors)
+
+
+def norm_layers(model: nn.Module) -> list[nn.Module]:
+    """The model's BatchNorm layers with a weight and a bias."""
+    return [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._NormBase) and m.affine]
+
+
+def freeze_norm_weights(model: nn.Module) -> None:
+    """BatchNorm's weights (scales) stay as they are: before a DDP wrap, which registers the ones that learn."""
+    for norm in norm_layers(model):
+        norm.weight.requires_grad_(False)
+
+
+def lr_factor(o: OptimConfig, total_steps: int, steps_per_epoch: int) -> Callable[[int], float]:
+    """The schedule: step -> the fraction of each group's peak learning rate."""
     warmup = round(o.warmup_epochs * steps_per_epoch)
 
     def factor(step: int) -> float:
         if step < warmup:
-            return (step + 1) / warmup
+            return o.warmup_from + (1.0 - o.warmup_from) * (step + 1) / warmup
         if o.schedule == "constant":
             return 1.0
-        return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total_steps - warmup))))
+        progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+        shape = 0.5 * (1 + math.cos(math.pi * progress)) if o.schedule == "cosine" else 1.0 - progress
+        return o.final_lr + (1.0 - o.final_lr) * shape
 
-    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    return factor
 
 
 def clip_gradients(model: nn.Module, max_norm: float) -> torch.Tensor:

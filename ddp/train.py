@@ -147,14 +147,20 @@ def build(cfg: Config, world: World, data: datasets.Data, plan: Plan) -> tuple[J
     torch.backends.cudnn.benchmark = cfg.run.cudnn_benchmark
     m, steps = cfg.model, plan.steps_per_epoch
     model = models.build(m.name, data.num_classes, m.dropout, m.width).to(world.device)  # the raw one we save
+    to_input = loaders.input_fn(data.mean, data.std, world.device, cfg.run.channels_last)
+    whitened = model[0] if m.whiten else None  # fast's stem (models.check: the one model with it)
+    if whitened is not None:  # the same images on every rank, the same filters (DDP's wrap broadcasts rank 0's)
+        models.whiten(whitened, to_input(data.train.images[: models.WHITEN_IMAGES]))
     if cfg.train.sync_bn and world.parallel == "ddp":
         model = sync_bn.convert(model, world.device, world.process_group_backend)  # same parameters, same keys
     if cfg.run.channels_last:
         model = model.to(memory_format=torch.channels_last)
-    optimizer, scheduler = optim.make_optimizer(model, cfg.optim, cfg.train.epochs * steps, steps)
+    t, total_steps = cfg.train, cfg.train.epochs * steps
+    optimizer, scheduler = optim.make_optimizer(model, cfg.optim, total_steps, steps, whitened)
     scaler = torch.amp.GradScaler(world.device.type, enabled=cfg.run.amp == "fp16")
-    average = ema.EMA(model, cfg.train.ema_decay, cfg.train.ema_warmup) if cfg.train.ema_decay > 0 else None
-    trained = checkpoint.Trained(model, optimizer, scheduler, scaler, average)
+    average = ema.EMA(model, t.ema_decay, t.ema_warmup) if t.ema_decay > 0 else None
+    lookahead = ema.Lookahead(model, t.lookahead_every, t.lookahead_decay, total_steps) if t.lookahead_every else None
+    trained = checkpoint.Trained(model, optimizer, scheduler, scaler, average, lookahead)
     normalize = {"mean": list(data.mean), "std": list(data.std)}
     info = checkpoint.RunInfo(config.to_dict(cfg), world.world_size, len(data.train.labels), normalize, data.classes)
     checkpoints = checkpoint.Checkpoints(cfg.run, world, trained, info)
@@ -162,14 +168,14 @@ def build(cfg: Config, world: World, data: datasets.Data, plan: Plan) -> tuple[J
     resumed = checkpoints.resume(stats)  # torch.load(..., map_location="cpu") into the raw model, before the wrap
     wrapped = distributed.wrap(torch.compile(model) if cfg.run.compile else model, world, cfg.ddp)  # DDP / DP
     d = cfg.data
-    train_loader = loaders.train_loader(data.train, plan.per_rank_batch, world, d.augment, d.workers, cfg.run.seed,
-                                        d.loader)  # fmt: skip
+    how = loaders.Augment(d.translate, d.pad == "reflect", d.flip) if d.augment else None
+    train_loader = loaders.train_loader(data.train, plan.per_rank_batch, world, how, d.workers, cfg.run.seed, d.loader)
     eval_batch = max(1, cfg.train.eval_batch_size // world.world_size)
     job = Job(
         cfg=cfg, world=world, data=data, plan=plan, trained=trained, wrapped=wrapped, checkpoints=checkpoints,
         stats=stats, train_loader=train_loader, sampler=train_loader.sampler,
         eval_loader=loaders.eval_loader(data.test, eval_batch, world, d.workers, d.loader),
-        to_input=loaders.input_fn(data.mean, data.std, world.device, cfg.run.channels_last),
+        to_input=to_input,
         criterion=nn.CrossEntropyLoss(label_smoothing=cfg.train.label_smoothing),
     )  # fmt: skip
     return job, resumed
@@ -281,6 +287,9 @@ def train_step(job: Job, images: torch.Tensor, labels: torch.Tensor, mix: mixing
         scaler.step(optimizer)
         scaler.update()
         job.trained.scheduler.step()
+    if job.trained.lookahead:
+        with record_function("lookahead"):
+            job.trained.lookahead.update(job.trained.model)
     if job.trained.ema:
         with record_function("ema"):
             job.trained.ema.update(job.trained.model)
@@ -336,8 +345,9 @@ def test_confusion(job: Job, module: nn.Module) -> torch.Tensor:
     """The confusion matrix of `module` over the whole test set, summed over the ranks (every rank calls it)."""
     cfg = job.cfg
     return metrics.confusion_matrix(
-        module, job.eval_loader, job.to_input, job.data.num_classes, job.world, job.plan.amp, cfg.train.tta_flip
-    )
+        module, job.eval_loader, job.to_input, job.data.num_classes, job.world, job.plan.amp, cfg.train.tta_flip,
+        cfg.train.tta_translate,
+    )  # fmt: skip
 
 
 def stop_if_diverged(job: Job, position: Position) -> None:

@@ -66,7 +66,7 @@ def test_device_loader_keeps_the_split_on_the_gpu_and_gives_the_cpu_batches():
     split = datasets.Split(torch.randint(0, 256, (64, 3, 32, 32), dtype=torch.uint8), torch.arange(64))
     batches = {}
     for device in (torch.device("cpu"), torch.device("cuda", 0)):
-        loader = loaders.train_loader(split, 16, World(0, 0, 1, device, "none"), True, 0, 3, "device")
+        loader = loaders.train_loader(split, 16, World(0, 0, 1, device, "none"), loaders.Augment(), 0, 3, "device")
         loader.sampler.set_epoch(1, start_step=0)
         batches[device.type] = list(loader)
     assert loader.images.device.type == "cuda"

@@ -27,12 +27,12 @@ LOADERS = ["torch", "device"]
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_n_ranks_see_per_step_what_one_process_sees(world_size, kind):
     n, batch, epoch = 100, 12, 3
-    single = loaders.train_loader(indexed_split(n), batch, world(0, 1), False, 0, seed=7, kind=kind)
+    single = loaders.train_loader(indexed_split(n), batch, world(0, 1), None, 0, seed=7, kind=kind)
     single.sampler.set_epoch(epoch)
     ranks = []
     for r in range(world_size):
         loader = loaders.train_loader(
-            indexed_split(n), batch // world_size, world(r, world_size), False, 0, seed=7, kind=kind
+            indexed_split(n), batch // world_size, world(r, world_size), None, 0, seed=7, kind=kind
         )
         loader.sampler.set_epoch(epoch)
         ranks.append([labels.tolist() for _, labels in loader])
@@ -90,27 +90,29 @@ def test_augmentation_is_a_function_of_seed_and_epoch():
 )
 def test_an_image_gets_the_same_crop_whatever_the_world_size_workers_or_resume_step(world_size, workers, kind):
     """Rank r of world_size, with loader workers or on the device, started at step 2: each image id
-    maps to the same augmented pixels as with the torch loader in one process from the start."""
+    maps to the same augmented pixels as with the torch loader in one process from the start; with
+    the standard augmentation and with airbench's (2-px reflect translation, alternating flip)."""
     n, batch = 36, 6
     split = datasets.Split(
         torch.randint(0, 256, (n, 3, 32, 32), generator=torch.Generator().manual_seed(0), dtype=torch.uint8),
         torch.arange(n),
     )
 
-    def images_by_id(world_size: int, start: int, workers: int, kind: str) -> dict[int, torch.Tensor]:
+    def images_by_id(world_size: int, start: int, workers: int, kind: str, how) -> dict[int, torch.Tensor]:
         out = {}
         for r in range(world_size):
-            loader = loaders.train_loader(split, batch // world_size, world(r, world_size), True, workers, 5, kind)
+            loader = loaders.train_loader(split, batch // world_size, world(r, world_size), how, workers, 5, kind)
             loader.sampler.set_epoch(4, start_step=start)
             for images, ids in loader:
                 out.update(zip(ids.tolist(), images))
         return out
 
-    reference = images_by_id(1, 0, 0, "torch")
-    resumed = images_by_id(world_size, 2, workers, kind)
-    assert len(reference) == n and len(resumed) == n - 2 * batch
-    for i, image in resumed.items():
-        assert torch.equal(image, reference[i])
+    for how in (loaders.Augment(), loaders.Augment(translate=2, reflect=True, flip="alternate")):
+        reference = images_by_id(1, 0, 0, "torch", how)
+        resumed = images_by_id(world_size, 2, workers, kind, how)
+        assert len(reference) == n and len(resumed) == n - 2 * batch
+        for i, image in resumed.items():
+            assert torch.equal(image, reference[i])
 
 
 def test_input_fn_normalises_on_the_device():
@@ -143,7 +145,7 @@ def test_device_loader_covers_each_image_once_per_epoch_and_is_deterministic(wor
         per_rank = []
         for r in range(world_size):
             loader = loaders.train_loader(
-                indexed_split(n), batch // world_size, world(r, world_size), True, 0, seed, "device"
+                indexed_split(n), batch // world_size, world(r, world_size), loaders.Augment(), 0, seed, "device"
             )
             loader.sampler.set_epoch(epoch, start_step=0)
             per_rank.append([i for _, labels in loader for i in labels.tolist()])
@@ -163,7 +165,7 @@ def test_device_and_torch_loaders_give_the_same_batches():
     )
     batches = {}
     for kind in LOADERS:
-        loader = loaders.train_loader(split, 16, world(1, 2), True, 0, 9, kind)
+        loader = loaders.train_loader(split, 16, world(1, 2), loaders.Augment(), 0, 9, kind)
         loader.sampler.set_epoch(2, start_step=1)
         batches[kind] = list(loader)
     assert len(batches["device"]) == len(batches["torch"]) == 1  # 64 / (2 x 16) = 2 steps, 1 after step 1

@@ -15,7 +15,10 @@ Markdown table under --out, named after the machine:
   with torch.compile at larger batches (the compile's seconds beside), and DDP over the compiled
   model; the per-step stop agreement's all-reduce alone;
 - with --data (the real subset) and without --quick: time-to-accuracy of configs/fast.yaml against
-  the tutorial pipeline on the CPU.
+  the tutorial pipeline on the CPU;
+- without --quick, on the CPU: the host's cost of a step, counted in profiler traces (bench/host_cost.py:
+  operators, device reads and collectives a step, a plain loop against ours); --host-cost runs only
+  that (about a minute) and writes host-cost-cpu.md.
 --quick is the same code with small sizes (under a minute on a CPU; the test suite runs it).
 """
 
@@ -33,7 +36,7 @@ from typing import Any
 
 import torch
 
-from bench import harness
+from bench import harness, host_cost
 from bench.report import markdown
 
 SIZES = {
@@ -81,7 +84,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data", help="the real CIFAR-10 subset (.npz) for the time-to-accuracy check")
     parser.add_argument("--tutorial-epochs", type=int, default=10)
     parser.add_argument("--gpu-only", action="store_true", help="no CPU rows (make gpu-check)")
+    parser.add_argument("--host-cost", action="store_true", help="only the host's cost of a step (CPU, ~1 min)")
     args = parser.parse_args(argv)
+    if args.host_cost and (args.quick or args.gpu_only):
+        parser.error("--host-cost runs alone, on the CPU: without --quick and --gpu-only")
+    if args.host_cost:
+        return write_host_cost(Path(args.out), argv)
     sizes = SIZES["quick" if args.quick else "full"]
     cuda = [torch.device("cuda", 0)] if torch.cuda.is_available() else []
     if args.gpu_only and not cuda:
@@ -102,6 +110,9 @@ def main(argv: list[str] | None = None) -> int:
     result["data_path"] = harness.data_path(sizes, devices)
     print("DDP overhead", flush=True)
     result["ddp"] = harness.ddp_overhead(sizes)
+    if not args.quick and not args.gpu_only:
+        print("host cost of a step", flush=True)
+        result["host_cost"] = host_cost.measure()
     with tempfile.TemporaryDirectory() as tmp:
         result["startup"] = harness.startup(Path(tmp) / "startup")
         if args.data and not args.quick:
@@ -114,6 +125,20 @@ def main(argv: list[str] | None = None) -> int:
     (out / f"{stem}.json").write_text(json.dumps(result, indent=1))
     (out / f"{stem}.md").write_text(markdown(result))
     print(f"wrote {out / stem}.md and .json")
+    return 0
+
+
+def write_host_cost(out: Path, argv: list[str] | None) -> int:
+    """--host-cost: bench/host_cost.py's table alone, in out/host-cost-cpu.md and .json."""
+    rows = host_cost.measure()
+    command = "python -m bench " + " ".join(argv if argv is not None else sys.argv[1:])
+    m = machine()
+    page = f"# The host's cost of a training step\n\n{m['date']}; CPU: {m['cpu']}; torch {m['torch']}.\n"
+    page += f"Command: `{command}`\n\n{host_cost.table(rows)}"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "host-cost-cpu.json").write_text(json.dumps({"machine": m, "command": command, "rows": rows}, indent=1))
+    (out / "host-cost-cpu.md").write_text(page)
+    print(page, end="")
     return 0
 
 

@@ -3,6 +3,8 @@ numbers (bench/results/<device>.md)."""
 
 from __future__ import annotations
 
+from bench import host_cost
+
 
 def markdown(result: dict) -> str:
     m = result["machine"]
@@ -21,6 +23,8 @@ def markdown(result: dict) -> str:
         f"Process start to the end of the first training step: {result['startup']['startup_s']:.2f} s "
         f"({result['startup']['command']}).",
     ]
+    if "host_cost" in result:
+        lines += ["", "## The host's cost of a step (bench/host_cost.py)", "", host_cost.table(result["host_cost"])]
     if "time_to_accuracy" in result:
         lines += time_to_accuracy(result["time_to_accuracy"])
     return "\n".join(lines) + "\n"

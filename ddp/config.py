@@ -191,7 +191,9 @@ class DdpConfig:
     find_unused_parameters: bool = opt(
         False, "the model leaves some parameters unused in a step: DDP searches the graph every step (slower)"
     )
-    broadcast_buffers: bool = opt(True, "rank 0's buffers (BatchNorm statistics) to all ranks before each forward")
+    broadcast_buffers: bool = opt(
+        True, "rank 0's buffers to all ranks before each forward, where it matters: train.dist_bn=reduce, no sync_bn"
+    )
     comm_hook: str = opt(
         "none", "compress gradients for the all-reduce: fp16 or bf16 halves the bytes sent", ("none", "fp16", "bf16")
     )

@@ -12,7 +12,7 @@ import contextlib
 import os
 import sys
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -166,7 +166,10 @@ def build(cfg: Config, world: World, data: datasets.Data, plan: Plan) -> tuple[J
     checkpoints = checkpoint.Checkpoints(cfg.run, world, trained, info)
     stats = metrics.StepStats(world.device)
     resumed = checkpoints.resume(stats)  # torch.load(..., map_location="cpu") into the raw model, before the wrap
-    wrapped = distributed.wrap(torch.compile(model) if cfg.run.compile else model, world, cfg.ddp)  # DDP / DP
+    # DDP's broadcast of rank 0's buffers before each forward changes nothing where rank 0's BatchNorm
+    # statistics become every rank's at the boundaries anyway (bn_agreement): rank 0's own never change by it.
+    knobs = replace(cfg.ddp, broadcast_buffers=cfg.ddp.broadcast_buffers and bn_agreement(cfg) == "reduce")
+    wrapped = distributed.wrap(torch.compile(model) if cfg.run.compile else model, world, knobs)  # DDP / DP
     d = cfg.data
     how = loaders.Augment(d.translate, d.pad == "reflect", d.flip) if d.augment else None
     train_loader = loaders.train_loader(data.train, plan.per_rank_batch, world, how, d.workers, cfg.run.seed, d.loader)
@@ -249,7 +252,8 @@ def train_epoch(
         profile.after_step(position.global_step)
         job.stats.add(loss, len(labels), position.global_step)
         job.startup_s = job.startup_s or metrics.seconds_since_process_start()
-        stopping = distributed.any_rank(stop.at_step_boundary(), world)  # one flag per step: all stop together
+        with record_function("stop agreement"):  # a CPU flag on the control group: no wait for the device
+            stopping = distributed.any_rank(stop.at_step_boundary(), world)  # one flag per step: all stop together
         if job.checkpoints.due(position, job.plan.steps_per_epoch, stopping):
             stop_if_diverged(job, position)  # a checkpoint is never written with NaN weights
             if job.trained.ema:  # the average's BatchNorm statistics, as at an epoch's end (exact resume)
@@ -272,14 +276,14 @@ def train_step(job: Job, images: torch.Tensor, labels: torch.Tensor, mix: mixing
     with record_function("data"):
         y = labels.to(device, non_blocking=True)
         x, y = mixing.apply(mix, job.to_input(images), y, job.data.num_classes)  # y: class probabilities if mixed
-    total = torch.zeros((), device=device)
+    total: torch.Tensor | None = None
     for micro, xs, ys in zip(distributed.micro_batches(job.wrapped, accum), x.chunk(accum), y.chunk(accum)):
         with micro:  # forward and backward both inside no_sync
             with record_function("forward"), torch.autocast(device.type, dtype=amp, enabled=amp is not None):
                 loss = job.criterion(forward(job.wrapped, xs), ys) / accum  # the big batch's mean
             with record_function("backward"):
                 scaler.scale(loss).backward()
-        total += loss.detach()
+        total = loss.detach() if total is None else total + loss.detach()
     with record_function("clip"):
         scaler.unscale_(optimizer)  # the true gradients' norm, not fp16's scaled ones
         job.stats.add_grad_norm(optim.clip_gradients(job.trained.model, job.cfg.optim.clip_grad_norm))

@@ -1,10 +1,13 @@
 """The bench's options refused with one line. `python -m bench --quick` itself (the full bench's
 code at small sizes) is make gpu-check's dry-run bench step: tests/test_gpu_check.py checks its output."""
 
+import json
 import subprocess
 import sys
 
 from conftest import REPO, clean_env
+
+from bench import host_cost
 
 
 def test_bad_values_of_the_gpu_bench_options_end_in_one_line():
@@ -12,6 +15,7 @@ def test_bad_values_of_the_gpu_bench_options_end_in_one_line():
     and the reason, before anything trains (the Lightning run itself: tests/test_gpu_check.py)."""
     cases = [
         (["-m", "bench", "--gpu-only", "--quick"], "--gpu-only: no CUDA device here"),
+        (["-m", "bench", "--host-cost", "--quick"], "--host-cost runs alone, on the CPU"),
         (["bench/lightning_fast.py", "--out", "r.json", "--workers", "-1"], "'-1' is not a count of processes"),
         (["bench/lightning_fast.py", "--out", "r.json", "train.batch_size=0"], "train.batch_size=0 is out of range"),
         (["bench/lightning_fast.py", "--out", "r.json", "data.dataset=npz", "data.path=/no/such.npz"],
@@ -22,3 +26,34 @@ def test_bad_values_of_the_gpu_bench_options_end_in_one_line():
                               timeout=120)  # fmt: skip
         assert proc.returncode == 2 and reason in proc.stderr and "Traceback" not in proc.stderr, (args, proc.stderr)
         assert not (REPO / "r.json").exists()
+
+
+def test_host_cost_counts_top_level_operators_per_thread_and_tells_the_stop_flag_from_device_reads(tmp_path):
+    """A made-up trace of 2 steps: nesting on one thread, an operator of another thread, a read inside
+    the stop agreement's label and one outside it, a gloo all-reduce."""
+
+    def op(name, ts, dur, tid=1, cat="cpu_op"):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "tid": tid}
+
+    events = [
+        op("aten::add", 0, 10), op("aten::empty", 1, 2), op("aten::mul", 20, 5), op("aten::mul", 21, 1, tid=2),
+        op(host_cost.SCALAR_READ, 30, 1), op(host_cost.STOP_AGREEMENT, 40, 10, cat="user_annotation"),
+        op(host_cost.SCALAR_READ, 45, 1), op("gloo:all_reduce", 42, 2), {"ph": "M", "name": "thread_name"},
+    ]  # fmt: skip
+    trace = tmp_path / "trace.json"
+    trace.write_text(json.dumps({"traceEvents": events}))
+    counts = host_cost.per_step(trace, steps=2)
+    # top level: add, mul, tid 2's mul, the first read, the all-reduce, the second read (its label is no op)
+    assert counts["top_level_ops"] == 6 / 2 and counts["all_ops"] == 7 / 2
+    assert counts["device_reads"] == counts["flag_reads"] == 1 / 2
+    assert counts["collectives"] == 1 / 2 and counts["collective_kinds"] == ["gloo:all_reduce"]
+
+
+def test_a_ddp_step_of_ours_reads_nothing_from_the_device_and_broadcasts_no_buffers(tmp_path):
+    """ddp/train.py under torchrun at 2 ranks, profiled: the gradients' all-reduce and the stop
+    agreement are a step's only collectives (no buffer broadcast: train.dist_bn=broadcast makes rank
+    0's statistics everyone's at the boundaries), and no tensor of the device is read in a step."""
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    counts = host_cost.ours(torchrun, tmp_path / "ours")
+    assert counts["collective_kinds"] == ["gloo:all_reduce"] and counts["collectives"] <= 2
+    assert counts["device_reads"] == 0 and counts["flag_reads"] <= 1

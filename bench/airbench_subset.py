@@ -13,6 +13,8 @@ data and imports airbench, then says it skipped the training; it never trains on
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import os
 import sys
@@ -43,6 +45,24 @@ def write_split(npz: np.lib.npyio.NpzFile, split: str, path: Path, classes: list
     return len(images)
 
 
+def per_epoch(printed: str) -> list[dict]:
+    """The rows of airbench's printed table (`|  run  |  epoch  |  train_loss  | ... |`) whose epoch is a
+    number: {"epoch" (1-based), "val_acc" (no TTA), "total_time_seconds" (its timer: training only)}."""
+    rows, header = [], None
+    for line in printed.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if not line.startswith("|"):
+            continue
+        if "epoch" in cells:
+            header = cells
+            continue
+        row = dict(zip(header or [], cells))
+        if row.get("epoch", "").isdigit() and row.get("val_acc"):
+            rows.append({"epoch": int(row["epoch"]) + 1, "val_acc": float(row["val_acc"]),
+                         "total_time_seconds": float(row["total_time_seconds"])})  # fmt: skip
+    return rows
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--data", type=Path, required=True)
@@ -66,14 +86,17 @@ def main() -> int:
                                       altflip=True)  # fmt: skip
         airbench.warmup94(train_loader=loader, verbose=False)  # CUDA context and kernels, untimed
         torch.cuda.synchronize()
+        printed = io.StringIO()  # its per-epoch table, kept: test accuracy (no TTA) and seconds per epoch
         started = time.perf_counter()
-        model = airbench.train94(train_loader=loader, verbose=True)
+        with contextlib.redirect_stdout(printed):
+            model = airbench.train94(train_loader=loader, verbose=True)
         torch.cuda.synchronize()
         seconds = time.perf_counter() - started
+        print(printed.getvalue(), end="")
         test = airbench.CifarLoader("cifar10", train=False, batch_size=2000)
         accuracy = float(airbench.evaluate(model, test, tta_level=hyp["net"]["tta_level"]))
         result.update(accuracy=accuracy, seconds=seconds, epochs=hyp["opt"]["train_epochs"],
-                      device=torch.cuda.get_device_name(0))  # fmt: skip
+                      device=torch.cuda.get_device_name(0), per_epoch=per_epoch(printed.getvalue()))  # fmt: skip
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result))
     return 0

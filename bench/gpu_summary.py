@@ -39,10 +39,31 @@ def airbench(out: Path) -> list[str]:
     r = json.loads(path.read_text())
     if "skipped" in r:
         return [f"airbench94: skipped ({r['skipped']})"]
-    return [
+    lines = [
         f"airbench94 on the same {r['train_images']} / {r['test_images']} images, {r['device']}: "
         f"{100 * r['accuracy']:.2f}% in {r['seconds']:.1f} s ({r['epochs']} epochs)"
     ]
+    if r.get("per_epoch"):
+        lines += ["", "| epoch | airbench94 acc (no TTA) | its training s so far | ours: fast acc (TTA) "
+                  "| ours: s so far (evaluations in) |", "| --- | --- | --- | --- | --- |"]  # fmt: skip
+        ours, elapsed = {}, 0.0
+        for row in fast_rows(out):
+            elapsed += row["seconds"]
+            ours[row["epoch"]] = (f"{100 * row['test_acc']:.2f}%" if "test_acc" in row else "-", f"{elapsed:.2f}")
+        for a in r["per_epoch"]:
+            acc, seconds = ours.get(a["epoch"], ("-", "-"))
+            lines.append(
+                f"| {a['epoch']} | {100 * a['val_acc']:.2f}% | {a['total_time_seconds']:.2f} | {acc} | {seconds} |"
+            )
+    return lines
+
+
+def fast_rows(out: Path) -> list[dict]:
+    """The fast run's metrics.jsonl rows, none if it did not finish an epoch."""
+    try:
+        return read_run(out / "fast")
+    except UsageError:
+        return []
 
 
 def lightning(out: Path, ours: list[dict] | None) -> list[str]:
@@ -56,6 +77,8 @@ def lightning(out: Path, ours: list[dict] | None) -> list[str]:
         f"recipe, batch {r['batch']}, {len(r['epochs'])} epochs: {100 * last['test_acc']:.2f}% in "
         f"{r['fit_wall_s']:.1f} s (trainer.fit)"
     )
+    if r.get("left_out"):
+        line += f", without {', '.join(r['left_out'])}"
     if ours:
         line += f"; ddp/train.py: {100 * ours[-1]['test_acc']:.2f}% in {sum(o['seconds'] for o in ours):.1f} s"
     return [line]
@@ -63,11 +86,7 @@ def lightning(out: Path, ours: list[dict] | None) -> list[str]:
 
 def main(out: Path) -> None:
     reports = sorted(p.name for p in out.glob("*.md") if p.name != "summary.md")
-    try:
-        ours = read_run(out / "fast")
-    except UsageError:
-        ours = None
-    lines = [*runs(out), "", *airbench(out), "", *lightning(out, ours), ""]
+    lines = [*runs(out), "", *airbench(out), "", *lightning(out, fast_rows(out)), ""]
     print("\n".join([*lines, "bench report: " + (", ".join(reports) or "none")]))
 
 

@@ -11,6 +11,9 @@ flip test-time augmentation when train.tta_flip, bf16 autocast ("bf16-mixed") an
 the config asks, evaluation on the whole test split after every epoch. What a Lightning user writes
 instead of our device-resident loader: the usual DataLoader over PIL images with torchvision
 RandomCrop(32, padding=4) + flip + Normalize in worker processes (bench.harness.tutorial_loader).
+What it does without (a Lightning user writes them or goes without; the result's "left_out" names
+the ones the config turns on): model.whiten, lookahead, the moving average, MixUp/CutMix, the
+1-px translations of test-time augmentation, and data.translate/pad/flip other than the crop and flip above.
 Timed: trainer.fit from its call to its return (training and the per-epoch evaluation), device
 synchronised; the per-epoch times are from epoch start to the end of that epoch's evaluation.
 """
@@ -90,10 +93,24 @@ def main(argv: list[str] | None = None) -> int:
         "fit_wall_s": wall,
         "optimizer_steps": trainer.global_step,  # steps per epoch x epochs: the schedule's length
         "epochs": module.epochs,
+        "left_out": left_out(cfg),
     }
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps({k: v for k, v in result.items() if k != "epochs"}))
     return 0
+
+
+def left_out(cfg: config.Config) -> list[str]:
+    """The config's settings that this Lightning run does without."""
+    d, t = cfg.data, cfg.train
+    augment = f"data.translate={d.translate} data.pad={d.pad} data.flip={d.flip}"
+    on = {
+        "model.whiten": cfg.model.whiten, "train.lookahead_every": t.lookahead_every > 0,
+        "train.ema_decay": t.ema_decay > 0, "data.mixup_alpha": d.mixup_alpha > 0,
+        "data.cutmix_alpha": d.cutmix_alpha > 0, "train.tta_translate": t.tta_translate,
+        augment: (d.translate, d.pad, d.flip) != (4, "zeros", "random"),
+    }  # fmt: skip
+    return [name for name, is_on in on.items() if is_on]
 
 
 def workers(text: str) -> int:

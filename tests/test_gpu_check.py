@@ -72,3 +72,34 @@ def test_a_failing_step_is_counted_in_the_exit_status(tmp_path):
     proc = subprocess.run(["bash", "bench/gpu_check.sh", "--dry-run"], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=120)  # fmt: skip
     assert proc.returncode >= 5 and "FAILED" in (tmp_path / "summary.md").read_text()
+
+
+AIRBENCH_PRINTED = """\
+----------------------------------------------------------------------------------------
+|  run     |  epoch  |  train_loss  |  train_acc  |  val_acc  |  tta_val_acc  |  total_time_seconds  |
+----------------------------------------------------------------------------------------
+|      0  |      0  |      1.7310  |     0.3916  |   0.3702  |               |              0.1044  |
+|         |      1  |      1.3999  |     0.5371  |   0.5011  |               |              0.1601  |
+|         |   eval  |      1.3999  |     0.5371  |   0.5011  |       0.5230  |              0.1710  |
+----------------------------------------------------------------------------------------
+"""
+
+
+def test_airbench_per_epoch_table_is_read_and_set_beside_ours(tmp_path):
+    """bench/airbench_subset.py keeps airbench's printed per-epoch rows (not its warm-up's or the final
+    TTA row); gpu_summary.py sets them beside the fast run's epochs, with the seconds summed."""
+    from bench import airbench_subset, gpu_summary
+
+    rows = airbench_subset.per_epoch(AIRBENCH_PRINTED)
+    assert rows == [
+        {"epoch": 1, "val_acc": 0.3702, "total_time_seconds": 0.1044},
+        {"epoch": 2, "val_acc": 0.5011, "total_time_seconds": 0.1601},
+    ]
+    result = {"train_images": 6034, "test_images": 1017, "device": "a GPU", "accuracy": 0.523, "seconds": 0.17,
+              "epochs": 9.9, "per_epoch": rows}  # fmt: skip
+    (tmp_path / "airbench.json").write_text(json.dumps(result))
+    (tmp_path / "fast").mkdir()
+    ours = [{"epoch": 1, "test_acc": 0.25, "seconds": 4.5}, {"epoch": 2, "test_acc": 0.5, "seconds": 0.5}]
+    (tmp_path / "fast" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ours))
+    table = gpu_summary.airbench(tmp_path)
+    assert "| 1 | 37.02% | 0.10 | 25.00% | 4.50 |" in table and "| 2 | 50.11% | 0.16 | 50.00% | 5.00 |" in table

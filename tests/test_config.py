@@ -101,7 +101,8 @@ def test_unknown_key_lists_the_valid_keys_of_its_section():
         config.load(None, ["optim.lrr=0.1"])
     text = str(e.value)
     assert "unknown key 'optim.lrr'" in text and "did you mean 'optim.lr'" in text
-    assert "valid keys in optim: name, lr, momentum, nesterov, weight_decay, schedule, warmup_epochs" in text
+    assert "valid keys in optim: name, lr, momentum, nesterov, weight_decay, schedule, final_lr" in text
+    assert "whiten_bias_epochs, warmup_epochs, warmup_from, clip_grad_norm" in text
 
 
 def test_unknown_section_and_yaml_key(tmp_path):

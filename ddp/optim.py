@@ -1,7 +1,6 @@
-"""The optimizer and its learning-rate schedule, from the config's optim section: SGD or AdamW over the
-parameters that learn, grouped where their LR or decay differs (BatchNorm's, the whitening bias); per
-step: linear warm-up from 0 (or optim.warmup_from), then constant, cosine or linear to optim.final_lr at
-the last step."""
+"""The optimizer and its per-step LR schedule, from the config's optim section: SGD or AdamW over the
+parameters that learn, grouped where their LR or decay differs (BatchNorm's, the whitening bias); a
+linear warm-up from 0 (or optim.warmup_from), then constant, cosine or linear to optim.final_lr."""
 
 from __future__ import annotations
 

@@ -298,6 +298,27 @@ def _ddp_worker(
         _time_ddp(world, name, global_batch, timing, out, compiled)
 
 
+# DDP over the compiled model, each way torch offers to combine them: (torch._dynamo.config while it
+# compiles and runs, ddp/train.py settings). ddp_compiled is run.compile=true as ddp/train.py runs it.
+COMPILED_DDP: dict[str, tuple[dict[str, Any], tuple[str, ...]]] = {
+    "ddp_compiled": ({}, ()),  # dynamo's DDPOptimizer: the graph split at DDP's buckets (torch's default)
+    "static_graph": ({}, ("ddp.static_graph=true",)),  # DDP told the graph never changes
+    "whole_graph": ({"optimize_ddp": False}, ()),  # one graph; DDP's hooks all-reduce as autograd runs it
+    # the all-reduce traced into a compiled backward (compiled autograd)
+    "python_reducer": ({"optimize_ddp": "python_reducer", "compiled_autograd": True}, ()),
+}
+
+
+def under_dynamo(settings: dict[str, Any], step: Callable[[], Any]) -> Callable[[], Any]:
+    """`step` with torch._dynamo.config patched by `settings` while it runs (its compile included)."""
+
+    def patched() -> Any:
+        with torch._dynamo.config.patch(**settings):
+            return step()
+
+    return patched
+
+
 def _time_ddp(world: World, name: str, global_batch: int, timing: tuple, out: Any, compiled: bool) -> None:
     """Inside the process group, so that the DDP objects die before it does (distributed.setup)."""
     ddp = job(name, global_batch, global_batch, world)
@@ -306,12 +327,16 @@ def _time_ddp(world: World, name: str, global_batch: int, timing: tuple, out: An
     if world.world_size == 1:
         bare = job(name, global_batch, global_batch, World(0, 0, 1, world.device, "none"))
         steps["bare"] = stepping(bare, lambda: fixed)
-    if compiled:
-        torch._dynamo.reset()
-        step = stepping(job(name, global_batch, global_batch, world, "run.compile=true"), lambda: fixed)
-        result["compiled_first_two_steps_s"] = first_two_steps_s(step, world.device)
-        steps["ddp_compiled"] = step
     result.update(alternating(steps, *timing))
+    for variant, (settings, extra) in COMPILED_DDP.items() if compiled else ():
+        torch._dynamo.reset()  # each compiles afresh under its settings (else dynamo reuses the last graph)
+        built = job(name, global_batch, global_batch, world, "run.compile=true", *extra)
+        step = under_dynamo(settings, stepping(built, lambda: fixed))
+        result[f"{variant}_first_two_steps_s"] = first_two_steps_s(step, world.device)
+        pair = alternating({"ddp": steps["ddp"], variant: step}, *timing)  # in turns with eager DDP
+        result[variant], result[f"{variant}_eager_s"] = pair[variant], pair["ddp"]
+    if compiled:
+        result["compiled_first_two_steps_s"] = result["ddp_compiled_first_two_steps_s"]
     agree = lambda: distributed.any_rank(False, world)  # noqa: E731 (timed right here)
     result["stop_agreement_s"] = seconds_per_call(agree, world.device, 10, 100, timing[3])
     if world.is_main:
@@ -363,6 +388,10 @@ def ddp_overhead(sizes: dict) -> list[dict]:
         if "ddp_compiled" in one:
             row["compiled_first_two_steps_s"] = one["compiled_first_two_steps_s"]
             row["ddp1_compiled_step_s"] = one["ddp_compiled"]
+            row["compiled_variants"] = {
+                v: {"first_two_steps_s": one[f"{v}_first_two_steps_s"], "step_s": one[v],
+                    "vs_eager": one[f"{v}_eager_s"] / one[v]} for v in COMPILED_DDP
+            }  # fmt: skip
         if n > 1:
             row.update({"processes": n, "ddpN_step_s": ddp_step_seconds(n, name, batch, sizes)["ddp"]})
             row["speedup_N_vs_1"] = one_s / row["ddpN_step_s"]

@@ -109,6 +109,20 @@ def ddp(rows: list[dict]) -> list[str]:
             f"{r['ddp1_step_s'] * 1e3:.1f} | {r['ddp1_overhead']:+.1%} | {n} | "
             f"{r['stop_agreement_s'] * 1e3:.3f} | {c} |"
         )
+    compiled_rows = [r for r in rows if "compiled_variants" in r]
+    if compiled_rows:
+        lines += [
+            "",
+            "Compiled DDP at world size 1, each way to combine them (bench/harness.py COMPILED_DDP), each compiled "
+            "afresh and timed in turns with eager DDP:",
+            "",
+            "| model | global batch | variant | first two steps s | step ms | eager DDP / it |",
+            "| --- | --- | --- | --- | --- | --- |",
+        ]
+        for r in compiled_rows:
+            for name, v in r["compiled_variants"].items():
+                lines.append(f"| {r['model']} | {r['global_batch']} | {name} | {v['first_two_steps_s']:.1f} | "
+                             f"{v['step_s'] * 1e3:.2f} | {v['vs_eager']:.2f}x |")  # fmt: skip
     return lines
 
 

@@ -205,19 +205,19 @@ class RunConfig:
     device: str = opt("auto", "auto | cpu | cuda | cuda:N (under torchrun: auto/cuda = cuda:<local_rank>)")
     parallel: str = opt("auto", "auto = ddp under a launcher else none", ("auto", "none", "dp", "ddp"))
     backend: str = opt(
-        "auto",
-        "the process group's backend: auto = nccl on GPUs, gloo on CPUs | gloo on GPUs lets several ranks share "
-        "one GPU (for testing multi-rank CUDA paths on a 1-GPU machine) | nccl",
+        "auto", "the process group's: auto = nccl on GPUs, gloo on CPUs | gloo: several ranks share a GPU (tests)",
         ("auto", "nccl", "gloo"),
-    )
+    )  # fmt: skip
     launcher: str = opt(
-        "auto",
-        "who started the processes; auto = torchrun/accelerate variables, then SLURM (srun), then one process",
+        "auto", "who started the processes; auto = torchrun/accelerate variables, then SLURM (srun), then none",
         ("auto", "torchrun", "accelerate", "slurm", "none"),
-    )
+    )  # fmt: skip
     seed: int = opt(0, "seed for weights, data order and augmentation", valid=Range(0, 2**32 - 1))
     amp: str = opt("off", "autocast precision (fp16 adds a GradScaler; CUDA only)", ("off", "bf16", "fp16"))
     compile: bool = opt(False, "torch.compile the model (before the DDP wrap)")
+    warmup_steps: int = opt(
+        0, "throwaway steps before the first epoch (compile, autotuning), all they change put back", valid=NATURAL
+    )
     channels_last: bool = opt(False, "NHWC memory format for model and inputs (faster convs on GPU)")
     resume: str = opt("auto", "auto = from the newest valid checkpoint in out_dir | never | PATH")
     save_every_steps: int = opt(

@@ -48,6 +48,7 @@ from ddp import (
     rng,
     rundir,
     sync_bn,
+    warmup,
 )
 from ddp.checkpoint import Position
 from ddp.checks import Plan
@@ -134,6 +135,7 @@ class Job:
     to_input: Callable[[torch.Tensor], torch.Tensor]  # uint8 batch -> normalised float on the device
     criterion: nn.Module
     startup_s: float | None = None  # process start to the end of its first step (metrics.jsonl, first epoch)
+    warmup_s: float | None = None  # run.warmup_steps' seconds (metrics.jsonl, first epoch)
 
 
 def build(cfg: Config, world: World, data: datasets.Data, plan: Plan) -> tuple[Job, checkpoint.Resumed | None]:
@@ -201,6 +203,8 @@ def fit(cfg: Config, world: World, data: datasets.Data, plan: Plan) -> dict[str,
     faults.arm(cfg.run.out_dir, world.rank, position.global_step)  # the kill-and-resume tests' only; none unless set
     board = logs.Board(cfg.run.out_dir) if cfg.run.tensorboard and world.is_main else None
     first_epoch = position.epochs_done + 1
+    if cfg.run.warmup_steps and first_epoch <= cfg.train.epochs:
+        job.warmup_s = warm_up(job, first_epoch, position)
     with (
         contextlib.closing(board) if board else contextlib.nullcontext(),
         preemption.StopRequest(plan.stop_signals) as stop,
@@ -227,6 +231,14 @@ def fit(cfg: Config, world: World, data: datasets.Data, plan: Plan) -> dict[str,
             if epoch < cfg.train.epochs and distributed.any_rank(stop.requested, world):  # done is done
                 preemption.finish_stop(stop.received, saved, world)
     return last_metrics
+
+
+def warm_up(job: Job, epoch: int, position: Position) -> float:
+    """run.warmup_steps throwaway steps on the next batch, before the timed epochs; their seconds."""
+    job.sampler.set_epoch(epoch, start_step=position.step_in_epoch)
+    images, labels = next(iter(job.train_loader))
+    return warmup.throwaway_steps(job.trained, job.stats, job.world.device, job.cfg.run.warmup_steps,
+                                  lambda: train_step(job, images, labels))  # fmt: skip
 
 
 def train_epoch(
@@ -331,7 +343,8 @@ def epoch_metrics(
     how, world = bn_agreement(job.cfg), job.world
     distributed.sync_buffers(job.trained.model, world, how)
     confusion = test_confusion(job, distributed.for_eval(job.wrapped)) if evaluate else None
-    extra = {} if startup_s is None else {"startup_s": startup_s}
+    first = {"startup_s": startup_s, "warmup_s": job.warmup_s}  # with this process's first epoch only
+    extra = {} if startup_s is None else {key: value for key, value in first.items() if value is not None}
     if job.trained.ema:
         distributed.sync_buffers(job.trained.ema.module, world, how)
         if evaluate:

@@ -187,6 +187,8 @@ def test_bad_profile_values(value, message):
         ("model.whiten=true", "model.whiten=true: small has no whitening stem; the model with one: fast"),
         ("train.tta_translate=2", "train.tta_translate: expected bool, got '2'"),
         ("train.lookahead_every=-5", "train.lookahead_every=-5 is out of range: it must be >= 0"),
+        ("run.warmup_steps=-1", "run.warmup_steps=-1 is out of range: it must be >= 0"),
+        ("run.warmup_steps=some", "run.warmup_steps: expected int, got 'some'"),
         ("train.lookahead_every=every", "train.lookahead_every: expected int, got 'every'"),
         ("train.lookahead_decay=1", "train.lookahead_decay=1.0 is out of range: it must be in [0, 1)"),
         ("train.lookahead_decay=-0.5", "train.lookahead_decay=-0.5 is out of range: it must be in [0, 1)"),

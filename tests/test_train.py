@@ -1,10 +1,11 @@
-"""The loop in one process: real data, the speed switches, and what a run leaves behind."""
+"""The loop in one process: real data, the speed switches, what a run leaves behind, and run.warmup_steps."""
 
 import pytest
 import torch
-from conftest import TINY, metrics
+from conftest import TINY, TRAIN, metrics, ok, torchrun
 
-from ddp import models, train
+from ddp import checkpoint, models, train, warmup
+from ddp import metrics as step_metrics
 
 
 def test_learns_the_real_cifar10_subset(subset, tmp_path):
@@ -52,3 +53,50 @@ def test_gpu_switches_are_set_and_logged_and_startup_is_reported_once(tmp_path, 
     assert not (
         torch.backends.cuda.matmul.allow_tf32 or torch.backends.cudnn.allow_tf32 or torch.backends.cudnn.benchmark
     )
+
+
+def test_warmup_steps_are_put_back_and_the_run_trains_as_one_without_them(tmp_path):
+    """run.warmup_steps=3 on 2 ranks, with all that a step changes beyond the weights on (the moving
+    average, lookahead, BatchNorm's statistics, momentum, the schedule): the same checkpoint and
+    metrics as without, bit for bit; its seconds in the first epoch's record only."""
+    run = [str(TRAIN), *TINY, "model.name=fast", "model.width=0.25", "model.whiten=true", "train.ema_decay=0.9",
+           "train.lookahead_every=2", "optim.norm_bias_lr_scale=4", "run.progress=false"]  # fmt: skip
+    for name, steps in (("cold", "run.warmup_steps=0"), ("warm", "run.warmup_steps=3")):
+        ok(torchrun(2, *run, f"run.out_dir={tmp_path / name}", steps))
+    cold, warm = (torch.load(tmp_path / n / "checkpoints" / "last.pt", weights_only=True) for n in ("cold", "warm"))
+    for part in ("model", "optimizer", "scheduler", "ema", "lookahead"):
+        a, b = cold[part], warm[part]
+        assert torch.equal(torch.cat([t.flatten().double() for t in tensors(a)]),
+                           torch.cat([t.flatten().double() for t in tensors(b)])), part  # fmt: skip
+    rows = {name: metrics(tmp_path / name) for name in ("cold", "warm")}
+    drop = ("seconds", "images_per_s", "startup_s", "warmup_s")
+    assert [{k: v for k, v in r.items() if k not in drop} for r in rows["cold"]] == [
+        {k: v for k, v in r.items() if k not in drop} for r in rows["warm"]
+    ]
+    assert rows["warm"][0]["warmup_s"] > 0 and "warmup_s" not in rows["warm"][1] and "warmup_s" not in rows["cold"][0]
+
+
+def test_warmup_puts_back_the_random_generators_a_step_draws_from():
+    """Dropout draws from torch's generator (the run above has none): after the throwaway steps it is
+    where it was."""
+    net = torch.nn.Linear(2, 2)
+    sgd = torch.optim.SGD(net.parameters(), lr=0.1)
+    trained = checkpoint.Trained(net, sgd, torch.optim.lr_scheduler.LambdaLR(sgd, lambda _: 1.0),
+                                 torch.amp.GradScaler("cpu", enabled=False))  # fmt: skip
+    torch.manual_seed(1)
+    expected = torch.rand(3)
+    torch.manual_seed(1)
+    seconds = warmup.throwaway_steps(trained, step_metrics.StepStats(torch.device("cpu")), torch.device("cpu"), 2,
+                                     lambda: torch.nn.functional.dropout(torch.ones(64), 0.5))  # fmt: skip
+    assert torch.equal(torch.rand(3), expected) and seconds >= 0
+
+
+def tensors(state) -> list[torch.Tensor]:
+    """Every tensor in a nested state (dicts and lists), in a fixed order."""
+    if isinstance(state, torch.Tensor):
+        return [state]
+    if isinstance(state, dict):
+        return [t for key in sorted(state, key=str) for t in tensors(state[key])]
+    if isinstance(state, (list, tuple)):
+        return [t for item in state for t in tensors(item)]
+    return [torch.tensor(float(state))] if isinstance(state, (int, float)) and not isinstance(state, bool) else []

@@ -7,7 +7,7 @@
 #   env        nvidia-smi, torch, the GPU
 #   tests      pytest tests/test_gpu.py and the other files with a CUDA branch (test_evaluate, test_sync_bn)
 #   bench      python -m bench: images/s, one-batch ceiling, MFU, DDP overhead, startup, peak memory
-#   fast, resnet18   time to accuracy of configs/fast.yaml and configs/resnet18.yaml on the subset
+#   fast, resnet18   time to accuracy of configs/fast.yaml (after 3 warm-up steps) and configs/resnet18.yaml on the subset
 #   ranks      2 and 3 ranks on the one GPU (run.backend=gloo), each killed at a step and resumed; 1 rank nccl
 #   airbench   airbench94 (PyPI airbench 0.1.8) on the same subset: its time and accuracy beside ours
 #   lightning  Lightning training the same net with the same recipe, DDP on the one GPU (bench/lightning_fast.py)
@@ -102,7 +102,7 @@ step env bash -c "nvidia-smi || echo 'no nvidia-smi'; $py -c 'import torch; prin
 step tests "$py" -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_evaluate.py tests/test_sync_bn.py \
   "${test_select[@]}"
 step bench "$py" -m bench "${bench[@]}" --out "$out"
-step fast train fast --config configs/fast.yaml "${train_sizes[@]}"
+step fast train fast --config configs/fast.yaml run.warmup_steps=3 "${train_sizes[@]}"
 step resnet18 train resnet18 --config configs/resnet18.yaml "${train_sizes[@]}"
 step ranks ranks
 if ! wanted airbench; then

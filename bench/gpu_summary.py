@@ -28,7 +28,8 @@ def runs(out: Path) -> list[str]:
             continue
         per_epoch = ", ".join(f"{100 * r['test_acc']:.1f}/{r['seconds']:.1f}" for r in rows if "test_acc" in r)
         total = sum(r["seconds"] for r in rows)
-        lines.append(f"| {name} | {len(rows)} | {100 * rows[-1]['test_acc']:.2f}% | {total:.1f} | {per_epoch} |")
+        warm = f" (warm-up {rows[0]['warmup_s']:.1f} s before them)" if "warmup_s" in rows[0] else ""
+        lines.append(f"| {name} | {len(rows)} | {100 * rows[-1]['test_acc']:.2f}% | {total:.1f}{warm} | {per_epoch} |")
     return lines
 
 

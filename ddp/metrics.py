@@ -29,29 +29,45 @@ class StepStats:
     - whether the loss is still finite: the last finite loss and the global step of the first one
       that was not (train.stop_if_diverged reads them)."""
 
+    NONE = 2**62  # first_non_finite_step before any: larger than any step, so a minimum keeps the first
+
     def __init__(self, device: torch.device) -> None:
         self.sums = torch.zeros(2, dtype=torch.float64, device=device)  # (loss x images, images)
         self.grad_norms = torch.zeros(3, dtype=torch.float64, device=device)  # (sum, steps, max)
         self.last_finite = torch.full((), float("nan"), dtype=torch.float64, device=device)
-        self.first_non_finite_step = torch.full((), -1, dtype=torch.int64, device=device)  # -1: none yet
+        self.first_non_finite_step = torch.full((), self.NONE, dtype=torch.int64, device=device)
+        # views of one element each: a step adds into them in place, a few operators in all (the host's
+        # cost of a step: bench/host_cost.py)
+        self._loss_sum, self._images = self.sums[0:1], self.sums[1:2]
+        self._norm_sum, self._norm_steps, self._norm_max = (
+            self.grad_norms[0:1],
+            self.grad_norms[1:2],
+            self.grad_norms[2:3],
+        )
 
     def add(self, loss: torch.Tensor, images: int, global_step: int) -> None:
-        loss = loss.detach().double()
-        self.sums[0] += loss * images
-        self.sums[1] += images
+        loss = loss.double()
+        self._loss_sum.add_(loss, alpha=images)  # loss x images, exact in float64
+        self._images.add_(images)
         finite = torch.isfinite(loss)
         self.last_finite = torch.where(finite, loss, self.last_finite)
-        seen = finite | (self.first_non_finite_step >= 0)
-        self.first_non_finite_step = torch.where(seen, self.first_non_finite_step, global_step)
+        torch.minimum(self.first_non_finite_step, torch.where(finite, self.NONE, global_step),
+                      out=self.first_non_finite_step)  # fmt: skip
+
+    def first_non_finite(self) -> int:
+        """The global step of the first loss that was not finite, -1 if none (a sync on a GPU)."""
+        step = int(self.first_non_finite_step)
+        return -1 if step == self.NONE else step
 
     def add_grad_norm(self, norm: torch.Tensor) -> None:
         """A step's norm; not one that is inf or NaN: fp16's GradScaler skips those steps (a
         divergence shows in the loss and the weights, stop_if_diverged's business)."""
-        norm = norm.detach().double()
+        norm = norm.double()
         finite = torch.isfinite(norm)
-        self.grad_norms[0] += torch.where(finite, norm, 0.0)
-        self.grad_norms[1] += finite.double()
-        self.grad_norms[2] = torch.where(finite, torch.maximum(self.grad_norms[2], norm), self.grad_norms[2])
+        kept = torch.where(finite, norm, 0.0)
+        self._norm_sum.add_(kept)
+        self._norm_steps.add_(finite)
+        torch.maximum(self._norm_max, kept, out=self._norm_max)  # norms are >= 0: a skipped step's 0 changes nothing
 
     def grad_norm(self) -> dict[str, float]:
         """The epoch's grad_norm_mean and grad_norm_max (before clipping), for metrics.jsonl."""

@@ -375,7 +375,7 @@ def stop_if_diverged(job: Job, position: Position) -> None:
     state = [t for t in job.trained.model.state_dict().values() if t.is_floating_point()]  # BatchNorm's stats too
     weights_finite = bool(torch.stack([t.isfinite().all() for t in state]).all())
     stats = job.stats
-    mine = (int(stats.first_non_finite_step), float(stats.last_finite), weights_finite)
+    mine = (stats.first_non_finite(), float(stats.last_finite), weights_finite)
     if not distributed.any_rank(mine[0] >= 0 or not weights_finite, job.world):
         return
     ranks = distributed.gather_objects(mine, job.world)

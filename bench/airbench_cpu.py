@@ -18,17 +18,15 @@ import io
 import json
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `bench` from the checkout
 
-from bench.airbench_subset import import_airbench, per_epoch, write_split  # noqa: E402
+from bench.airbench_subset import per_epoch, prepare  # noqa: E402
 
 
 class HostEvent:
@@ -66,13 +64,8 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
-    work = Path(tempfile.mkdtemp(prefix="airbench-cpu-"))
-    airbench = import_airbench(args.airbench.resolve(), work)
+    airbench, work, counts = prepare(args.airbench, args.data, "airbench-cpu-")
     on_the_cpu(airbench)
-    npz = np.load(args.data)
-    classes = [str(c) for c in npz["classes"]] if "classes" in npz.files else [str(i) for i in range(10)]
-    (work / "cifar10").mkdir()
-    counts = {split: write_split(npz, split, work / "cifar10" / f"{split}.pt", classes) for split in ("train", "test")}
     os.chdir(work)  # train94 evaluates on ./cifar10/test.pt
     from airbench.lib_airbench94 import hyp
 

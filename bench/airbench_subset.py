@@ -45,6 +45,18 @@ def write_split(npz: np.lib.npyio.NpzFile, split: str, path: Path, classes: list
     return len(images)
 
 
+def prepare(archive: Path, data: Path, prefix: str):
+    """airbench imported into a new temporary folder and the .npz written there as its ./cifar10/{train,test}.pt:
+    (the airbench module, the folder, the images per split)."""
+    work = Path(tempfile.mkdtemp(prefix=prefix))
+    airbench = import_airbench(archive.resolve(), work)
+    npz = np.load(data)
+    classes = [str(c) for c in npz["classes"]] if "classes" in npz.files else [str(i) for i in range(10)]
+    (work / "cifar10").mkdir()
+    counts = {split: write_split(npz, split, work / "cifar10" / f"{split}.pt", classes) for split in ("train", "test")}
+    return airbench, work, counts
+
+
 def per_epoch(printed: str) -> list[dict]:
     """The rows of airbench's printed table (`|  run  |  epoch  |  train_loss  | ... |`) whose epoch is a
     number: {"epoch" (1-based), "val_acc" (no TTA), "total_time_seconds" (its timer: training only)}."""
@@ -69,12 +81,7 @@ def main() -> int:
     parser.add_argument("--airbench", type=Path, required=True, help="airbench-0.1.8.tar.gz")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
-    work = Path(tempfile.mkdtemp(prefix="airbench-"))
-    airbench = import_airbench(args.airbench.resolve(), work)
-    npz = np.load(args.data)
-    classes = [str(c) for c in npz["classes"]] if "classes" in npz.files else [str(i) for i in range(10)]
-    (work / "cifar10").mkdir()
-    counts = {split: write_split(npz, split, work / "cifar10" / f"{split}.pt", classes) for split in ("train", "test")}
+    airbench, work, counts = prepare(args.airbench, args.data, "airbench-")
     result = {"airbench": airbench.__file__, "train_images": counts["train"], "test_images": counts["test"]}
     if not torch.cuda.is_available():
         result["skipped"] = "no CUDA device: airbench trains on a GPU only (data converted, package imported)"

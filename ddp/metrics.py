@@ -54,6 +54,10 @@ class StepStats:
         torch.minimum(self.first_non_finite_step, torch.where(finite, self.NONE, global_step),
                       out=self.first_non_finite_step)  # fmt: skip
 
+    def tensors(self) -> list[torch.Tensor]:
+        """Everything it holds, as tensors to copy into (ddp.warmup puts them back)."""
+        return [self.sums, self.grad_norms, self.last_finite, self.first_non_finite_step]
+
     def first_non_finite(self) -> int:
         """The global step of the first loss that was not finite, -1 if none (a sync on a GPU)."""
         step = int(self.first_non_finite_step)

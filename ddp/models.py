@@ -108,8 +108,7 @@ def fast(num_classes: int = 10, dropout: float = 0.0, width: float = 1.0) -> nn.
     channels x width (31 -> 15 -> 7 -> 3 px), global max-pool, a linear head. ~2M parameters; made for
     large batches, bf16 and channels_last on a GPU (model.width=0.25 makes it a CPU net: 1/16 of the
     convolutions' work)."""
-    _, c1, c2, c3 = _scaled((24, 64, 256, 256), width)
-    stem = fast_stem(width)
+    stem, c1, c2, c3 = _scaled((24, 64, 256, 256), width)
     return nn.Sequential(
         _conv(3, stem, kernel=2, bias=True),  # 31x31
         nn.GELU(),

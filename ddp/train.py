@@ -237,7 +237,7 @@ def warm_up(job: Job, epoch: int, position: Position) -> float:
     """run.warmup_steps throwaway steps on the next batch, before the timed epochs; their seconds."""
     job.sampler.set_epoch(epoch, start_step=position.step_in_epoch)
     images, labels = next(iter(job.train_loader))
-    return warmup.throwaway_steps(job.trained, job.stats, job.world.device, job.cfg.run.warmup_steps,
+    return warmup.throwaway_steps(job.checkpoints, position, job.stats, job.cfg.run.warmup_steps,
                                   lambda: train_step(job, images, labels))  # fmt: skip
 
 

@@ -4,8 +4,9 @@ import pytest
 import torch
 from conftest import TINY, TRAIN, metrics, ok, torchrun
 
-from ddp import checkpoint, models, train, warmup
+from ddp import checkpoint, config, models, train, warmup
 from ddp import metrics as step_metrics
+from ddp.devices import World
 
 
 def test_learns_the_real_cifar10_subset(subset, tmp_path):
@@ -83,11 +84,14 @@ def test_warmup_puts_back_the_random_generators_a_step_draws_from():
     sgd = torch.optim.SGD(net.parameters(), lr=0.1)
     trained = checkpoint.Trained(net, sgd, torch.optim.lr_scheduler.LambdaLR(sgd, lambda _: 1.0),
                                  torch.amp.GradScaler("cpu", enabled=False))  # fmt: skip
+    cfg = config.load(None, [])
+    info = checkpoint.RunInfo(config.to_dict(cfg), 1, 8, {"mean": [0.5] * 3, "std": [0.25] * 3}, ["a", "b"])
+    checkpoints = checkpoint.Checkpoints(cfg.run, World(0, 0, 1, torch.device("cpu"), "none"), trained, info)
     torch.manual_seed(1)
     expected = torch.rand(3)
     torch.manual_seed(1)
-    seconds = warmup.throwaway_steps(trained, step_metrics.StepStats(torch.device("cpu")), torch.device("cpu"), 2,
-                                     lambda: torch.nn.functional.dropout(torch.ones(64), 0.5))  # fmt: skip
+    seconds = warmup.throwaway_steps(checkpoints, checkpoint.Position(), step_metrics.StepStats(torch.device("cpu")),
+                                     2, lambda: torch.nn.functional.dropout(torch.ones(64), 0.5))  # fmt: skip
     assert torch.equal(torch.rand(3), expected) and seconds >= 0
 
 

@@ -1,3 +1,15 @@
-"""ddp-cifar: one training loop for CIFAR on a CPU, one GPU, DataParallel and DDP."""
+"""ddp-cifar: one training loop for CIFAR on a CPU, one GPU, DataParallel and DDP.
+
+Its modules in layers, top to bottom. A module imports only modules after it in this list, never one
+before it (tests/test_layers.py), so each can be read knowing only what is below it:
+
+    the loop            train
+    commands            evaluate, doctor, plot
+    a run's state       warmup, profiling, preemption, logs, checkpoint, faults, rundir, metrics
+    data and the step   checks, loaders, datasets, mixing, optim
+    the process group   distributed, lifeline, lost_rank
+    who runs where      devices, cli, launchers, config
+    the ground          models, sync_bn, ema, network, files, rng, errors
+"""
 
 __version__ = "0.1.0"

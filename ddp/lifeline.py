@@ -24,18 +24,24 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from ddp import launchers
 from ddp.devices import World
 from ddp.errors import EXIT_FAILURE
 
-if TYPE_CHECKING:
-    from ddp.preemption import StopRequest
-
 GRACE_S = 5.0  # after a stop is asked for: how long past the slowest step the loop has to take it
 SLACK_S = 5.0  # how long a wait with a deadline of run.timeout_s may overrun it, torch's own timeout first
 _POLL_S = 0.25  # how often the watcher looks at the parent, the deadlines and the grace
+
+
+class LoopStop(Protocol):
+    """What the watcher needs of the training loop's stop (preemption.StopRequest): to ask for one,
+    and how long a step has taken at most."""
+
+    longest_step_s: float
+
+    def request(self, why: str) -> None: ...
 
 
 class _Watcher:
@@ -100,12 +106,12 @@ class _Watcher:
 
 
 _watcher: _Watcher | None = None
-_loop_stop: StopRequest | None = None  # the training loop's, while it runs: a stop is taken at its next step
+_loop_stop: LoopStop | None = None  # the training loop's, while it runs: a stop is taken at its next step
 _loop_ended = False  # the training loop has run: what is left is leaving
 
 
-def set_loop_stop(stop: StopRequest | None) -> None:
-    """The training loop's StopRequest as it starts (None as it ends), from preemption.StopRequest."""
+def set_loop_stop(stop: LoopStop | None) -> None:
+    """The training loop's stop as it starts (None as it ends), from preemption.StopRequest."""
     global _loop_stop, _loop_ended
     _loop_stop, _loop_ended = stop, _loop_ended or stop is None
 

@@ -54,6 +54,17 @@ def test_the_read_the_code_map_names_functions_that_show_their_calls():
             assert len(source.splitlines()) <= 40, f"{where} has {len(source.splitlines())} lines"
 
 
+def test_the_maps_path_is_at_most_300_lines():
+    """What a newcomer reads to follow the map: each function it names, once (the goal of issue 21;
+    pytorch/examples' multigpu_torchrun.py tells the DDP story in 111 lines)."""
+    rows = [line for line in read_the_code().splitlines() if line.startswith("| ") and "`ddp/" in line]
+    wheres = {row.strip("|").split(" | ")[1].strip().strip("`") for row in rows}
+    lines = {
+        where: len(function_source(REPO / where.split(":")[0], where.split(":")[1]).splitlines()) for where in wheres
+    }
+    assert sum(lines.values()) <= 300, sorted(lines.items(), key=lambda item: -item[1])
+
+
 def test_the_module_list_names_every_module_once():
     listed = re.findall(r"^ddp/(\w+)\.py ", read_the_code(), flags=re.M)
     modules = sorted(p.stem for p in (REPO / "ddp").glob("*.py") if p.stem != "__init__")

@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -66,16 +65,23 @@ class RunInfo:
 
 
 def build_state(
-    trained: Trained, position: Position, ranks: list[dict[str, Any]], info: RunInfo, metrics: dict | None
+    trained: Trained,
+    position: Position,
+    ranks: list[dict[str, Any]],
+    info: RunInfo,
+    metrics: dict | None,
+    full: tuple[dict[str, Any], dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """The checkpoint of `trained` at `position`; `ranks` is every rank's rank_state, in rank order."""
+    """The checkpoint of `trained` at `position`; `ranks` is every rank's rank_state, in rank order;
+    `full`, the model's and optimizer's whole state dicts (distributed.full_state) if gathered already."""
+    model, optimizer = full or (trained.model.state_dict(), trained.optimizer.state_dict())
     return {
         "format": FORMAT,
         "epoch": position.epochs_done,  # completed epochs
         "step": position.step_in_epoch,  # global batches done in epoch + 1; 0 at an epoch's end
         "global_step": position.global_step,
-        "model": trained.model.state_dict(),  # the raw module's: no "module." / "_orig_mod." prefix
-        "optimizer": trained.optimizer.state_dict(),
+        "model": model,  # the raw module's: no "module." / "_orig_mod." prefix; whole, also under FSDP2
+        "optimizer": optimizer,
         "scheduler": trained.scheduler.state_dict(),
         "scaler": trained.scaler.state_dict() if trained.scaler.is_enabled() else None,
         "ema": trained.ema.state_dict() if trained.ema else None,  # {"weights": the model's keys, "updates"}
@@ -110,17 +116,21 @@ def weights(state: dict[str, Any], raw: bool = False) -> dict[str, torch.Tensor]
 def load_weights(state: dict[str, Any], model: nn.Module, raw: bool = True) -> None:
     """A checkpoint's weights (the trained ones, or with raw=False those weights() picks) into a plain
     model on any device, also when saved from a DataParallel/DDP ("module.") or compiled ("_orig_mod.") wrapper."""
-    weights_ = dict(weights(state, raw))
+    model.load_state_dict(_unprefixed(weights(state, raw)))
+
+
+def _unprefixed(weights_: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    weights_ = dict(weights_)
     for prefix in ("module.", "_orig_mod.", "module."):
         consume_prefix_in_state_dict_if_present(weights_, prefix)
-    model.load_state_dict(weights_)
+    return weights_
 
 
 def restore(state: dict[str, Any], trained: Trained) -> None:
     """Load a checkpoint into objects built for this run's device: the weights, then optimizer,
-    scheduler and scaler (optimizer state follows the parameters' device). Before compile and wrap."""
-    load_weights(state, trained.model)
-    trained.optimizer.load_state_dict(state["optimizer"])
+    scheduler and scaler (optimizer state follows the parameters' device). Before compile and wrap;
+    every rank, with the same state (a sharded model takes its slice)."""
+    distributed.load_full_state(trained.model, trained.optimizer, _unprefixed(state["model"]), state["optimizer"])
     trained.scheduler.load_state_dict(state["scheduler"])
     if state["scaler"] is not None and trained.scaler.is_enabled():
         trained.scaler.load_state_dict(state["scaler"])
@@ -207,11 +217,12 @@ class Checkpoints:
         the newest run.keep_last. Returns the file on rank 0, None on the others."""
         out_dir, world, mid_epoch = self.run.out_dir, self.world, position.step_in_epoch > 0
         ranks = distributed.gather_objects(rank_state(world.device, stats if mid_epoch else None), world)
+        full = distributed.full_state(self.trained.model, self.trained.optimizer)  # FSDP2: gathered to rank 0
         path = rundir.step_path(out_dir, position.global_step)
         with distributed.fail_together(world):  # a failed write (a full disk) stops every rank, none waits
             if world.is_main:
-                state = build_state(self.trained, position, ranks, self.info, metrics)  # the unwrapped model
-                state["checksum"] = digest(state)
+                state = build_state(self.trained, position, ranks, self.info, metrics, full)  # the unwrapped model
+                state["checksum"] = files.digest(state)
                 with _previous_kept(out_dir):
                     with files.atomic(path) as f:  # a temporary file, fsynced, renamed: all or nothing
                         torch.save(state, f)
@@ -258,7 +269,7 @@ def _verified(state: Any, path: Path) -> dict[str, Any]:
     if not isinstance(state, dict) or not {"model", "epoch", "checksum"} <= state.keys():
         raise CorruptCheckpoint(f"{path} is not a ddp-cifar checkpoint (no model/epoch/checksum entries)")
     stored = state.pop("checksum")
-    if digest(state) != stored:
+    if files.digest(state) != stored:
         raise CorruptCheckpoint(f"{path} fails its checksum (the file was altered or damaged)")
     if state.get("format") != FORMAT:
         raise UsageError(f"{path} has checkpoint format {state.get('format')}; this ddp-cifar reads format {FORMAT}")
@@ -368,32 +379,6 @@ def main(argv: list[str]) -> int:
             f"its outputs: {state['classes']}"
         )
     return EXIT_OK
-
-
-def digest(obj: Any) -> str:
-    """sha256 over a checkpoint's content (tensors by dtype, shape and bytes), independent of how
-    torch.save lays it out, so it can be stored inside the file it checks."""
-    h = hashlib.sha256()
-
-    def walk(x: Any) -> None:
-        if isinstance(x, torch.Tensor):
-            t = x.detach().cpu().contiguous()
-            h.update(f"T{t.dtype}{tuple(t.shape)}".encode())
-            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-        elif isinstance(x, dict):
-            h.update(f"D{len(x)}".encode())
-            for k in sorted(x, key=repr):
-                walk(k)
-                walk(x[k])
-        elif isinstance(x, (list, tuple)):
-            h.update(f"L{len(x)}".encode())
-            for v in x:
-                walk(v)
-        else:
-            h.update(f"S{type(x).__name__}:{x!r}".encode())
-
-    walk(obj)
-    return h.hexdigest()
 
 
 if __name__ == "__main__":

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ddp import models
-from ddp.config import Config
+from ddp import fsdp, models
+from ddp.config import Config, DdpConfig
 from ddp.devices import World
 from ddp.errors import UsageError
 
@@ -81,6 +81,8 @@ def autocast_dtype(amp: str, device: torch.device) -> torch.dtype | None:
 def check_combinations(cfg: Config, world: World) -> None:
     """Settings that each parse but do not work together."""
     models.check(cfg.model.name, cfg.model.dropout, cfg.model.width, cfg.model.whiten)
+    if world.parallel == "fsdp":
+        check_fsdp(cfg)
     if cfg.train.sync_bn and world.parallel == "dp":
         raise UsageError(
             "train.sync_bn=true needs DDP (nn.DataParallel computes BatchNorm per GPU): "
@@ -93,4 +95,26 @@ def check_combinations(cfg: Config, world: World) -> None:
             "ddp.static_graph=true with train.grad_accum_steps>1: DDP's static graph breaks under no_sync "
             "(an internal assert, then gradients that are no longer all-reduced: pytorch/pytorch#143580); "
             "use one of the two"
+        )
+
+
+def check_fsdp(cfg: Config) -> None:
+    """What run.parallel=fsdp does not do (yet), each with its alternative; and a torch that has FSDP2."""
+    fsdp.check_available()
+    t, run = cfg.train, cfg.run
+    refused = {
+        "train.ema_decay": (t.ema_decay > 0, "the moving average copies the whole model, and FSDP2's cannot be copied"),
+        "train.lookahead_every": (t.lookahead_every > 0, "lookahead keeps whole copies of the weights"),
+        "run.channels_last": (run.channels_last, "FSDP2 shards contiguous weights only"),
+        "run.warmup_steps": (run.warmup_steps > 0, "the warm-up puts back whole state dicts, not sharded ones"),
+        "run.amp": (run.amp == "fp16", "fp16's GradScaler does not take sharded gradients: use run.amp=bf16"),
+    }
+    for key, (on, why) in refused.items():
+        if on:
+            raise UsageError(f"{key} does not work with run.parallel=fsdp ({why}); use run.parallel=ddp for it")
+    tuned = [name for name, value in vars(cfg.ddp).items() if value != getattr(DdpConfig(), name)]
+    if tuned:
+        raise UsageError(
+            f"ddp.{tuned[0]} tunes DistributedDataParallel, which run.parallel=fsdp does not use: leave ddp.* at "
+            "their defaults"
         )

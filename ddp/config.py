@@ -1,9 +1,8 @@
 """Typed configuration: the only place defaults live, and the only module that imports yaml.
 
 `load(path, overrides)` resolves defaults < YAML file < `section.key=value` overrides, coercing every
-value to its field's type. Unknown sections or keys, bad values and bad choices raise UsageError with
-the valid alternatives. What a value *means* (a device, a data file, a model) is checked where it is
-used, not here.
+value to its field's type. Unknown sections or keys, bad values and bad choices raise UsageError with the
+valid alternatives; what a value *means* (a device, a data file, a model) is checked where it is used.
 """
 
 from __future__ import annotations
@@ -203,7 +202,8 @@ class DdpConfig:
 class RunConfig:
     out_dir: str = opt("runs/default", "where checkpoints, metrics.jsonl and config.yaml go")
     device: str = opt("auto", "auto | cpu | cuda | cuda:N (under torchrun: auto/cuda = cuda:<local_rank>)")
-    parallel: str = opt("auto", "auto = ddp under a launcher else none", ("auto", "none", "dp", "ddp"))
+    parallel: str = opt("auto", "auto = ddp under a launcher else none | fsdp: FSDP2, each rank holds 1/N of the state",
+                        ("auto", "none", "dp", "ddp", "fsdp"))  # fmt: skip
     backend: str = opt(
         "auto", "the process group's: auto = nccl on GPUs, gloo on CPUs | gloo: several ranks share a GPU (tests)",
         ("auto", "nccl", "gloo"),

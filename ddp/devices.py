@@ -26,7 +26,7 @@ class World:
     local_rank: int
     world_size: int  # processes in the job; 1 for none and dp
     device: torch.device  # this rank's device; under dp the first of the GPUs it spreads over
-    parallel: str  # "none" | "dp" | "ddp", resolved from run.parallel
+    parallel: str  # "none" | "dp" | "ddp" | "fsdp", resolved from run.parallel
     launcher: str = "none"  # who started the processes: torchrun | accelerate | slurm | none
     init_method: str | None = None  # tcp://host:port for slurm and MPI; None = torchrun's env://
     backend: str = "auto"  # run.backend: "gloo" on a GPU lets ranks share it; auto = nccl on CUDA, gloo on CPU
@@ -37,6 +37,11 @@ class World:
     def is_main(self) -> bool:
         """Rank 0: the one process that prints and writes files."""
         return self.rank == 0
+
+    @property
+    def grouped(self) -> bool:
+        """One of the processes of a process group (ddp or fsdp): collectives reach the other ranks."""
+        return self.parallel in ("ddp", "fsdp")
 
     @property
     def process_group_backend(self) -> str:
@@ -96,9 +101,10 @@ def _single_process(run: RunConfig, cuda_count: int) -> World:
     """The World of a process that no launcher started: one device, or nn.DataParallel over them all."""
     device = resolve_device(run.device, None, cuda_count)
     parallel = "none" if run.parallel == "auto" else run.parallel
-    if parallel == "ddp":
+    if parallel in ("ddp", "fsdp"):
         raise UsageError(
-            "run.parallel=ddp needs one process per device: torchrun --standalone --nproc_per_node=N ddp/train.py ..."
+            f"run.parallel={parallel} needs one process per device: "
+            "torchrun --standalone --nproc_per_node=N ddp/train.py ..."
         )
     if parallel == "dp":
         if cuda_count < 2:
@@ -133,9 +139,17 @@ def resolve(run: RunConfig, env: Env = os.environ, cuda_count: int | None = None
             f"{launch.world_size} unrelated models; use run.parallel=ddp (or auto)"
         )
     device = resolve_device(run.device, launch, cuda_count, run.backend)
-    if parallel != "ddp":
+    if parallel not in ("ddp", "fsdp"):
         return World(0, launch.local_rank, 1, device, parallel, launch.launcher, backend=run.backend)
     return World(
         launch.rank, launch.local_rank, launch.world_size, device, parallel, launch.launcher, launch.init_method,
         backend=run.backend,
     )  # fmt: skip
+
+
+def planned(run: RunConfig, processes: int, node: int | None) -> World:
+    """The World that the checks before a launch of `processes` per node (train.py --preflight) stand
+    for: rank 0, or on a node other than 0 its last rank; on a GPU if there is one."""
+    device = torch.device("cuda" if run.device != "cpu" and torch.cuda.device_count() else "cpu")
+    parallel = "fsdp" if run.parallel == "fsdp" else "ddp"
+    return World(0 if not node else processes - 1, 0, processes, device, parallel)

@@ -22,7 +22,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
-from ddp import launchers, lifeline, lost_rank, network
+from ddp import fsdp, launchers, lifeline, lost_rank, network
 from ddp.config import DdpConfig
 from ddp.devices import World
 from ddp.errors import UsageError, WriteFailed
@@ -59,7 +59,7 @@ def setup(world: World, timeout_s: float) -> Iterator[World]:
     importlib.import_module("torch._dynamo")  # (an `import torch._dynamo` here would make torch local)
     store = None
     try:
-        if world.parallel == "ddp":
+        if world.grouped:
             where = f"the rendezvous ({_meeting_point(world)})"
             with lifeline.deadline(timeout_s, where), lost_rank.naming(world, where):  # a dead store: minutes
                 rendezvous, store = _rendezvous(world, timeout_s)
@@ -71,7 +71,7 @@ def setup(world: World, timeout_s: float) -> Iterator[World]:
         yield world
     except BaseException as e:
         traceback.clear_frames(e.__traceback__)  # frames keep their names and lines, not their locals (DDP)
-        if world.parallel == "ddp" and lost_rank.is_comm_failure(e):
+        if world.grouped and lost_rank.is_comm_failure(e):
             raise lost_rank.explain(world, e, timeout_s, store) from e
         raise
     finally:
@@ -112,10 +112,16 @@ def _rendezvous(world: World, timeout_s: float) -> tuple[dict[str, Any], dist.St
     return {"store": store, "rank": world.rank, "world_size": world.world_size}, store
 
 
+def shard(model: nn.Module, world: World, amp: torch.dtype | None) -> nn.Module:
+    """Under run.parallel=fsdp, FSDP2's fully_shard on each block and the root, in place (fsdp.shard):
+    before the optimizer is made, which must hold the sharded parameters. Else the model as it is."""
+    return fsdp.shard(model, amp) if world.parallel == "fsdp" else model
+
+
 def wrap(model: nn.Module, world: World, knobs: DdpConfig) -> nn.Module:
     """What forward is called on: DistributedDataParallel (one rank per device: its gradients are
     all-reduced in the backward), nn.DataParallel (one process over every visible GPU), or the model
-    itself. The raw `model` is what is saved, never this wrapper."""
+    itself (under fsdp, sharded already: shard). The raw `model` is what is saved, never this wrapper."""
     if world.parallel == "ddp":
         device_ids = [world.device.index] if world.device.type == "cuda" else None  # cuda:<local_rank>
         wrapped = DistributedDataParallel(
@@ -149,9 +155,13 @@ def _compress_hook(name: str, world: World) -> Callable[..., Any]:
 def micro_batches(wrapped: nn.Module, count: int) -> Iterator[contextlib.AbstractContextManager[Any]]:
     """One context per micro-batch of an optimizer step, for its forward *and* backward: DDP's
     no_sync() for all but the last, so gradients accumulate locally and are all-reduced once, in the
-    last backward (pytorch/pytorch#43201: no_sync around the backward alone, or one too many, is wrong)."""
+    last backward (pytorch/pytorch#43201: no_sync around the backward alone, or one too many, is wrong);
+    under FSDP2 the same with set_requires_gradient_sync (reduce-scattered once, in the last)."""
     ddp = isinstance(wrapped, DistributedDataParallel)
+    sharded = getattr(wrapped, "_orig_mod", wrapped)  # compiled: the model inside
     for i in range(count):
+        if fsdp.is_sharded(sharded):
+            sharded.set_requires_gradient_sync(i == count - 1)
         yield wrapped.no_sync() if ddp and i < count - 1 else contextlib.nullcontext()
 
 
@@ -161,12 +171,37 @@ def for_eval(wrapped: nn.Module) -> nn.Module:
     return wrapped.module if isinstance(wrapped, DistributedDataParallel) else wrapped
 
 
+def full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The model's and optimizer's state dicts as one process holds them (DDP's form), on rank 0 at
+    least: a sharded model's gathered to rank 0's CPU (a collective: every rank calls this)."""
+    if fsdp.is_sharded(model):
+        return fsdp.full_state(model, optimizer)
+    return model.state_dict(), optimizer.state_dict()
+
+
+def load_full_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None, weights: dict[str, Any], state: dict[str, Any] | None
+) -> None:
+    """full_state's dicts into the model and optimizer, on every rank (a sharded model keeps its slice)."""
+    if fsdp.is_sharded(model):
+        fsdp.load_full_state(model, optimizer, weights, state)
+        return
+    model.load_state_dict(weights)
+    if optimizer is not None and state is not None:
+        optimizer.load_state_dict(state)
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a tensor: its slice of a sharded (DTensor) one, else the tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 # On the device, through the default group:
 
 
 def all_reduce_sum(t: torch.Tensor, world: World) -> torch.Tensor:
     """Sum over ranks in place (a no-op in one process); returns t."""
-    if world.parallel == "ddp":
+    if world.grouped:
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return t
 
@@ -175,7 +210,7 @@ def sync_buffers(model: nn.Module, world: World, how: str = "broadcast") -> None
     """Make every rank's buffers (BatchNorm running stats) one, so all ranks evaluate and save one
     model: DDP syncs buffers at the start of each forward, so after the last step they differ.
     broadcast = rank 0's; reduce = the mean over ranks of the float ones (train.dist_bn)."""
-    if world.parallel != "ddp":
+    if not world.grouped:
         return
     for b in model.buffers():
         if how == "reduce" and b.is_floating_point():
@@ -190,7 +225,7 @@ def sync_buffers(model: nn.Module, world: World, how: str = "broadcast") -> None
 
 def any_rank(flag: bool, world: World) -> bool:
     """True on every rank if it is True on any: one all-reduce of a CPU tensor (no GPU sync)."""
-    if world.parallel != "ddp":
+    if not world.grouped:
         return flag
     t = torch.tensor([int(flag)])
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=world.control)
@@ -199,7 +234,7 @@ def any_rank(flag: bool, world: World) -> bool:
 
 def same_on_all_ranks(value: int, world: World) -> bool:
     """Whether every rank holds the same integer (e.g. the checkpoint step each one found)."""
-    if world.parallel != "ddp":
+    if not world.grouped:
         return True
     t = torch.tensor([value, -value])
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=world.control)
@@ -208,7 +243,7 @@ def same_on_all_ranks(value: int, world: World) -> bool:
 
 def gather_objects(obj: Any, world: World) -> list[Any]:
     """Every rank's `obj`, in rank order, on every rank (pickled between our own processes)."""
-    if world.parallel != "ddp":
+    if not world.grouped:
         return [obj]
     out: list[Any] = [None] * world.world_size
     dist.all_gather_object(out, obj, group=world.control)
@@ -217,7 +252,7 @@ def gather_objects(obj: Any, world: World) -> list[Any]:
 
 def barrier(world: World) -> None:
     """Every rank waits here until all have arrived."""
-    if world.parallel == "ddp":
+    if world.grouped:
         dist.barrier(group=world.control)
 
 

@@ -124,7 +124,7 @@ def diagnose(run: config.RunConfig) -> list[str]:
     problems = []
     if mismatch := launchers.slurm_gpu_problem(torch.cuda.device_count()):
         problems.append(mismatch)
-    if world.parallel != "ddp":
+    if not world.grouped:
         print_report(report(world, run.out_dir))
         addr, port, source = launchers.planned_rendezvous()
         try:

@@ -1,9 +1,12 @@
 """Writing a run's files all or nothing, the one place that does: a new content goes to a temporary
 file beside its target, fsynced, then renamed over it (`replace`, `atomic`, `link`); `append` cuts a
-failed addition off. A failure is one WriteFailed: the file, the bytes it needed, the space free."""
+failed addition off. A failure is one WriteFailed: the file, the bytes it needed, the space free.
+
+`digest` is the checksum a checkpoint holds of its own content."""
 
 from __future__ import annotations
 
+import hashlib
 import io
 import os
 import shutil
@@ -11,6 +14,9 @@ import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
+
+import torch
 
 from ddp.errors import WriteFailed
 
@@ -120,3 +126,29 @@ def remove_temporary(directory: Path) -> None:
     """The temporary files that writers killed before their rename left in `directory`."""
     for tmp in Path(directory).glob(TEMPORARY):
         tmp.unlink(missing_ok=True)
+
+
+def digest(obj: Any) -> str:
+    """sha256 over a checkpoint's content (tensors by dtype, shape and bytes), independent of how
+    torch.save lays it out, so it can be stored inside the file it checks."""
+    h = hashlib.sha256()
+
+    def walk(x: Any) -> None:
+        if isinstance(x, torch.Tensor):
+            t = x.detach().cpu().contiguous()
+            h.update(f"T{t.dtype}{tuple(t.shape)}".encode())
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+        elif isinstance(x, dict):
+            h.update(f"D{len(x)}".encode())
+            for k in sorted(x, key=repr):
+                walk(k)
+                walk(x[k])
+        elif isinstance(x, (list, tuple)):
+            h.update(f"L{len(x)}".encode())
+            for v in x:
+                walk(v)
+        else:
+            h.update(f"S{type(x).__name__}:{x!r}".encode())
+
+    walk(obj)
+    return h.hexdigest()

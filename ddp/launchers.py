@@ -288,9 +288,14 @@ def record_error(line: str, env: Env = os.environ) -> None:
 
 
 def accelerate_flags(run: RunConfig, env: Env = os.environ) -> RunConfig:
-    """run with `accelerate launch --cpu / --mixed_precision` applied: they choose what the config
-    left at its default; a config that says otherwise is an error, not a silent pick."""
+    """run with `accelerate launch --cpu / --mixed_precision / --use_fsdp` applied: they choose what the
+    config left at its default; a config that says otherwise is an error, not a silent pick. (--use_fsdp
+    means run.parallel=fsdp, our FSDP2: accelerate's own --fsdp_* settings do not apply to it.)"""
     changes = {}
+    if env.get("ACCELERATE_USE_FSDP", "").lower() == "true" and run.parallel != "fsdp":
+        if run.parallel != "auto":
+            raise UsageError(f"accelerate launch --use_fsdp but run.parallel={run.parallel}: drop one of them")
+        changes["parallel"] = "fsdp"
     if env.get("ACCELERATE_USE_CPU", "").lower() == "true" and run.device != "cpu":
         if run.device != "auto":
             raise UsageError(f"accelerate launch --cpu but run.device={run.device}: drop one of them")

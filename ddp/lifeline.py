@@ -48,7 +48,7 @@ class _Watcher:
     """The watcher thread's state. Its methods run on that thread, but for `deadline`."""
 
     def __init__(self, world: World, parent: int, stop_signals: tuple[signal.Signals, ...]) -> None:
-        self.who = f"rank {world.rank} of {world.world_size}" if world.parallel == "ddp" else "the run"
+        self.who = f"rank {world.rank} of {world.world_size}" if world.grouped else "the run"
         self.stop_signals = set(stop_signals)  # other handled signals wake the watcher too (SIGCHLD: loader workers)
         self.launched = world.launcher != "none"  # a plain process may outlive its shell (nohup)
         self.launchers = launchers.launcher_processes(parent) if self.launched else []

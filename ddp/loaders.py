@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import itertools
 import signal
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -161,21 +161,43 @@ def eval_shard(n: int, world: World) -> torch.Tensor:
     return torch.arange(world.rank, n, world.world_size)
 
 
-def eval_loader(
-    split: Split, per_rank_batch: int, world: World, workers: int, kind: str = "torch"
-) -> DataLoader | DeviceEvalLoader:
-    """This rank's images r, r + world_size, ...: a partition of the test set, no duplicates."""
+def eval_loader(split: Split, per_rank_batch: int, world: World, workers: int, kind: str = "torch") -> EvalBatches:
+    """This rank's images r, r + world_size, ...: a partition of the test set, no duplicates; in as
+    many batches on every rank (EvalBatches)."""
     if kind == "device":
-        return DeviceEvalLoader(split, per_rank_batch, world)
-    shard = Subset(_Images(split, None), eval_shard(len(split.labels), world).tolist())
-    return DataLoader(
-        shard,
-        batch_size=per_rank_batch,
-        num_workers=workers,
-        worker_init_fn=_leave_stopping_to_the_main_process,
-        pin_memory=world.device.type == "cuda",
-        generator=torch.Generator(),  # leaves the global RNG alone
-    )
+        loader: Iterable[tuple[torch.Tensor, torch.Tensor]] = DeviceEvalLoader(split, per_rank_batch, world)
+    else:
+        shard = Subset(_Images(split, None), eval_shard(len(split.labels), world).tolist())
+        loader = DataLoader(
+            shard,
+            batch_size=per_rank_batch,
+            num_workers=workers,
+            worker_init_fn=_leave_stopping_to_the_main_process,
+            pin_memory=world.device.type == "cuda",
+            generator=torch.Generator(),  # leaves the global RNG alone
+        )
+    largest_shard = -(-len(split.labels) // world.world_size)
+    return EvalBatches(loader, -(-largest_shard // per_rank_batch), (split.images[:0], split.labels[:0]))
+
+
+class EvalBatches:
+    """An evaluation loader that yields the same number of batches on every rank: its own, then empty
+    ones. Under FSDP2 each forward gathers the weights from every rank, so a rank that stopped one
+    batch early would leave the others waiting; an empty batch counts nothing."""
+
+    def __init__(self, loader: Iterable[tuple[torch.Tensor, torch.Tensor]], batches: int, empty: tuple) -> None:
+        self.loader, self.batches, self.empty = loader, batches, empty
+
+    def __len__(self) -> int:
+        return self.batches
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        yielded = 0
+        for batch in self.loader:
+            yielded += 1
+            yield batch
+        for _ in range(self.batches - yielded):
+            yield self.empty
 
 
 def crop_flip(padded_hwc: torch.Tensor, index: torch.Tensor, table: torch.Tensor) -> torch.Tensor:

@@ -87,7 +87,7 @@ def batch_split(cfg: Config, world: World) -> str:
 
 def backend(world: World) -> str:
     """For the start line: the process group's backend under DDP, and a warning for gloo on GPUs."""
-    if world.parallel != "ddp":
+    if not world.grouped:
         return ""
     name = world.process_group_backend
     testing = " (gloo on GPUs: ranks may share a GPU; for testing the multi-rank CUDA paths, not for speed)"

@@ -81,8 +81,11 @@ def lr_factor(o: OptimConfig, total_steps: int, steps_per_epoch: int) -> Callabl
 
 
 def clip_gradients(model: nn.Module, max_norm: float) -> torch.Tensor:
-    """The total L2 norm of the model's gradients, before clipping them to `max_norm` (0 = no clipping)."""
+    """The total L2 norm of the model's gradients, before clipping them to `max_norm` (0 = no clipping).
+    Under FSDP2 the gradients are sharded DTensors: their norm is reduced over the ranks, then read whole."""
     if max_norm > 0:
-        return nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))) if grads else torch.zeros(())
+        norm = nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    else:
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))) if grads else torch.zeros(())
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm

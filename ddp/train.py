@@ -87,9 +87,8 @@ def preflight(cfg: Config, processes: int) -> None:
     rank would make, made once, so that a mistake is one line (exit 2) instead of one per rank and the
     launcher's traceback. Downloads the data here, once, if it must. On the machines of a job on
     several (NODE_RANK set), also whether MASTER_ADDR resolves and answers; only node 0 locks."""
-    device = torch.device("cuda" if cfg.run.device != "cpu" and torch.cuda.device_count() else "cpu")
     node = launchers.node_rank()
-    with checked(cfg, World(0 if not node else processes - 1, 0, processes, device, "ddp")):
+    with checked(cfg, devices.planned(cfg.run, processes, node)):
         if node is not None:
             network.check_master(launchers.master_address() or "", launchers.master_port(), node, cfg.run.timeout_s)
 
@@ -131,7 +130,7 @@ class Job:
     stats: metrics.StepStats  # this rank's loss sums, gradient norms and finiteness, on the device
     train_loader: loaders.DeviceLoader | DataLoader  # uint8 batches of this rank's shard
     sampler: loaders.ResumableSampler  # the train loader's DistributedSampler
-    eval_loader: loaders.DeviceEvalLoader | DataLoader
+    eval_loader: loaders.EvalBatches  # as many batches on every rank
     to_input: Callable[[torch.Tensor], torch.Tensor]  # uint8 batch -> normalised float on the device
     criterion: nn.Module
     startup_s: float | None = None  # process start to the end of its first step (metrics.jsonl, first epoch)
@@ -153,10 +152,11 @@ def build(cfg: Config, world: World, data: datasets.Data, plan: Plan) -> tuple[J
     whitened = model[0] if m.whiten else None  # fast's stem (models.check: the one model with it)
     if whitened is not None:  # the same images on every rank, the same filters (DDP's wrap broadcasts rank 0's)
         models.whiten(whitened, to_input(data.train.images[: models.WHITEN_IMAGES]))
-    if cfg.train.sync_bn and world.parallel == "ddp":
+    if cfg.train.sync_bn and world.grouped:
         model = sync_bn.convert(model, world.device, world.process_group_backend)  # same parameters, same keys
     if cfg.run.channels_last:
         model = model.to(memory_format=torch.channels_last)
+    model = distributed.shard(model, world, plan.amp)  # fsdp: fully_shard per block, in place; the rest: as it is
     t, total_steps = cfg.train, cfg.train.epochs * steps
     optimizer, scheduler = optim.make_optimizer(model, cfg.optim, total_steps, steps, whitened)
     scaler = torch.amp.GradScaler(world.device.type, enabled=cfg.run.amp == "fp16")
@@ -372,7 +372,7 @@ def stop_if_diverged(job: Job, position: Position) -> None:
     being finite. Called where the step boundary syncs anyway (a checkpoint, an epoch's end), so a
     GPU step never waits for it. A step that fp16's GradScaler skips (inf gradients) has a finite
     loss and unchanged weights: not a divergence."""
-    state = [t for t in job.trained.model.state_dict().values() if t.is_floating_point()]  # BatchNorm's stats too
+    state = [distributed.local(t) for t in job.trained.model.state_dict().values() if t.is_floating_point()]
     weights_finite = bool(torch.stack([t.isfinite().all() for t in state]).all())
     stats = job.stats
     mine = (stats.first_non_finite(), float(stats.last_finite), weights_finite)

@@ -87,14 +87,16 @@ def test_a_mistake_every_rank_would_make_is_one_line_before_torchrun_starts(tmp_
     assert proc.stderr.count("error: ") == 1 and "Traceback" not in proc.stderr and "+ torchrun" not in proc.stderr
 
 
-def test_accelerate_multi_gpu_runs_2_processes_on_a_machine_without_gpus(tmp_path):
-    """--multi_gpu starts torchrun, which needs no GPU and no MPI: the ranks use the CPU and gloo."""
-    cmd = [str(BIN / "accelerate"), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+@pytest.mark.parametrize("mode, flags", [("ddp", ["--multi_gpu"]), ("fsdp", ["--use_fsdp", "--fsdp_version", "2"])])
+def test_accelerate_multi_gpu_runs_2_processes_on_a_machine_without_gpus(tmp_path, mode, flags):
+    """--multi_gpu (or --use_fsdp: run.parallel=fsdp) starts torchrun, which needs no GPU and no MPI: the
+    ranks use the CPU and gloo."""
+    cmd = [str(BIN / "accelerate"), "launch", *flags, "--num_processes", "2", "--num_machines", "1",
            "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port()), str(TRAIN),
            *ONE_EPOCH, f"run.out_dir={tmp_path}"]  # fmt: skip
     proc = subprocess.run(cmd, cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
-    assert "launcher=accelerate parallel=ddp world_size=2 device=cpu" in proc.stdout
+    assert f"launcher=accelerate parallel={mode} world_size=2 device=cpu" in proc.stdout
     assert metrics(tmp_path)[0]["world_size"] == 2
 
 

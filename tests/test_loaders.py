@@ -1,6 +1,8 @@
 """Loaders (ddp/loaders.py): every rank's share of each step, exact evaluation shards, the keyed
 augmentation, the device-resident path against the DataLoader path."""
 
+import math
+
 import pytest
 import torch
 
@@ -47,13 +49,19 @@ def test_n_ranks_see_per_step_what_one_process_sees(world_size, kind):
 
 @pytest.mark.parametrize("kind", LOADERS)
 @pytest.mark.parametrize("world_size", [1, 2, 3, 7])
-def test_eval_shards_partition_the_test_set(world_size, kind):
+def test_eval_shards_partition_the_test_set_in_as_many_batches_on_every_rank(world_size, kind):
+    """Every image exactly once (no padding duplicates), and every rank the same number of batches,
+    empty ones last where its shard ran out (at 2 ranks and batch 50: 51 and 50 images)."""
     n = 101
-    seen = []
-    for r in range(world_size):
-        loader = loaders.eval_loader(indexed_split(n), 8, world(r, world_size), 0, kind=kind)
-        seen += [i for _, labels in loader for i in labels.tolist()]
-    assert sorted(seen) == list(range(n))  # every image exactly once: no padding duplicates
+    for batch in (8, 50):
+        seen, counts = [], set()
+        for r in range(world_size):
+            loader = loaders.eval_loader(indexed_split(n), batch, world(r, world_size), 0, kind=kind)
+            batches = [labels.tolist() for _, labels in loader]
+            seen += [i for labels in batches for i in labels]
+            counts |= {len(batches), len(loader)}
+        assert sorted(seen) == list(range(n))
+        assert counts == {math.ceil(math.ceil(n / world_size) / batch)}
 
 
 def test_augmentation_crops_within_4px_and_flips_half():

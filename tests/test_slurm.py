@@ -67,18 +67,19 @@ def wait_until_done(env: dict[str, str], job: str, timeout: float) -> str:
     pytest.fail(f"job {job} still {job_field(env, job, 'JobState')} after {timeout} s (cancelled)")
 
 
-def test_sbatch_runs_torchrun_per_node_and_writes_metrics_and_a_checkpoint(slurm, tmp_path):
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_sbatch_runs_torchrun_per_node_and_writes_metrics_and_a_checkpoint(slurm, tmp_path, parallel):
     start = time.monotonic()
-    job = submit(slurm, tmp_path, *TINY)
+    job = submit(slurm, tmp_path, *TINY, f"run.parallel={parallel}")
     state = wait_until_done(slurm, job, timeout=180)
     log = (tmp_path / f"log-{job}.out").read_text()
     assert state == "COMPLETED", log
     out = tmp_path / f"slurm-{job}"  # out_dir per job id
     assert [m["epoch"] for m in metrics(out)] == [1, 2] and metrics(out)[-1]["world_size"] == 2
     assert (out / "checkpoints" / "last.pt").is_file()
-    assert "--rdzv_backend=c10d" in log and "launcher=torchrun" in log
+    assert "--rdzv_backend=c10d" in log and f"launcher=torchrun parallel={parallel}" in log
     version = subprocess.run(["sbatch", "--version"], env=slurm, capture_output=True, text=True).stdout.strip()
-    REPORT.append(f"sbatch slurm/train.sh ({version}, CPU, 2 ranks, 2 epochs): {state} "
+    REPORT.append(f"sbatch slurm/train.sh ({version}, CPU, 2 ranks, 2 epochs, {parallel}): {state} "
                   f"in {time.monotonic() - start:.1f} s from submit to done")  # fmt: skip
 
 
@@ -112,13 +113,15 @@ def test_a_stop_signal_requeues_the_job_and_it_resumes_to_the_same_weights(slurm
                   f"uninterrupted run; {time.monotonic() - start:.1f} s in all")  # fmt: skip
 
 
-def test_srun_starts_the_ranks_directly(slurm, tmp_path):
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_srun_starts_the_ranks_directly(slurm, tmp_path, parallel):
     proc = subprocess.run(
-        ["srun", "--ntasks=2", "python", str(TRAIN), *TINY, "train.epochs=1", f"run.out_dir={tmp_path}"],
+        ["srun", "--ntasks=2", "python", str(TRAIN), *TINY, "train.epochs=1", f"run.out_dir={tmp_path}",
+         f"run.parallel={parallel}"],
         cwd=REPO, env=slurm, capture_output=True, text=True, timeout=180,
     )  # fmt: skip
     ok(proc)
-    assert "launcher=slurm parallel=ddp world_size=2" in proc.stdout
+    assert f"launcher=slurm parallel={parallel} world_size=2" in proc.stdout
     assert metrics(tmp_path)[0]["world_size"] == 2
 
 

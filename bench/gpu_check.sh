@@ -9,6 +9,7 @@
 #   bench      python -m bench: images/s, one-batch ceiling, MFU, DDP overhead, startup, peak memory
 #   fast, resnet18   time to accuracy of configs/fast.yaml (after 3 warm-up steps) and configs/resnet18.yaml on the subset
 #   ranks      2 and 3 ranks on the one GPU (run.backend=gloo), each killed at a step and resumed; 1 rank nccl
+#   fsdp       run.parallel=fsdp beside ddp (bench/fsdp_memory.py): 1 rank nccl, 2 ranks sharing the GPU with gloo
 #   airbench   airbench94 (PyPI airbench 0.1.8) on the same subset: its time and accuracy beside ours
 #   lightning  Lightning training the same net with the same recipe, DDP on the one GPU (bench/lightning_fast.py)
 # STEP...: only those steps (e.g. `bash bench/gpu_check.sh bench` in a device call of its own, the
@@ -24,7 +25,7 @@ cd "$root"
 dry=0
 [ "${1:-}" = --dry-run ] && dry=1 && shift
 only=("$@")
-known=" env tests bench fast resnet18 ranks airbench lightning "
+known=" env tests bench fast resnet18 ranks fsdp airbench lightning "
 for name in "${only[@]}"; do
   [[ $known == *" $name "* ]] || { echo "gpu_check.sh: no step '$name' (steps:$known)" >&2; exit 64; }
 done
@@ -98,6 +99,16 @@ ranks() {  # 2 and 3 ranks sharing the GPU with gloo, each killed after step 5 t
     "run.out_dir=$out/ranks-1-nccl"
 }
 
+fsdp() {  # FSDP2 beside DDP, what each rank holds and images/s: 1 rank nccl, 2 ranks sharing the GPU with gloo
+  local sizes=(--model resnet18 --batch 256 --steps 10)
+  if [ $dry = 1 ]; then  # the CPU: 1 rank of the small net proves the commands (2 ranks: bench/results/fsdp-cpu.md)
+    "$py" bench/fsdp_memory.py --model small --batch 32 --steps 1 --ranks 1 --out "$out/fsdp-1.md"
+    return
+  fi
+  "$py" bench/fsdp_memory.py "${sizes[@]}" --ranks 1 --out "$out/fsdp-1-nccl.md" &&
+    "$py" bench/fsdp_memory.py "${sizes[@]}" --ranks 2 --backend gloo --out "$out/fsdp-2-gloo.md"
+}
+
 step env bash -c "nvidia-smi || echo 'no nvidia-smi'; $py -c 'import torch; print(torch.__version__, torch.version.cuda, torch.cuda.is_available() and torch.cuda.get_device_name(0))'"
 step tests "$py" -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_evaluate.py tests/test_sync_bn.py \
   "${test_select[@]}"
@@ -105,6 +116,7 @@ step bench "$py" -m bench "${bench[@]}" --out "$out"
 step fast train fast --config configs/fast.yaml run.warmup_steps=3 "${train_sizes[@]}"
 step resnet18 train resnet18 --config configs/resnet18.yaml "${train_sizes[@]}"
 step ranks ranks
+step fsdp fsdp
 if ! wanted airbench; then
   :
 elif [ -n "$airbench" ]; then

@@ -4,6 +4,7 @@ with -9 resumed bit for bit, and one line for what it does not do."""
 
 import json
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -119,3 +120,9 @@ def test_fp16_is_refused_with_bf16_named():
 def test_fsdp_without_a_launcher_says_how_to_start_one():
     proc = python(str(TRAIN), "run.parallel=fsdp", *JOB)
     assert proc.returncode == 2 and "run.parallel=fsdp needs one process per device: torchrun" in proc.stderr
+
+
+def test_a_torch_without_fully_shard_is_told_the_version_it_needs(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch.distributed.fsdp", None)  # `from torch.distributed.fsdp import` fails
+    with pytest.raises(UsageError, match=r"needs torch >= 2.6 \(torch.distributed.fsdp.fully_shard\); this is torch"):
+        checks.check_fsdp(config.load(None, []))

@@ -32,7 +32,8 @@ omp_threads "$nproc"
 # within run.timeout_s: torchrun would wait without end); node 0 also takes and checks the lock.
 preflight $((NNODES * nproc)) "$@"
 is_host=$([ "$NODE_RANK" = 0 ] && echo true || echo false)  # node 0 serves the rendezvous store
-cmd=(torchrun --nnodes="$nodes" --nproc_per_node="$nproc" --rdzv_backend=c10d --max-restarts="$restarts"
+cmd=(python "$root/ddp/torchrun.py" --nnodes="$nodes" --nproc_per_node="$nproc" --rdzv_backend=c10d
+  --max-restarts="$restarts"
   --rdzv_endpoint="$MASTER_ADDR:${MASTER_PORT:-29400}" --rdzv_id="${RDZV_ID:-ddp-cifar}"
   --rdzv_conf="is_host=$is_host${RDZV_CONF:+,$RDZV_CONF}" "$root/ddp/train.py" "$@")
 echo "+ ${cmd[*]}" >&2

@@ -8,6 +8,6 @@ source "$root/launch/common.sh"
 nproc=${NPROC:-$(gpu_count_or_2)}
 omp_threads "$nproc"
 preflight "$nproc" "$@"
-cmd=(torchrun --standalone --nproc_per_node="$nproc" "$root/ddp/train.py" "$@")
+cmd=(python "$root/ddp/torchrun.py" --standalone --nproc_per_node="$nproc" "$root/ddp/train.py" "$@")
 echo "+ ${cmd[*]}" >&2
 exec "${cmd[@]}"

@@ -41,7 +41,7 @@ preflight $((SLURM_JOB_NUM_NODES * nproc)) run.out_dir="${OUT_ROOT:-runs}/slurm-
 echo "job $job (restart ${SLURM_RESTART_COUNT:-0}) on ${SLURM_JOB_NUM_NODES} node(s) [$SLURM_JOB_NODELIST]," \
   "$nproc process(es) per node, rendezvous $addr:$port"
 cmd=(srun --ntasks-per-node=1 --kill-on-bad-exit=1
-  torchrun --nnodes="$SLURM_JOB_NUM_NODES" --nproc_per_node="$nproc" --rdzv_backend=c10d
+  python ddp/torchrun.py --nnodes="$SLURM_JOB_NUM_NODES" --nproc_per_node="$nproc" --rdzv_backend=c10d
   --rdzv_endpoint="$addr:$port" --rdzv_id="$job"
   ddp/train.py run.out_dir="${OUT_ROOT:-runs}/slurm-$job" "$@")
 echo "+ ${cmd[*]}"

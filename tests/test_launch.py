@@ -3,8 +3,10 @@ two "nodes" on loopback, accelerate launch (torchrun and MPI modes). SLURM itsel
 
 import os
 import re
+import signal
 import socket
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -64,8 +66,31 @@ def test_torchrun_launcher_defaults_to_2_cpu_processes_and_passes_arguments(tmp_
     env.pop("NPROC", None)
     proc = run_script("launch/torchrun.sh", *ONE_EPOCH, f"run.out_dir={tmp_path}", env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
-    assert "+ torchrun --standalone --nproc_per_node=2" in proc.stderr
+    assert "ddp/torchrun.py --standalone --nproc_per_node=2" in proc.stderr
     assert metrics(tmp_path)[0]["world_size"] == 2
+
+
+def test_ctrl_c_on_the_torchrun_script_ends_with_our_lines_and_130_and_a_killed_rank_is_named(tmp_path):
+    """Ctrl-C: SIGINT to the script's whole process group, as a terminal sends it. The ranks save and
+    say so; torchrun's SignalException traceback no longer follows; the exit code is 128 + SIGINT.
+    Then a rank killed with -9: the survivor's line, one line for the dead rank, 128 + SIGKILL."""
+    job = [*TINY, "data.synthetic_train=2048", "train.epochs=20", f"run.out_dir={tmp_path}"]
+    proc = subprocess.Popen(["bash", "launch/torchrun.sh", *job], cwd=REPO, env=clean_env(), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "metrics.jsonl").is_file() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGINT)
+    out = proc.communicate(timeout=120)[0]
+    lines = [line for line in out.splitlines() if not line.startswith(("W1", "*****"))]  # torchrun's log lines
+    assert proc.returncode == 130 and "Traceback" not in out, out
+    assert lines[-2].startswith("stopping on SIGINT: checkpoint ") and lines[-1] == (
+        "stopped on SIGINT; run the same command to resume"
+    ), out
+    fault = clean_env(DDP_CIFAR_FAULT="step:3:r1")
+    killed = run_script("launch/torchrun.sh", *TINY, f"run.out_dir={tmp_path / 'killed'}", env=fault)
+    assert killed.returncode == 128 + signal.SIGKILL and "Traceback" not in killed.stderr, killed.stderr
+    assert re.search(r"^error: rank 1 \(pid \d+\) was killed by SIGKILL$", killed.stderr, re.M), killed.stderr
 
 
 def test_launch_scripts_give_each_process_its_share_of_the_cores(tmp_path):

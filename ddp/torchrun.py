@@ -1,0 +1,51 @@
+"""torchrun as the launch files start it (`python ddp/torchrun.py ARGS`, torchrun's arguments): torch's own
+launcher in this process, which ends without its traceback when a stop signal or a failed rank ends
+it. The ranks have said why by then; the exit code says how (128 + N after signal N, else the rank's).
+
+Ctrl-C (SIGINT to the foreground group), scancel and `kill` reach torchrun's agent, which stops the
+ranks (each saves its checkpoint and says "run the same command to resume") and then raises
+SignalException, printed by torchrun as a 25-line traceback with exit 1. A rank that fails (a usage
+error, a lost peer) prints its own line; torchrun then repeats it in a failure box and a traceback.
+Here both end as the exit code alone, after the ranks' lines; a rank that ended without a line of its
+own (killed by a signal) gets one.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a file: import ddp from the repository, not ddp/'s modules as top-level ones
+    sys.path[0] = str(Path(__file__).resolve().parent.parent)
+
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.run import main as torchrun
+
+from ddp.errors import EXIT_FAILURE
+
+
+def main(argv: list[str]) -> int:
+    try:
+        torchrun(argv)
+    except SignalException as e:  # the ranks were stopped: their lines are printed
+        return 128 + int(e.sigval)
+    except ChildFailedError as e:
+        return failed(e)
+    return 0
+
+
+def failed(error: ChildFailedError) -> int:
+    """One line for each rank that ended without writing its own (killed by a signal: no error file);
+    the exit code of the first rank that failed (128 + N for signal N)."""
+    for rank, failure in sorted(error.failures.items()):
+        if not os.path.isfile(failure.error_file):
+            how = f"was killed by {failure.signal_name()}" if failure.exitcode < 0 else f"exited {failure.exitcode}"
+            print(f"error: rank {rank} (pid {failure.pid}) {how}", file=sys.stderr, flush=True)
+    code = error.get_first_failure()[1].exitcode
+    return code if code > 0 else 128 - code if code < 0 else EXIT_FAILURE
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -12,6 +12,7 @@ import socket
 import struct
 import time
 from collections.abc import MutableMapping
+from pathlib import Path
 
 from ddp.errors import PeerLost, UsageError
 
@@ -92,14 +93,16 @@ def pick_interface(master: str, spans_machines: bool, env: MutableMapping[str, s
 
 
 def check_master(master: str, port: int, node_rank: int, timeout_s: float) -> None:
-    """Before a launch on several machines (launch/multinode.sh, every node): MASTER_ADDR resolves here,
-    and from a node other than 0 its rendezvous port answers within `timeout_s` (node 0 may start
-    later). A name that does not resolve is a UsageError; no answer, PeerLost. torchrun itself waits
-    without end on both."""
+    """Before a launch on several machines (launch/multinode.sh, every node): MASTER_ADDR resolves here;
+    on node 0 the rendezvous port is free; from a node other than 0 it answers within `timeout_s` (node 0
+    may start later). A name that does not resolve or a port taken is a UsageError; no answer, PeerLost.
+    torchrun itself waits without end on both, or fails with two tracebacks."""
     host = socket.gethostname()
     to = resolve(master)
     if to is None:
         raise UsageError(f"MASTER_ADDR={master} does not resolve on {host}: check the name, or this host's /etc/hosts")
+    if node_rank == 0:
+        check_port_free(port)
     deadline, last = time.monotonic() + timeout_s, None
     while node_rank != 0 and time.monotonic() < deadline:
         try:
@@ -115,6 +118,50 @@ def check_master(master: str, port: int, node_rank: int, timeout_s: float) -> No
             f"MASTER_ADDR={master}:{port} ({to}) did not answer {host} within run.timeout_s={timeout_s:g} s ({why}); "
             "start NODE_RANK=0 on that host, open the port, or check MASTER_ADDR"
         )
+
+
+def check_port_free(port: int) -> None:
+    """On the host that serves the rendezvous: `port` free to listen on, as torchrun's store will (a
+    closed run's connections in TIME_WAIT do not count). Else one UsageError naming the program that
+    holds it, where /proc shows it, and a free port to take instead."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("", port))
+            return
+        except OSError as e:
+            why = e.strerror or str(e)
+    holder = listener(port)
+    with socket.socket() as free:
+        free.bind(("", 0))
+        other = free.getsockname()[1]
+    raise UsageError(
+        f"MASTER_PORT={port} is taken on {socket.gethostname()} ({why}{f': {holder}' if holder else ''}); "
+        f"the rendezvous listens there: set another free port on every node, e.g. MASTER_PORT={other}"
+    )
+
+
+def listener(port: int) -> str | None:
+    """'pid N (its command line)' of the process listening on TCP `port` here, from /proc (Linux; a
+    process of another user is seen by root only); None if none is found."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = [line.split() for line in Path(table).read_text().splitlines()[1:]]
+        except OSError:
+            continue
+        inodes |= {
+            f"socket:[{r[9]}]" for r in rows if len(r) > 9 and r[3] == "0A" and int(r[1].rsplit(":", 1)[1], 16) == port
+        }
+    for fd in Path("/proc").glob("[0-9]*/fd/*") if inodes else []:
+        try:
+            if os.readlink(fd) in inodes:
+                pid = fd.parent.parent.name
+                command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                return f"pid {pid} ({command.strip()})"
+        except OSError:
+            continue
+    return None
 
 
 def gloo_interface(env: MutableMapping[str, str] = os.environ) -> str:

@@ -37,7 +37,9 @@ if [ "$nproc" = 0 ]; then
   nproc=$(gpu_count_or_2)
 fi
 omp_threads "$nproc" "${SLURM_CPUS_ON_NODE:-}"  # the cores SLURM gave this node, shared by its processes
-preflight $((SLURM_JOB_NUM_NODES * nproc)) run.out_dir="${OUT_ROOT:-runs}/slurm-$job" "$@"  # on the first node
+# on the first node, which serves the rendezvous: also whether $port is free there
+MASTER_ADDR=$addr MASTER_PORT=$port NODE_RANK=0 preflight $((SLURM_JOB_NUM_NODES * nproc)) \
+  run.out_dir="${OUT_ROOT:-runs}/slurm-$job" "$@"
 echo "job $job (restart ${SLURM_RESTART_COUNT:-0}) on ${SLURM_JOB_NUM_NODES} node(s) [$SLURM_JOB_NODELIST]," \
   "$nproc process(es) per node, rendezvous $addr:$port"
 cmd=(srun --ntasks-per-node=1 --kill-on-bad-exit=1

@@ -125,6 +125,18 @@ def test_accelerate_multi_gpu_runs_2_processes_on_a_machine_without_gpus(tmp_pat
     assert metrics(tmp_path)[0]["world_size"] == 2
 
 
+def test_a_master_port_taken_on_node_0_is_one_line_naming_its_holder_before_torchrun(tmp_path):
+    with socket.socket() as held:  # another program listening on the port: here, this test
+        held.bind(("", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        env = clean_env(NNODES="1", NODE_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        proc = run_script("launch/multinode.sh", *ONE_EPOCH, f"run.out_dir={tmp_path}", env=env)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "+ python" not in proc.stderr, proc.stderr
+    assert f"error: MASTER_PORT={port} is taken on" in proc.stderr and f"pid {os.getpid()} (" in proc.stderr
+    assert re.search(r"set another free port on every node, e.g. MASTER_PORT=\d+$", proc.stderr.strip())
+
+
 def test_two_torchrun_agents_on_two_nodes_form_one_job(tmp_path):
     """launch/multinode.sh on two "machines": c10d rendezvous, 2 nodes x 1 process."""
     done = on_two_machines("launch/multinode.sh", "NODE_RANK", tmp_path, NNODES="2")

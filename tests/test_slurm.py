@@ -4,6 +4,7 @@ sbatch / srun / scancel / scontrol requeue. CPU jobs with gloo."""
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -81,6 +82,18 @@ def test_sbatch_runs_torchrun_per_node_and_writes_metrics_and_a_checkpoint(slurm
     version = subprocess.run(["sbatch", "--version"], env=slurm, capture_output=True, text=True).stdout.strip()
     REPORT.append(f"sbatch slurm/train.sh ({version}, CPU, 2 ranks, 2 epochs, {parallel}): {state} "
                   f"in {time.monotonic() - start:.1f} s from submit to done")  # fmt: skip
+
+
+def test_a_rendezvous_port_taken_on_the_first_node_fails_the_job_in_one_line(slurm, tmp_path):
+    with socket.socket() as held:  # another program listening on the job's port (MASTER_PORT sets it)
+        held.bind(("", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        job = submit({**slurm, "MASTER_PORT": str(port)}, tmp_path, *TINY)
+        state = wait_until_done(slurm, job, timeout=120)
+    log = (tmp_path / f"log-{job}.out").read_text()
+    assert state == "FAILED" and f"error: MASTER_PORT={port} is taken on" in log, log
+    assert "Traceback" not in log and "+ srun" not in log, log
 
 
 def test_a_stop_signal_requeues_the_job_and_it_resumes_to_the_same_weights(slurm, tmp_path):

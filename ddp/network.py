@@ -10,6 +10,8 @@ import ipaddress
 import os
 import socket
 import struct
+import subprocess
+import sys
 import time
 from collections.abc import MutableMapping
 from pathlib import Path
@@ -107,7 +109,14 @@ def check_master(master: str, port: int, node_rank: int, timeout_s: float) -> No
     while node_rank != 0 and time.monotonic() < deadline:
         try:
             with socket.create_connection((to, port), timeout=max(0.1, min(5.0, deadline - time.monotonic()))):
+                pass
+            if store_answers(to, port, min(timeout_s, 15.0)):
                 return
+            raise UsageError(
+                f"MASTER_ADDR={master}:{port} ({to}) accepts connections from {host} but does not answer as "
+                "torchrun's rendezvous store: another program on that port? Set MASTER_PORT to the port "
+                "NODE_RANK=0 uses (the same on every node)"
+            )
         except OSError as e:
             last = e
             time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
@@ -118,6 +127,22 @@ def check_master(master: str, port: int, node_rank: int, timeout_s: float) -> No
             f"MASTER_ADDR={master}:{port} ({to}) did not answer {host} within run.timeout_s={timeout_s:g} s ({why}); "
             "start NODE_RANK=0 on that host, open the port, or check MASTER_ADDR"
         )
+
+
+_PROBE = (
+    "import datetime, sys, torch.distributed as d; d.TCPStore(sys.argv[1], int(sys.argv[2]), is_master=False, "
+    "timeout=datetime.timedelta(seconds=float(sys.argv[3]))).check(['ddp-cifar-probe'])"
+)
+
+
+def store_answers(addr: str, port: int, seconds: float) -> bool:
+    """Whether a torch TCPStore (torchrun's rendezvous store) answers at addr:port within `seconds`. In
+    a process of its own: a TCPStore client facing another program can wait past its own timeout."""
+    try:
+        probe = [sys.executable, "-c", _PROBE, addr, str(port), str(seconds)]
+        return subprocess.run(probe, capture_output=True, timeout=seconds + 10).returncode == 0
+    except subprocess.TimeoutExpired:
+        return False
 
 
 def check_port_free(port: int) -> None:

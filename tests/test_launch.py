@@ -125,16 +125,27 @@ def test_accelerate_multi_gpu_runs_2_processes_on_a_machine_without_gpus(tmp_pat
     assert metrics(tmp_path)[0]["world_size"] == 2
 
 
-def test_a_master_port_taken_on_node_0_is_one_line_naming_its_holder_before_torchrun(tmp_path):
-    with socket.socket() as held:  # another program listening on the port: here, this test
+def test_a_master_port_held_by_another_program_is_one_line_on_node_0_and_on_the_others(tmp_path):
+    """Node 0: the port is taken (the holder named, a free one offered). Another node: the port accepts
+    connections but is no rendezvous store (torchrun's client would wait without end): said within
+    run.timeout_s + 10 s. Both before torchrun starts, exit 2."""
+    with socket.socket() as held:  # another program listening on the port (here this test; it never answers)
         held.bind(("", 0))
         held.listen()
         port = held.getsockname()[1]
-        env = clean_env(NNODES="1", NODE_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        proc = run_script("launch/multinode.sh", *ONE_EPOCH, f"run.out_dir={tmp_path}", env=env)
-    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "+ python" not in proc.stderr, proc.stderr
-    assert f"error: MASTER_PORT={port} is taken on" in proc.stderr and f"pid {os.getpid()} (" in proc.stderr
-    assert re.search(r"set another free port on every node, e.g. MASTER_PORT=\d+$", proc.stderr.strip())
+        env = clean_env(NNODES="2", NODE_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        node_0 = run_script("launch/multinode.sh", *ONE_EPOCH, f"run.out_dir={tmp_path}", env=env)
+        started = time.monotonic()
+        node_1 = run_script("launch/multinode.sh", *ONE_EPOCH, "run.timeout_s=2", env={**env, "NODE_RANK": "1"})
+        seconds = time.monotonic() - started
+    for proc in (node_0, node_1):
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "+ python" not in proc.stderr, proc.stderr
+    assert f"error: MASTER_PORT={port} is taken on" in node_0.stderr and f"pid {os.getpid()} (" in node_0.stderr
+    assert re.search(r"set another free port on every node, e.g. MASTER_PORT=\d+$", node_0.stderr.strip())
+    assert "accepts connections from" in node_1.stderr and "does not answer as torchrun's rendezvous store" in (
+        node_1.stderr
+    )
+    assert seconds < 2 + 10 + 10, seconds  # the probe's bound, and the preflight's own start
 
 
 def test_two_torchrun_agents_on_two_nodes_form_one_job(tmp_path):

@@ -113,6 +113,7 @@ def test_a_stop_signal_requeues_the_job_and_it_resumes_to_the_same_weights(slurm
     assert state == "COMPLETED", log
     assert job_field(slurm, job, "Restarts") == "1", log
     assert "stopping on SIGTERM: checkpoint" in log and f"scontrol requeue {job}: requeued" in log
+    assert "Traceback" not in log, log  # torchrun's SignalException ends as an exit code (ddp/torchrun.py)
     assert "resumed from" in log and f"job {job} (restart 1)" in log
     assert [m["epoch"] for m in metrics(out)] == [1, 2, 3, 4]  # each epoch once, the right number
 

@@ -330,3 +330,82 @@ def test_the_skypilot_tasks_run_section_on_two_hosts_as_skypilot_starts_it(tmp_p
     ok_all(results)
     assert f"--rdzv_endpoint={h0.address}:{PORT}" in results[1][2]
     assert metrics(tmp_path)[-1]["world_size"] == 2
+
+
+MANIFEST = REPO / "launch" / "kubernetes" / "pytorchjob.yaml"
+
+
+def test_the_kubernetes_manifest_trains_on_two_hosts_and_a_pod_lost_mid_run_resumes(tmp_path):
+    """launch/kubernetes/pytorchjob.yaml's own command, read from it, on two hosts with the environment
+    the training operator gives each pod: MASTER_ADDR (the master pod's name), MASTER_PORT (its port),
+    WORLD_SIZE and RANK by pod, torchrun's PET_* from nprocPerNode, and the container's own env. It
+    trains; the worker pod lost mid-run (every process on its host killed) ends the master pod's
+    command non-zero; both started again (restartPolicy OnFailure) resume, into one run.out_dir."""
+    job = yaml.safe_load(MANIFEST.read_text())
+    specs = job["spec"]["pytorchReplicaSpecs"]
+    assert specs["Worker"]["template"] == specs["Master"]["template"]  # one pod template
+    container = specs["Master"]["template"]["spec"]["containers"][0]
+    port = next(p["containerPort"] for p in container["ports"] if p["name"] == "pytorchjob-port")
+    own = {e["name"]: e["value"] for e in container["env"]}
+    out, timeout_s = tmp_path / "run", 8
+    own["TRAIN_ARGS"] = " ".join([*JOB, f"run.out_dir={out}", f"run.timeout_s={timeout_s}"])  # the test's sizes
+
+    def pod(host: Host, rank: int) -> subprocess.Popen:
+        operator = {"MASTER_ADDR": h0.name, "MASTER_PORT": str(port), "WORLD_SIZE": "2", "RANK": str(rank),
+                    "PET_NNODES": "2", "PET_NODE_RANK": str(rank), "PET_NPROC_PER_NODE": job["spec"]["nprocPerNode"],
+                    "PET_MASTER_ADDR": h0.name, "PET_MASTER_PORT": str(port), "PYTHONUNBUFFERED": "0"}  # fmt: skip
+        return host.popen([*container["command"], *container["args"]], REPO, clean_env(**operator, **own))
+
+    with hosts(2) as (h0, h1):
+        master, worker = pod(h0, 0), pod(h1, 1)
+        deadline = time.monotonic() + 120
+        while not rundir.step_files(out):
+            assert master.poll() is None and worker.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        kill_orphans(h1.pids())  # the worker's node is gone
+        assert master.wait(timeout=timeout_s + 30) != 0
+        finish(master, worker)
+        restarted = finish(pod(h0, 0), pod(h1, 1))
+    ok_all(restarted)
+    assert "resumed from" in restarted[0][1] and "launcher=torchrun parallel=ddp world_size=2" in restarted[0][1]
+    assert [m["epoch"] for m in metrics(out)] == [1, 2, 3] and (out / "checkpoints" / "last.pt").is_file()
+
+
+def test_the_kubernetes_manifest_names_only_fields_of_the_pytorchjob_api():
+    """Every key of the manifest is a field of kubeflow.org/v1 PyTorchJob (and of the Kubernetes pod
+    template inside): a typo would be dropped or refused by the cluster, unseen here."""
+    fields = {
+        "": {"apiVersion", "kind", "metadata", "spec"},
+        "metadata": {"name", "namespace", "labels", "annotations"},
+        "spec": {"runPolicy", "elasticPolicy", "pytorchReplicaSpecs", "nprocPerNode"},
+        "spec.runPolicy": {"cleanPodPolicy", "ttlSecondsAfterFinished", "activeDeadlineSeconds", "backoffLimit",
+                           "schedulingPolicy", "suspend", "managedBy"},
+        "spec.pytorchReplicaSpecs": {"Master", "Worker"},
+        "replica": {"replicas", "template", "restartPolicy"},
+        "replica.template": {"metadata", "spec"},
+        "pod": {"containers", "volumes", "nodeSelector", "tolerations", "affinity", "serviceAccountName",
+                "priorityClassName", "initContainers", "securityContext", "imagePullSecrets"},
+        "container": {"name", "image", "imagePullPolicy", "workingDir", "command", "args", "env", "envFrom", "ports",
+                      "resources", "volumeMounts", "securityContext"},
+        "port": {"name", "containerPort", "protocol"},
+        "resources": {"limits", "requests"},
+        "volumeMount": {"name", "mountPath", "readOnly", "subPath"},
+        "volume": {"name", "persistentVolumeClaim", "emptyDir", "hostPath", "nfs", "configMap", "secret"},
+    }  # fmt: skip
+    job = yaml.safe_load(MANIFEST.read_text())
+    assert (job["apiVersion"], job["kind"]) == ("kubeflow.org/v1", "PyTorchJob")
+    spec = job["spec"]
+    checked = [("", job), ("metadata", job["metadata"]), ("spec", spec), ("spec.runPolicy", spec["runPolicy"]),
+               ("spec.pytorchReplicaSpecs", spec["pytorchReplicaSpecs"])]  # fmt: skip
+    for replica in job["spec"]["pytorchReplicaSpecs"].values():
+        pod = replica["template"]["spec"]
+        checked += [("replica", replica), ("replica.template", replica["template"]), ("pod", pod)]
+        assert replica["restartPolicy"] in ("Always", "OnFailure", "Never", "ExitCode")
+        for container in pod["containers"]:
+            checked += [("container", container), ("resources", container.get("resources", {}))]
+            checked += [("port", p) for p in container.get("ports", [])]
+            checked += [("volumeMount", m) for m in container.get("volumeMounts", [])]
+        checked += [("volume", v) for v in pod.get("volumes", [])]
+        assert [c["name"] for c in pod["containers"]][:1] == ["pytorch"]  # the operator's container name
+    for where, mapping in checked:
+        assert set(mapping) <= fields[where], f"{where}: {set(mapping) - fields[where]} not in the API"

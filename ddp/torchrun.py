@@ -7,13 +7,18 @@ ranks (each saves its checkpoint and says "run the same command to resume") and 
 SignalException, printed by torchrun as a 25-line traceback with exit 1. A rank that fails (a usage
 error, a lost peer) prints its own line; torchrun then repeats it in a failure box and a traceback.
 Here both end as the exit code alone, after the ranks' lines; a rank that ended without a line of its
-own (killed by a signal) gets one.
+own (killed by a signal) gets one. And an agent that still waits GRACE_S after its last rank ended (on
+a host cut off, torchrun's agent waits on the rendezvous store on another host for minutes) leaves,
+saying so, where no restart can follow (--max-restarts 0).
 """
 
 from __future__ import annotations
 
 import os
+import socket
 import sys
+import threading
+import time
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a file: import ddp from the repository, not ddp/'s modules as top-level ones
@@ -22,11 +27,16 @@ if __package__ in (None, ""):  # run as a file: import ddp from the repository, 
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import main as torchrun
+from torch.distributed.run import parse_args
 
 from ddp.errors import EXIT_FAILURE
 
+GRACE_S = 20.0  # how long the agent may outlive its ranks (its own exit barrier waits on the other hosts)
+
 
 def main(argv: list[str]) -> int:
+    if parse_args(argv).max_restarts == 0:
+        threading.Thread(target=leave_after_the_ranks, name="ddp-agent-watch", daemon=True).start()
     try:
         torchrun(argv)
     except SignalException as e:  # the ranks were stopped: their lines are printed
@@ -45,6 +55,36 @@ def failed(error: ChildFailedError) -> int:
             print(f"error: rank {rank} (pid {failure.pid}) {how}", file=sys.stderr, flush=True)
     code = error.get_first_failure()[1].exitcode
     return code if code > 0 else 128 - code if code < 0 else EXIT_FAILURE
+
+
+def leave_after_the_ranks() -> None:
+    """Once every rank this agent started has ended, the agent has GRACE_S to end too; then this
+    process leaves (exit 1) with one line."""
+    seen, ended_at = False, None
+    while True:
+        time.sleep(0.5)
+        if _ranks_running():
+            seen, ended_at = True, None
+        elif seen:
+            ended_at = ended_at or time.monotonic()
+            if time.monotonic() - ended_at > GRACE_S:
+                host = socket.gethostname()
+                line = f"torchrun's agent on {host} still waited {GRACE_S:.0f} s after its ranks ended"
+                print(f"error: {line} (for its rendezvous store on another host?): left", file=sys.stderr, flush=True)
+                os._exit(EXIT_FAILURE)
+
+
+def _ranks_running() -> bool:
+    """Whether a child of this process runs (not a zombie): the ranks, started by the agent."""
+    me = str(os.getpid())
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # after "pid (command)": state, ppid, ...
+        except OSError:
+            continue
+        if fields[1] == me and fields[0] != "Z":
+            return True
+    return False
 
 
 if __name__ == "__main__":

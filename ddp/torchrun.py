@@ -9,7 +9,8 @@ error, a lost peer) prints its own line; torchrun then repeats it in a failure b
 Here both end as the exit code alone, after the ranks' lines; a rank that ended without a line of its
 own (killed by a signal) gets one. And an agent that still waits GRACE_S after its last rank ended (on
 a host cut off, torchrun's agent waits on the rendezvous store on another host for minutes) leaves,
-saying so, where no restart can follow (--max-restarts 0).
+saying so: at once without restarts (--max-restarts 0); in an elastic job, which may restart its ranks,
+when its rendezvous store does not answer either.
 """
 
 from __future__ import annotations
@@ -35,8 +36,10 @@ GRACE_S = 20.0  # how long the agent may outlive its ranks (its own exit barrier
 
 
 def main(argv: list[str]) -> int:
-    if parse_args(argv).max_restarts == 0:
-        threading.Thread(target=leave_after_the_ranks, name="ddp-agent-watch", daemon=True).start()
+    args = parse_args(argv)
+    store = None if args.max_restarts == 0 else args.rdzv_endpoint
+    if store is None or ":" in store:  # (an elastic job without an endpoint of its own: not watched)
+        threading.Thread(target=leave_after_the_ranks, args=(store,), name="ddp-agent-watch", daemon=True).start()
     try:
         torchrun(argv)
     except SignalException as e:  # the ranks were stopped: their lines are printed
@@ -57,9 +60,10 @@ def failed(error: ChildFailedError) -> int:
     return code if code > 0 else 128 - code if code < 0 else EXIT_FAILURE
 
 
-def leave_after_the_ranks() -> None:
-    """Once every rank this agent started has ended, the agent has GRACE_S to end too; then this
-    process leaves (exit 1) with one line."""
+def leave_after_the_ranks(store: str | None) -> None:
+    """Once every rank this agent started has ended, the agent has GRACE_S to end too (or to start
+    new ones); then this process leaves (exit 1) with one line, unless `store` ("host:port": an elastic
+    job's rendezvous) still accepts a connection: the agent may be waiting there for its next ranks."""
     seen, ended_at = False, None
     while True:
         time.sleep(0.5)
@@ -67,11 +71,22 @@ def leave_after_the_ranks() -> None:
             seen, ended_at = True, None
         elif seen:
             ended_at = ended_at or time.monotonic()
-            if time.monotonic() - ended_at > GRACE_S:
+            if time.monotonic() - ended_at > GRACE_S and store and _answers(store):
+                ended_at = time.monotonic()  # another grace, then ask again
+            elif time.monotonic() - ended_at > GRACE_S:
                 host = socket.gethostname()
                 line = f"torchrun's agent on {host} still waited {GRACE_S:.0f} s after its ranks ended"
                 print(f"error: {line} (for its rendezvous store on another host?): left", file=sys.stderr, flush=True)
                 os._exit(EXIT_FAILURE)
+
+
+def _answers(endpoint: str) -> bool:
+    host, _, port = endpoint.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=3.0):
+            return True
+    except (OSError, ValueError):
+        return False
 
 
 def _ranks_running() -> bool:

@@ -321,6 +321,39 @@ def test_an_elastic_job_that_loses_a_node_finishes_on_the_other_with_the_same_we
                   f"{diff:.1e} from one uninterrupted process")  # fmt: skip
 
 
+def test_an_elastic_node_cut_off_ends_its_launcher_while_the_other_finishes_alone(tmp_path):
+    """The same elastic job, longer; h1's link goes down after the first checkpoint. h0 goes on alone
+    and finishes. h1 cannot go on (its rendezvous store is on h0): its rank leaves naming the cut, and
+    its launcher, torchrun's agent included, is gone within run.timeout_s + 30 s, non-zero."""
+    out, timeout_s = tmp_path / "elastic", 10
+    job = [*ELASTIC, "data.synthetic_train=2048", "run.save_every_steps=8", f"run.out_dir={out}"]
+    rdzv = "last_call_timeout=8,keep_alive_interval=1,keep_alive_max_attempt=2"
+    with hosts(2) as (h0, h1):
+        procs = [
+            host.popen(["bash", "launch/multinode.sh", *job], REPO,
+                       clean_env(NNODES="2", MIN_NODES="1", NODE_RANK=str(rank), MASTER_ADDR=h0.name,
+                                 MASTER_PORT=PORT, NPROC="1", RDZV_CONF=rdzv))
+            for rank, host in enumerate((h0, h1))
+        ]  # fmt: skip
+        deadline = time.monotonic() + 120
+        while not rundir.step_files(out):
+            assert all(p.poll() is None for p in procs) and time.monotonic() < deadline
+            time.sleep(0.05)
+        h1.link(False)
+        cut = time.monotonic()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            procs[1].wait(timeout=timeout_s + 30)
+        h1_left = time.monotonic() - cut
+        procs[1].kill()
+        (code, stdout, err), (h1_code, _, h1_err) = finish(*procs, timeout=240)
+        h1.link(True)
+    assert code == 0, err[-3000:]
+    assert h1_code not in (None, 0) and h1_left < timeout_s + 30, (h1_code, h1_left, h1_err[-3000:])
+    assert f"error: torchrun's agent on {h1.name} still waited 20 s after its ranks ended" in h1_err
+    assert metrics(out)[-1]["epoch"] == 2 and metrics(out)[-1]["world_size"] == 1
+    REPORT.append(f"elastic job, h1's link down: h0 finished alone; h1's launcher gone {h1_left:.1f} s after the cut")
+
+
 def test_the_skypilot_tasks_run_section_on_two_hosts_as_skypilot_starts_it(tmp_path):
     """launch/skypilot.yaml's `run` on each host with the variables SkyPilot sets (the first line of
     SKYPILOT_NODE_IPS is the head node): one job of 2 ranks, rendezvous at the head's address."""

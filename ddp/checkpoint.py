@@ -70,11 +70,11 @@ def build_state(
     ranks: list[dict[str, Any]],
     info: RunInfo,
     metrics: dict | None,
-    full: tuple[dict[str, Any], dict[str, Any]] | None = None,
+    full: tuple[dict[str, Any], dict[str, Any]],
 ) -> dict[str, Any]:
     """The checkpoint of `trained` at `position`; `ranks` is every rank's rank_state, in rank order;
-    `full`, the model's and optimizer's whole state dicts (distributed.full_state) if gathered already."""
-    model, optimizer = full or (trained.model.state_dict(), trained.optimizer.state_dict())
+    `full`, the model's and optimizer's whole state dicts (distributed.full_state)."""
+    model, optimizer = full
     return {
         "format": FORMAT,
         "epoch": position.epochs_done,  # completed epochs

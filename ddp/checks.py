@@ -112,7 +112,8 @@ def check_fsdp(cfg: Config) -> None:
     for key, (on, why) in refused.items():
         if on:
             raise UsageError(f"{key} does not work with run.parallel=fsdp ({why}); use run.parallel=ddp for it")
-    tuned = [name for name, value in vars(cfg.ddp).items() if value != getattr(DdpConfig(), name)]
+    default = DdpConfig()
+    tuned = [name for name, value in vars(cfg.ddp).items() if value != getattr(default, name)]
     if tuned:
         raise UsageError(
             f"ddp.{tuned[0]} tunes DistributedDataParallel, which run.parallel=fsdp does not use: leave ddp.* at "

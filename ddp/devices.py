@@ -17,6 +17,7 @@ from ddp.config import RunConfig
 from ddp.errors import UsageError
 from ddp.launchers import Env, Launch
 
+GROUPED = ("ddp", "fsdp")  # the parallel modes of a process group: one process per device, launched together
 _DEVICE = re.compile(r"^(auto|cpu|cuda|cuda:(\d+))$")
 
 
@@ -41,7 +42,7 @@ class World:
     @property
     def grouped(self) -> bool:
         """One of the processes of a process group (ddp or fsdp): collectives reach the other ranks."""
-        return self.parallel in ("ddp", "fsdp")
+        return self.parallel in GROUPED
 
     @property
     def process_group_backend(self) -> str:
@@ -101,7 +102,7 @@ def _single_process(run: RunConfig, cuda_count: int) -> World:
     """The World of a process that no launcher started: one device, or nn.DataParallel over them all."""
     device = resolve_device(run.device, None, cuda_count)
     parallel = "none" if run.parallel == "auto" else run.parallel
-    if parallel in ("ddp", "fsdp"):
+    if parallel in GROUPED:
         raise UsageError(
             f"run.parallel={parallel} needs one process per device: "
             "torchrun --standalone --nproc_per_node=N ddp/train.py ..."
@@ -139,7 +140,7 @@ def resolve(run: RunConfig, env: Env = os.environ, cuda_count: int | None = None
             f"{launch.world_size} unrelated models; use run.parallel=ddp (or auto)"
         )
     device = resolve_device(run.device, launch, cuda_count, run.backend)
-    if parallel not in ("ddp", "fsdp"):
+    if parallel not in GROUPED:
         return World(0, launch.local_rank, 1, device, parallel, launch.launcher, backend=run.backend)
     return World(
         launch.rank, launch.local_rank, launch.world_size, device, parallel, launch.launcher, launch.init_method,

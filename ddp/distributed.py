@@ -159,8 +159,9 @@ def micro_batches(wrapped: nn.Module, count: int) -> Iterator[contextlib.Abstrac
     under FSDP2 the same with set_requires_gradient_sync (reduce-scattered once, in the last)."""
     ddp = isinstance(wrapped, DistributedDataParallel)
     sharded = getattr(wrapped, "_orig_mod", wrapped)  # compiled: the model inside
+    sharded = sharded if count > 1 and fsdp.is_sharded(sharded) else None  # one micro-batch: syncs as it is
     for i in range(count):
-        if fsdp.is_sharded(sharded):
+        if sharded is not None:
             sharded.set_requires_gradient_sync(i == count - 1)
         yield wrapped.no_sync() if ddp and i < count - 1 else contextlib.nullcontext()
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from ddp import checkpoint, metrics, rng
+from ddp import checkpoint, distributed, metrics, rng
 
 
 def throwaway_steps(
@@ -26,7 +26,8 @@ def throwaway_steps(
     GradScaler, moving average, lookahead; checkpoint.restore), this rank's step statistics and RNG
     states. Returns the seconds the steps took."""
     trained, device = checkpoints.trained, checkpoints.world.device
-    kept = copy.deepcopy(checkpoint.build_state(trained, position, [], checkpoints.info, None))
+    full = distributed.full_state(trained.model, trained.optimizer)
+    kept = copy.deepcopy(checkpoint.build_state(trained, position, [], checkpoints.info, None, full))
     kept_stats, kept_rng = [t.clone() for t in stats.tensors()], rng.get_state(device)
     metrics.synchronize(device)
     started = time.perf_counter()

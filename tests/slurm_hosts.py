@@ -29,9 +29,7 @@ def slurm_cluster(hosts: list[Host], state: Path) -> Iterator[dict[str, str]]:
     for tool, package in tools:
         require(tool, f"apt-get install {package}")
     state.mkdir(parents=True, exist_ok=True)
-    key, socket = state / "munge.key", state / "munge.socket"
-    subprocess.run(["dd", "if=/dev/urandom", f"of={key}", "bs=1024", "count=1"], check=True, capture_output=True)
-    key.chmod(0o400)
+    socket = state / "munge.socket"
     nodes = " ".join(f"{h.name}:{h.address}" for h in hosts)
     env = clean_env(
         SLURM_STATE=str(state), SLURM_NODES=nodes, MUNGE_SOCKET=str(socket), SLURMCTLD_PORT="6917", SLURMD_PORT="6918"
@@ -42,9 +40,7 @@ def slurm_cluster(hosts: list[Host], state: Path) -> Iterator[dict[str, str]]:
     env["SLURM_CONF"] = conf
     daemons = []
     try:
-        munged = ["munged", "--foreground", f"--key-file={key}", f"--socket={socket}", f"--pid-file={state}/munged.pid",
-                  f"--log-file={state}/munged.log", f"--seed-file={state}/munged.seed", "--force"]  # fmt: skip
-        daemons.append(subprocess.Popen(munged, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        daemons.append(private_munged(state))
         daemons.append(subprocess.Popen(hosts[0].command(["slurmctld", "-D", "-f", str(conf)]), env=env,
                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))  # fmt: skip
         for host in hosts:
@@ -59,6 +55,17 @@ def slurm_cluster(hosts: list[Host], state: Path) -> Iterator[dict[str, str]]:
             daemon.kill()
             daemon.wait()
         shutil.rmtree(state, ignore_errors=True)
+
+
+def private_munged(state: Path) -> subprocess.Popen:
+    """A munged of its own (key and socket in `state`), beside any other on this machine."""
+    state.mkdir(parents=True, exist_ok=True)
+    key, socket = state / "munge.key", state / "munge.socket"
+    subprocess.run(["dd", "if=/dev/urandom", f"of={key}", "bs=1024", "count=1"], check=True, capture_output=True)
+    key.chmod(0o400)
+    munged = ["munged", "--foreground", f"--key-file={key}", f"--socket={socket}", f"--pid-file={state}/munged.pid",
+              f"--log-file={state}/munged.log", f"--seed-file={state}/munged.seed", "--force"]  # fmt: skip
+    return subprocess.Popen(munged, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def _wait_for_nodes(hosts: list[Host], env: dict[str, str], state: Path, timeout: float = 60) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from conftest import (
     seconds_until_gone,
     torchrun,
 )
+from slurm_hosts import private_munged
 
 CLUSTER = REPO / "slurm" / "cluster.sh"
 # Long enough (4 epochs x 32 steps, ~1 s an epoch) that a stop signal lands mid-run.
@@ -182,8 +184,10 @@ def test_srun_killed_leaves_no_task_and_the_same_command_resumes_to_the_same_wei
 
 
 def test_a_cold_start_after_the_daemons_died_begins_with_an_empty_queue(slurm):
-    """The machine restarts (every SLURM process dies at once, a job running): `cluster.sh start` must
-    not recover that job as RUNNING, where it would hold the node and queue every later job forever.
+    """The machine restarts (every SLURM process and munged die at once, a job running): `cluster.sh start`
+    must not recover that job as RUNNING, where it would hold the node and queue every later job forever,
+    and must start a munged of its own while another cluster's runs (tests/slurm_hosts.py's, in a parallel
+    worker: CI's start hung on it, slurmctld waiting on a socket no one served).
     Last in this module: it restarts the cluster the tests above share."""
     job = subprocess.run(["sbatch", "--parsable", "--output=/dev/null", "--wrap=sleep 600"],
                          env=slurm, capture_output=True, text=True, timeout=60)  # fmt: skip
@@ -197,12 +201,18 @@ def test_a_cold_start_after_the_daemons_died_begins_with_an_empty_queue(slurm):
     listed = subprocess.run(["scontrol", "listpids", job_id], env=slurm, capture_output=True, text=True).stdout
     doomed = [int(line.split()[0]) for line in listed.splitlines()[1:] if line.split()[0].isdigit()]
     doomed += [int((state / f"{daemon}.pid").read_text()) for daemon in ("slurmctld", "slurmd")]
+    doomed += [int(Path("/run/munge/munged.pid").read_text())]  # munged too: start must bring it back
     doomed += [int(pid) for pid in subprocess.run(["pgrep", "-f", f"slurmstepd: \\[{job_id}\\."],
                                                   capture_output=True, text=True).stdout.split()]  # fmt: skip
     for pid in doomed:  # all at once, as a power cut would
         os.kill(pid, 9)
     seconds_until_gone(doomed, time.monotonic())
-    started = subprocess.run(["bash", str(CLUSTER), "start"], capture_output=True, text=True, timeout=120)
+    other = private_munged(Path(tempfile.mkdtemp(prefix="other-munge-")))
+    try:
+        started = subprocess.run(["bash", str(CLUSTER), "start"], capture_output=True, text=True, timeout=120)
+    finally:
+        other.kill()
+        other.wait()
     assert started.returncode == 0, started.stderr
     queue = subprocess.run(["squeue", "-h"], env=slurm, capture_output=True, text=True, timeout=30)
     assert queue.stdout.strip() == "", f"a dead job came back:\n{queue.stdout}"

@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
-import tempfile
 import time
 from pathlib import Path
 
@@ -183,7 +182,7 @@ def test_srun_killed_leaves_no_task_and_the_same_command_resumes_to_the_same_wei
     REPORT.append(f"kill -9 of srun mid-training: its tasks gone {gone:.1f} s later, then resumed bitwise")
 
 
-def test_a_cold_start_after_the_daemons_died_begins_with_an_empty_queue(slurm):
+def test_a_cold_start_after_the_daemons_died_begins_with_an_empty_queue(slurm, tmp_path):
     """The machine restarts (every SLURM process and munged die at once, a job running): `cluster.sh start`
     must not recover that job as RUNNING, where it would hold the node and queue every later job forever,
     and must start a munged of its own while another cluster's runs (tests/slurm_hosts.py's, in a parallel
@@ -207,7 +206,7 @@ def test_a_cold_start_after_the_daemons_died_begins_with_an_empty_queue(slurm):
     for pid in doomed:  # all at once, as a power cut would
         os.kill(pid, 9)
     seconds_until_gone(doomed, time.monotonic())
-    other = private_munged(Path(tempfile.mkdtemp(prefix="other-munge-")))
+    other = private_munged(tmp_path / "other-munge")
     try:
         started = subprocess.run(["bash", str(CLUSTER), "start"], capture_output=True, text=True, timeout=120)
     finally:

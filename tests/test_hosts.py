@@ -19,6 +19,7 @@ from conftest import (
     REPORT,
     TINY,
     TRAIN,
+    assert_free_and_whole,
     clean_env,
     cmdline,
     kill_orphans,
@@ -63,12 +64,16 @@ def ok_all(results: list[tuple[int, str, str]]) -> None:
 
 def test_two_hosts_two_ranks_each_by_name_then_resumed_on_one(tmp_path):
     """World size 4 across 2 hosts (rendezvous at h0 by name): each test image counted once, the
-    checkpoint whole; the same run then continues on h0 alone (2 ranks, same global batch)."""
+    checkpoint whole; the same run then continues on h0 alone (2 ranks, same global batch).
+    Each host has its own name on 127.0.1.1, as Debian and Ubuntu write /etc/hosts: gloo would
+    advertise that address and the other host could not reach it. Each says which interface it uses."""
     out = tmp_path / "run"
-    with hosts(2) as (h0, h1):
+    with hosts(2, loopback_names=(0, 1)) as (h0, h1):
         args = [*TINY, f"run.out_dir={out}"]
         results = finish(multinode(h0, 0, h0, *args, nproc=2), multinode(h1, 1, h0, *args, nproc=2))
         ok_all(results)
+        for (_, stdout, _), host in zip(results, (h0, h1)):
+            assert f"{host.name} resolves to 127.0.1.1: gloo/nccl use eth0 ({host.address})" in stdout
         assert "launcher=torchrun parallel=ddp world_size=4" in results[0][1]
         assert [(m["world_size"], m["test_images"]) for m in metrics(out)] == [(4, 101), (4, 101)]
         checkpoint.load(rundir.last_path(out))
@@ -76,18 +81,6 @@ def test_two_hosts_two_ranks_each_by_name_then_resumed_on_one(tmp_path):
         assert code == 0, err[-3000:]
     assert "saved at world_size 4, now 2; same global batch 32" in stdout
     assert [m["world_size"] for m in metrics(out)] == [4, 4, 2]
-
-
-def test_hosts_whose_own_names_are_loopback_advertise_the_interface_to_the_master(tmp_path):
-    """Debian and Ubuntu put `127.0.1.1 <hostname>` in /etc/hosts: gloo would advertise that address
-    and the other host could not reach it. Each host says which interface it uses, and the job trains."""
-    with hosts(2, loopback_names=(0, 1)) as (h0, h1):
-        args = [*TINY, "train.epochs=1", f"run.out_dir={tmp_path}"]
-        results = finish(multinode(h0, 0, h0, *args), multinode(h1, 1, h0, *args))
-    ok_all(results)
-    for (_, stdout, _), host in zip(results, (h0, h1)):
-        assert f"{host.name} resolves to 127.0.1.1: gloo/nccl use eth0 ({host.address})" in stdout
-    assert metrics(tmp_path)[-1]["world_size"] == 2
 
 
 def one_error_line(err: str) -> str:
@@ -125,62 +118,69 @@ def test_a_master_that_does_not_resolve_answer_or_let_through_is_one_line_in_bou
     REPORT.append("before torchrun, from node 1: " + "; ".join(seen))
 
 
-@pytest.mark.parametrize("how", ["its link goes down", "its processes are killed"])
-def test_a_host_lost_mid_training_every_rank_leaves_and_the_same_command_resumes(tmp_path, how):
-    """h1 is lost: the rank on h0 leaves within run.timeout_s naming rank 1 and its host; a rank on a
-    host cut off leaves too, saying so; every checkpoint is whole. With h1 back, the same command on
-    both hosts finishes the run."""
+def lose_h1(h0: Host, h1: Host, procs: list[subprocess.Popen], out, timeout_s: int, cut: bool):
+    """Once training is under way, h1 is lost: its link goes down (`cut`) or every process on it is
+    killed. The rank on each host must leave within run.timeout_s + 20 s and each host's launcher
+    (torchrun's agent included) within run.timeout_s + 30 s, non-zero; every checkpoint is whole. Then
+    h1 comes back, with nothing of the job left on it. Returns (seconds until each host's rank left,
+    (exit code, seconds) of each launcher, each launcher's stderr)."""
+    deadline = time.monotonic() + 120
+    while not rundir.step_files(out):
+        assert all(p.poll() is None for p in procs) and time.monotonic() < deadline
+        time.sleep(0.05)
+    ranks = {
+        h.name: [p for p in h.pids() if b"ddp/train.py" in cmdline(p) and b"torchrun" not in cmdline(p)]
+        for h in (h0, h1)
+    }  # fmt: skip (not torchrun's agents: a cut-off one waits on its store in the kernel)
+    if cut:
+        h1.link(False)
+    else:
+        kill_orphans(h1.pids())
+    lost, left = time.monotonic(), {}
+    while len(left) < 2:
+        for name, pids in ranks.items():
+            if name not in left and not any(running(pid) for pid in pids):
+                left[name] = time.monotonic() - lost
+        assert time.monotonic() - lost < timeout_s + 20, f"still running {timeout_s + 20} s after: {left}"
+        time.sleep(0.1)
+    launchers_left = []  # each host's launch, torchrun's agent included: gone on its own (a cut-off one
+    for proc in procs:  # waited minutes on the store on h0, ddp/torchrun.py ends it after its ranks)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=max(0.1, lost + timeout_s + 30 - time.monotonic()))
+        launchers_left.append((proc.returncode, time.monotonic() - lost))
+        proc.kill()
+    errors = [proc.communicate(timeout=30)[1] for proc in procs]
+    assert all(code not in (None, 0) for code, _ in launchers_left), (launchers_left, errors[1][-3000:])
+    for path in rundir.step_files(out):
+        checkpoint.load(path)
+    h1.link(True)
+    back = time.monotonic()
+    while any(running(pid) for pid in h1.pids()):  # h1's torchrun agent: its store connection breaks now
+        assert time.monotonic() - back < 60, "h1's torchrun still waits a minute after its link came back"
+        time.sleep(0.1)
+    return left, launchers_left, errors
+
+
+def test_a_host_cut_off_mid_training_every_rank_and_launcher_leaves_and_leaves_a_run_to_resume(tmp_path):
+    """h1's link goes down: the rank on h0 leaves within run.timeout_s naming rank 1 and its host; the
+    rank on h1 leaves too, saying it is cut off, and its launcher after it; with h1 back, nothing of
+    the run is left on either host, the run's lock is free and every checkpoint whole: what the same
+    command needs to resume (the Kubernetes test below resumes after h1's processes are killed)."""
     out, timeout_s = tmp_path / "run", 8
     args = [*JOB, f"run.out_dir={out}", f"run.timeout_s={timeout_s}"]
     with hosts(2) as (h0, h1):
         procs = [multinode(h0, 0, h0, *args), multinode(h1, 1, h0, *args)]
-        deadline = time.monotonic() + 120
-        while not rundir.step_files(out):
-            assert all(p.poll() is None for p in procs) and time.monotonic() < deadline
-            time.sleep(0.05)
-        ranks = {
-            h.name: [p for p in h.pids() if b"ddp/train.py" in cmdline(p) and b"torchrun" not in cmdline(p)]
-            for h in (h0, h1)
-        }  # fmt: skip (not torchrun's agents: a cut-off one waits on its store in the kernel)
-        if how == "its link goes down":
-            h1.link(False)
-        else:
-            kill_orphans(h1.pids())
-        lost, left = time.monotonic(), {}
-        while len(left) < 2:
-            for name, pids in ranks.items():
-                if name not in left and not any(running(pid) for pid in pids):
-                    left[name] = time.monotonic() - lost
-            assert time.monotonic() - lost < timeout_s + 20, f"still running {timeout_s + 20} s after: {left}"
-            time.sleep(0.1)
-        launchers_left = []  # each host's launch, torchrun's agent included: gone on its own (a cut-off one
-        for proc in procs:  # waited minutes on the store on h0, ddp/torchrun.py ends it after its ranks)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=max(0.1, lost + timeout_s + 30 - time.monotonic()))
-            launchers_left.append((proc.returncode, time.monotonic() - lost))
-            proc.kill()
-        errors = [proc.communicate(timeout=30)[1] for proc in procs]
-        assert all(code not in (None, 0) for code, _ in launchers_left), (launchers_left, errors[1][-3000:])
-        for path in rundir.step_files(out):
-            checkpoint.load(path)
-        h1.link(True)
-        back = time.monotonic()
-        while any(running(pid) for pid in h1.pids()):  # h1's torchrun agent: its store connection breaks now
-            assert time.monotonic() - back < 60, "h1's torchrun still waits a minute after its link came back"
-            time.sleep(0.1)
-        ok_all(finish(multinode(h0, 0, h0, *args), multinode(h1, 1, h0, *args)))
-    lost_rank_1 = f"error: rank 0 of 2: lost contact with rank 1 on {h1.name}"
-    if how == "its link goes down":
-        assert f"{lost_rank_1} (no answer within run.timeout_s=8" in errors[0], errors[0][-4000:]
-        assert f"error: rank 1 of 2: lost contact with the other ranks (the rendezvous store does not answer " \
-               f"either: is {h1.name} cut off?)" in errors[1]  # fmt: skip
-        assert f"error: torchrun's agent on {h1.name} still waited 20 s after its ranks ended" in errors[1]
-    else:
-        assert f"{lost_rank_1} (its connection closed: it died)" in errors[0]
-    assert [m["epoch"] for m in metrics(out)] == [1, 2, 3]
-    REPORT.append(f"h1 lost mid-training ({how}, run.timeout_s={timeout_s}): the rank on h0 left after "
+        left, launchers_left, errors = lose_h1(h0, h1, procs, out, timeout_s, cut=True)
+        assert not [pid for pid in h0.pids() if running(pid)]
+    assert_free_and_whole(out)
+    assert f"error: rank 0 of 2: lost contact with rank 1 on {h1.name} (no answer within run.timeout_s=8" \
+           in errors[0], errors[0][-4000:]  # fmt: skip
+    assert f"error: rank 1 of 2: lost contact with the other ranks (the rendezvous store does not answer " \
+           f"either: is {h1.name} cut off?)" in errors[1]  # fmt: skip
+    assert f"error: torchrun's agent on {h1.name} still waited 20 s after its ranks ended" in errors[1]
+    REPORT.append(f"h1's link down mid-training (run.timeout_s={timeout_s}): the rank on h0 left after "
                   f"{left[h0.name]:.1f} s, the rank on h1 after {left[h1.name]:.1f} s; the launchers after "
-                  f"{launchers_left[0][1]:.1f} and {launchers_left[1][1]:.1f} s; resumed to the end")  # fmt: skip
+                  f"{launchers_left[0][1]:.1f} and {launchers_left[1][1]:.1f} s")  # fmt: skip
 
 
 def test_the_doctor_before_a_launch_finds_a_master_that_does_not_resolve(tmp_path):
@@ -252,8 +252,9 @@ def test_srun_on_two_nodes_two_tasks_each_is_one_job_of_4_ranks(two_nodes, tmp_p
 
 def test_sbatch_on_two_nodes_stopped_requeued_ends_with_the_weights_of_an_uninterrupted_run(two_nodes, tmp_path):
     """sbatch --nodes=2 slurm/train.sh: one torchrun per node, the rendezvous on the first node by
-    name. A stop signal (what --signal=TERM@120 and preemption send) checkpoints and requeues the
-    job; it resumes and ends bitwise where an uninterrupted run on this machine ends."""
+    name. A stop signal (what --signal=TERM@120 does before the time limit, and SLURM on preemption:
+    SIGTERM to every process of the job) checkpoints and requeues the job, with no traceback; it
+    resumes, runs each epoch once, and ends bitwise where an uninterrupted run on this machine ends."""
     (h0, _), env = two_nodes
     args = [*TINY, "data.synthetic_train=1024", "train.epochs=4", "run.save_every_steps=10"]  # 128 steps
     submitted = subprocess.run(h0.command(["sbatch", "--parsable", "--nodes=2", f"--output={tmp_path}/log-%j.out",
@@ -272,13 +273,19 @@ def test_sbatch_on_two_nodes_stopped_requeued_ends_with_the_weights_of_an_uninte
         time.sleep(1)
     log = (tmp_path / f"log-{job}.out").read_text()
     assert state == "COMPLETED" and slurm_job_state(h0, env, job, "Restarts") == "1", log[-3000:]
-    assert "on 2 node(s)" in log and "stopping on SIGTERM: checkpoint" in log and "resumed from" in log
+    assert "on 2 node(s)" in log and "stopping on SIGTERM: checkpoint" in log
+    assert f"scontrol requeue {job}: requeued" in log
+    assert "Traceback" not in log, log  # torchrun's SignalException ends as an exit code (ddp/torchrun.py)
+    assert "resumed from" in log and f"job {job} (restart 1)" in log
+    assert [m["epoch"] for m in metrics(out)] == [1, 2, 3, 4]  # each epoch once, the right number
     reference = tmp_path / "uninterrupted"
     ok(torchrun(2, str(TRAIN), *args, f"run.out_dir={reference}"))
     got = torch.load(out / "checkpoints" / "last.pt", weights_only=True)["model"]
     want = torch.load(reference / "checkpoints" / "last.pt", weights_only=True)["model"]
     assert all(torch.equal(got[k], want[k]) for k in want)
-    REPORT.append("sbatch --nodes=2 on 2 hosts: stopped by SIGTERM, requeued, resumed bitwise")
+    resumed = next(line for line in log.splitlines() if line.startswith("resumed from"))
+    REPORT.append(f"sbatch --nodes=2 on 2 hosts: stopped by SIGTERM, requeued, {resumed.split(':')[1].strip()}; "
+                  "finished bitwise equal to an uninterrupted run")  # fmt: skip
 
 
 # The tutorial net of tests/test_equivalence.py (no BatchNorm, no augmentation: world sizes agree to
@@ -380,8 +387,9 @@ def test_the_kubernetes_manifest_trains_on_two_hosts_and_a_pod_lost_mid_run_resu
     """launch/kubernetes/pytorchjob.yaml's own command, read from it, on two hosts with the environment
     the training operator gives each pod: MASTER_ADDR (the master pod's name), MASTER_PORT (its port),
     WORLD_SIZE and RANK by pod, torchrun's PET_* from nprocPerNode, and the container's own env. It
-    trains; the worker pod lost mid-run (every process on its host killed) ends the master pod's
-    command non-zero; both started again (restartPolicy OnFailure) resume, into one run.out_dir."""
+    trains; the worker pod lost mid-run (every process on its host killed) ends the master pod's rank
+    and command non-zero in bounded time (lose_h1), naming the dead rank, every checkpoint whole; both
+    started again (restartPolicy OnFailure) resume, into one run.out_dir."""
     job = yaml.safe_load(MANIFEST.read_text())
     specs = job["spec"]["pytorchReplicaSpecs"]
     assert specs["Worker"]["template"] == specs["Master"]["template"]  # one pod template
@@ -398,18 +406,16 @@ def test_the_kubernetes_manifest_trains_on_two_hosts_and_a_pod_lost_mid_run_resu
         return host.popen([*container["command"], *container["args"]], REPO, clean_env(**operator, **own))
 
     with hosts(2) as (h0, h1):
-        master, worker = pod(h0, 0), pod(h1, 1)
-        deadline = time.monotonic() + 120
-        while not rundir.step_files(out):
-            assert master.poll() is None and worker.poll() is None and time.monotonic() < deadline
-            time.sleep(0.05)
-        kill_orphans(h1.pids())  # the worker's node is gone
-        assert master.wait(timeout=timeout_s + 30) != 0
-        finish(master, worker)
+        pods = [pod(h0, 0), pod(h1, 1)]
+        left, launchers_left, errors = lose_h1(h0, h1, pods, out, timeout_s, cut=False)  # the worker's node gone
         restarted = finish(pod(h0, 0), pod(h1, 1))
+    assert f"error: rank 0 of 2: lost contact with rank 1 on {h1.name} (its connection closed: it died)" in errors[0]
     ok_all(restarted)
     assert "resumed from" in restarted[0][1] and "launcher=torchrun parallel=ddp world_size=2" in restarted[0][1]
     assert [m["epoch"] for m in metrics(out)] == [1, 2, 3] and (out / "checkpoints" / "last.pt").is_file()
+    REPORT.append(f"h1's processes killed mid-training (the Kubernetes worker pod, run.timeout_s={timeout_s}): the "
+                  f"rank on h0 left after {left[h0.name]:.1f} s, its launcher after {launchers_left[0][1]:.1f} s; "
+                  f"both pods started again resumed to the end")  # fmt: skip
 
 
 def test_the_kubernetes_manifest_names_only_fields_of_the_pytorchjob_api():

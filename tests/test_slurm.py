@@ -97,37 +97,6 @@ def test_a_rendezvous_port_taken_on_the_first_node_fails_the_job_in_one_line(slu
     assert "Traceback" not in log and "+ srun" not in log, log
 
 
-def test_a_stop_signal_requeues_the_job_and_it_resumes_to_the_same_weights(slurm, tmp_path):
-    """What --signal=TERM@120 does before the time limit (and SLURM does on preemption): SIGTERM to
-    every process of the job. The job checkpoints, requeues itself, and finishes where an
-    uninterrupted run finishes, bitwise."""
-    start = time.monotonic()
-    job = submit(slurm, tmp_path, *PREEMPTIBLE)
-    out = tmp_path / f"slurm-{job}"
-    deadline = time.monotonic() + 120
-    while not list((out / "checkpoints").glob("step-*.pt")):  # a periodic checkpoint: training is under way
-        assert time.monotonic() < deadline, f"no checkpoint after 120 s, job {job_field(slurm, job, 'JobState')}"
-        time.sleep(0.2)
-    ok(subprocess.run(["scancel", "--signal=TERM", job], env=slurm, capture_output=True, text=True))
-    state = wait_until_done(slurm, job, timeout=240)
-    log = (tmp_path / f"log-{job}.out").read_text()
-    assert state == "COMPLETED", log
-    assert job_field(slurm, job, "Restarts") == "1", log
-    assert "stopping on SIGTERM: checkpoint" in log and f"scontrol requeue {job}: requeued" in log
-    assert "Traceback" not in log, log  # torchrun's SignalException ends as an exit code (ddp/torchrun.py)
-    assert "resumed from" in log and f"job {job} (restart 1)" in log
-    assert [m["epoch"] for m in metrics(out)] == [1, 2, 3, 4]  # each epoch once, the right number
-
-    reference = tmp_path / "uninterrupted"
-    ok(torchrun(2, str(TRAIN), *PREEMPTIBLE, f"run.out_dir={reference}"))
-    got = torch.load(out / "checkpoints" / "last.pt", weights_only=True)["model"]
-    want = torch.load(reference / "checkpoints" / "last.pt", weights_only=True)["model"]
-    assert all(torch.equal(got[k], want[k]) for k in want)
-    resumed = next(line for line in log.splitlines() if line.startswith("resumed from"))
-    REPORT.append(f"SLURM stop signal + requeue: {resumed.split(':')[1].strip()}; finished bitwise equal to an "
-                  f"uninterrupted run; {time.monotonic() - start:.1f} s in all")  # fmt: skip
-
-
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
 def test_srun_starts_the_ranks_directly(slurm, tmp_path, parallel):
     proc = subprocess.run(

@@ -11,10 +11,17 @@ own (killed by a signal) gets one. And an agent that still waits GRACE_S after i
 a host cut off, torchrun's agent waits on the rendezvous store on another host for minutes) leaves,
 saying so: at once without restarts (--max-restarts 0); in an elastic job, which may restart its ranks,
 when its rendezvous store does not answer either.
+
+At the end of a job of several nodes, the agent that hosts the rendezvous store may leave before
+another agent has read the exit barrier's result (pytorch/pytorch#69520): that agent logged a traceback
+and C++ stack traces although every rank had finished. Here it is one line. The agent's own C++
+warnings (about its store connection, never about training) are hidden unless TORCH_CPP_LOG_LEVEL is
+set; the ranks get the environment as it was.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import sys
@@ -25,17 +32,52 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a file: import ddp from the repository, not ddp/'s modules as top-level ones
     sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
-from torch.distributed.elastic.multiprocessing.api import SignalException
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-from torch.distributed.run import main as torchrun
-from torch.distributed.run import parse_args
+_QUIET_CPP = "TORCH_CPP_LOG_LEVEL" not in os.environ
+if _QUIET_CPP:
+    os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"  # read once, as torch's libraries load
+import torch.distributed  # noqa: E402
 
-from ddp.errors import EXIT_FAILURE
+if _QUIET_CPP:
+    del os.environ["TORCH_CPP_LOG_LEVEL"]  # the ranks start with the user's environment
+
+from torch.distributed.elastic.multiprocessing.api import SignalException  # noqa: E402
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError  # noqa: E402
+from torch.distributed.run import main as torchrun  # noqa: E402
+from torch.distributed.run import parse_args  # noqa: E402
+
+from ddp.errors import EXIT_FAILURE  # noqa: E402
 
 GRACE_S = 20.0  # how long the agent may outlive its ranks (its own exit barrier waits on the other hosts)
 
 
+class ExitBarrierRace(logging.Filter):
+    """torchrun's "Error waiting on exit barrier" traceback when the store's host left first (its
+    connection closed), and the rendezvous's connection warnings after it: one line instead."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        closed = isinstance(error, getattr(torch.distributed, "DistNetworkError", ()))  # not a timeout
+        if str(record.msg).startswith("Error waiting on exit barrier") and closed:
+            if not self.seen:
+                print(f"note: every rank finished; the rendezvous store's host ended before this agent on "
+                      f"{socket.gethostname()} left torchrun's exit barrier ({error.__class__.__name__}: harmless, "
+                      f"pytorch/pytorch#69520)", file=sys.stderr, flush=True)  # fmt: skip
+            self.seen = True
+            return False
+        return not (self.seen and "RendezvousConnectionError" in record.getMessage())
+
+
+RACE_LOGGERS = ("torch.distributed.elastic.agent.server.api", "torch.distributed.elastic.rendezvous.dynamic_rendezvous")
+
+
 def main(argv: list[str]) -> int:
+    race = ExitBarrierRace()
+    for name in RACE_LOGGERS:
+        logging.getLogger(name).addFilter(race)
     args = parse_args(argv)
     store = None if args.max_restarts == 0 else args.rdzv_endpoint
     if store is None or ":" in store:  # (an elastic job without an endpoint of its own: not watched)

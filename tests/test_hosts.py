@@ -74,6 +74,7 @@ def test_two_hosts_two_ranks_each_by_name_then_resumed_on_one(tmp_path):
         ok_all(results)
         for (_, stdout, _), host in zip(results, (h0, h1)):
             assert f"{host.name} resolves to 127.0.1.1: gloo/nccl use eth0 ({host.address})" in stdout
+        assert "--nnodes=2 --nproc_per_node=2 --rdzv_backend=c10d" in results[1][2]
         assert "launcher=torchrun parallel=ddp world_size=4" in results[0][1]
         assert [(m["world_size"], m["test_images"]) for m in metrics(out)] == [(4, 101), (4, 101)]
         checkpoint.load(rundir.last_path(out))
@@ -223,6 +224,7 @@ def test_accelerate_multi_machine_config_on_two_hosts(tmp_path):
             procs.append(host.popen(["bash", "launch/accelerate.sh", *args], REPO, env))
         results = finish(*procs)
     ok_all(results)
+    assert f"--config_file {config} --num_machines 2" in results[1][2]
     assert f"--main_process_ip {h0.name}" in results[1][2]
     assert "launcher=accelerate parallel=ddp world_size=2" in results[0][1]
     assert metrics(tmp_path)[-1]["world_size"] == 2

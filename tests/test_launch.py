@@ -37,26 +37,6 @@ def run_script(script: str, *args: str, env: dict | None = None, cwd: Path = REP
     )
 
 
-def on_two_machines(script: str, rank_var: str, out: Path, **env: str) -> list[subprocess.CompletedProcess]:
-    """`bash script` twice at once on loopback, as on two machines (rank_var 0 and 1); both must succeed."""
-    port = str(free_port())
-    procs = [
-        subprocess.Popen(
-            ["bash", script, *ONE_EPOCH, f"run.out_dir={out}"], cwd=REPO, text=True,
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            env=clean_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, NPROC="1", **{rank_var: str(m)}, **env),
-        )
-        for m in (0, 1)
-    ]  # fmt: skip
-    done = []
-    for p in procs:
-        stdout, stderr = p.communicate(timeout=300)
-        assert p.returncode == 0, stderr
-        done.append(subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr))
-    assert metrics(out)[0]["world_size"] == 2
-    return done
-
-
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
 def test_scripts_parse_and_every_path_they_name_exists(script):
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
@@ -152,13 +132,6 @@ def test_a_master_port_held_by_another_program_is_one_line_on_node_0_and_on_the_
     assert seconds < 2 + 10 + 10, seconds  # the probe's bound, and the preflight's own start
 
 
-def test_two_torchrun_agents_on_two_nodes_form_one_job(tmp_path):
-    """launch/multinode.sh on two "machines": c10d rendezvous, 2 nodes x 1 process."""
-    done = on_two_machines("launch/multinode.sh", "NODE_RANK", tmp_path, NNODES="2")
-    assert "--nnodes=2 --nproc_per_node=1 --rdzv_backend=c10d" in done[0].stderr
-    assert "launcher=torchrun parallel=ddp world_size=2" in done[0].stdout + done[1].stdout
-
-
 def test_accelerate_launch_on_cpu_runs_2_processes_through_mpi(tmp_path):
     require("mpirun", "apt-get install openmpi-bin")
     hostfile = tmp_path / "hostfile"
@@ -189,14 +162,6 @@ def test_accelerate_script_on_cpu(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "+ accelerate launch --cpu --num_processes 2" in proc.stderr
     assert metrics(tmp_path)[0]["world_size"] == 2
-
-
-def test_accelerate_multi_machine_config_on_two_machines(tmp_path):
-    """launch/accelerate/multi-machine.yaml through launch/accelerate.sh on two "machines"."""
-    config = "launch/accelerate/multi-machine.yaml"
-    done = on_two_machines("launch/accelerate.sh", "MACHINE_RANK", tmp_path, ACCELERATE_CONFIG=config, NUM_MACHINES="2")
-    assert "--config_file launch/accelerate/multi-machine.yaml --num_machines 2" in done[0].stderr
-    assert "launcher=accelerate parallel=ddp world_size=2" in done[0].stdout + done[1].stdout
 
 
 @pytest.mark.parametrize(

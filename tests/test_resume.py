@@ -131,17 +131,21 @@ def kill_job(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
-@pytest.mark.parametrize("case", range(3))
-def test_rank_killed_at_a_random_step_then_same_command_resumes_bitwise(reference, tmp_path, case):
-    step, rank = RNG.randint(1, STEPS - 1), RNG.randint(0, 1)
-    env = clean_env(DDP_CIFAR_FAULT=f"step:{step}:r{rank}")
-    first = subprocess.run(train_cmd(tmp_path), cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert first.returncode != 0 and list(tmp_path.glob("fault-fired.*"))
-    survivor = f"rank {1 - rank} of 2: lost contact with rank {rank} (its connection closed: it died)"
-    assert survivor in first.stderr  # the survivor names the dead rank
-    ok(subprocess.run(train_cmd(tmp_path), cwd=REPO, env=env, capture_output=True, text=True, timeout=300))
+def test_ranks_killed_at_3_random_steps_the_same_command_resumes_each_time_and_ends_bitwise(reference, tmp_path):
+    """kill -9 of a random rank in each of 3 random global steps, one run after another in one run
+    directory: each time the survivor names the dead rank, and the same command resumes; the last one
+    ends bitwise where the run that never stopped ends (one chain: each resume is the next kill's run)."""
+    kills = [(step, RNG.randint(0, 1)) for step in sorted(RNG.sample(range(1, STEPS), 3))]
+    for step, rank in kills:
+        env = clean_env(DDP_CIFAR_FAULT=f"step:{step}:r{rank}")
+        killed = subprocess.run(train_cmd(tmp_path), cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+        assert killed.returncode != 0 and rundir.fault_marker(tmp_path, "step", step).exists(), killed.stderr[-2000:]
+        survivor = f"rank {1 - rank} of 2: lost contact with rank {rank} (its connection closed: it died)"
+        assert survivor in killed.stderr  # the survivor names the dead rank
+    ok(subprocess.run(train_cmd(tmp_path), cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=300))
     assert_bitwise(reference, tmp_path)
-    REPORT.append(f"kill -9 of rank {rank} after global step {step}/{STEPS}: resumed bitwise identical")
+    points = ", ".join(f"rank {rank} after global step {step}" for step, rank in kills)
+    REPORT.append(f"kill -9 of {points} (of {STEPS}), resumed each time: bitwise identical")
 
 
 def test_kill_during_a_checkpoint_write_leaves_only_whole_files(reference, tmp_path):

@@ -107,19 +107,17 @@ def check_master(master: str, port: int, node_rank: int, timeout_s: float) -> No
         check_port_free(port)
     deadline, last = time.monotonic() + timeout_s, None
     while node_rank != 0 and time.monotonic() < deadline:
-        try:
-            with socket.create_connection((to, port), timeout=max(0.1, min(5.0, deadline - time.monotonic()))):
-                pass
-            if store_answers(to, port, min(timeout_s, 15.0)):
-                return
-            raise UsageError(
-                f"MASTER_ADDR={master}:{port} ({to}) accepts connections from {host} but does not answer as "
-                "torchrun's rendezvous store: another program on that port? Set MASTER_PORT to the port "
-                "NODE_RANK=0 uses (the same on every node)"
-            )
-        except OSError as e:
-            last = e
+        last = connect_error(to, port, max(0.1, min(5.0, deadline - time.monotonic())))
+        if last is not None:
             time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+            continue
+        if store_answers(to, port, min(timeout_s, 15.0)):
+            return
+        raise UsageError(
+            f"MASTER_ADDR={master}:{port} ({to}) accepts connections from {host} but does not answer as "
+            "torchrun's rendezvous store: another program on that port? Set MASTER_PORT to the port "
+            "NODE_RANK=0 uses (the same on every node)"
+        )
     if last is not None:
         why = "the connection attempts time out: a firewall that drops them?" if isinstance(last, TimeoutError) \
             else f"{last.strerror or last}: is NODE_RANK=0 started there?"  # fmt: skip
@@ -127,6 +125,15 @@ def check_master(master: str, port: int, node_rank: int, timeout_s: float) -> No
             f"MASTER_ADDR={master}:{port} ({to}) did not answer {host} within run.timeout_s={timeout_s:g} s ({why}); "
             "start NODE_RANK=0 on that host, open the port, or check MASTER_ADDR"
         )
+
+
+def connect_error(host: str, port: int, timeout: float) -> OSError | None:
+    """Why a TCP connection to host:port fails within `timeout` (refused, timed out, ...); None: accepted."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return None
+    except OSError as e:
+        return e
 
 
 _PROBE = (

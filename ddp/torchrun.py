@@ -45,6 +45,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError  #
 from torch.distributed.run import main as torchrun  # noqa: E402
 from torch.distributed.run import parse_args  # noqa: E402
 
+from ddp import network  # noqa: E402
 from ddp.errors import EXIT_FAILURE  # noqa: E402
 
 GRACE_S = 20.0  # how long the agent may outlive its ranks (its own exit barrier waits on the other hosts)
@@ -124,11 +125,7 @@ def leave_after_the_ranks(store: str | None) -> None:
 
 def _answers(endpoint: str) -> bool:
     host, _, port = endpoint.rpartition(":")
-    try:
-        with socket.create_connection((host, int(port)), timeout=3.0):
-            return True
-    except (OSError, ValueError):
-        return False
+    return port.isdigit() and network.connect_error(host, int(port), 3.0) is None
 
 
 def _ranks_running() -> bool:

@@ -1,11 +1,13 @@
 """N ranks compute what 1 process computes (issue 11), proved on CPU with gloo and the real torchrun.
 
-A deterministic job (synthetic data, no augmentation) trains 2 epochs; in each comparison one
-multi-rank run (the 2-rank tutorial run, the 4-rank BatchNorm runs, the 4-then-1 run) is killed
-(SIGKILL) in epoch 2 and resumed from its mid-epoch checkpoint. Then the final weights
+A deterministic job (synthetic data, no augmentation) trains 2 epochs; in the comparisons of the
+tutorial net one multi-rank run (the 2-rank run, the 4-then-1 run) is killed (SIGKILL) in epoch 2 and
+resumed from its mid-epoch checkpoint, and the airbench run with SyncBatchNorm is killed and resumed
+on 2 ranks. Then the final weights
 and BatchNorm running statistics are compared, "within d" meaning |a - b| <= d * (1 + |a|) for every
 value (absolute below 1, relative above, as torch.testing.assert_close with rtol = atol = d):
-- the tutorial net (no BatchNorm): 1 process x K=4 == 2 ranks x K=2 == 4 ranks x K=1, within 1e-6;
+- the tutorial net (no BatchNorm): 1 process x K=4 == 2 ranks x K=2 == 1 process x K=1 == 4 ranks x
+  K=1 for 10 steps then 1 process x K=4, within 1e-6;
 - small (BatchNorm) with train.sync_bn=true: 1 == 2 == 4 ranks within 1e-5, and the 2-rank run
   without sync_bn, the control, differs by far more (resnet18's every BatchNorm layer, its shortcuts'
   too, is the one-process computation in tests/test_sync_bn.py, in float64 through DDP: the same
@@ -74,18 +76,19 @@ def tutorial_1x4(tmp_path_factory) -> dict[str, torch.Tensor]:
     return train(out, 1, TUTORIAL, "model.name=tutorial", "train.grad_accum_steps=4", kill=False)
 
 
-def test_grad_accumulation_1x4_equals_2x2_equals_4x1_for_the_tutorial_net(tutorial_1x4, tmp_path):
+def test_grad_accumulation_1x4_equals_2x2_equals_1x1_for_the_tutorial_net(tutorial_1x4, tmp_path):
+    """(4 ranks x K=1: the next test's run, 4 ranks for 10 of the 16 steps.)"""
     net, one = "model.name=tutorial", tutorial_1x4
     two = train(tmp_path / "2x2", 2, TUTORIAL, net, "train.grad_accum_steps=2")
-    four = train(tmp_path / "4x1", 4, TUTORIAL, net, "train.grad_accum_steps=1", kill=False)
-    d2, d4 = max_diff(one, two), max_diff(one, four)
-    REPORT.append(f"tutorial net, 2 epochs: 1 process x K=4 vs 2 ranks x K=2: {d2:.1e}; vs 4 ranks x K=1: {d4:.1e}")
-    assert d2 < 1e-6 and d4 < 1e-6
+    d2 = max_diff(one, two)
+    REPORT.append(f"tutorial net, 2 epochs: 1 process x K=4 vs 2 ranks x K=2: {d2:.1e}")
+    assert d2 < 1e-6
     assert max_diff(one, train(tmp_path / "1x1", 1, TUTORIAL, net, kill=False)) < 1e-6  # and K=4 is K=1
 
 
 def test_a_run_of_4_ranks_continues_in_1_process_with_k_4(tutorial_1x4, tmp_path):
-    """Fewer GPUs than the recipe: the same global batch in 4 micro-batches, the same run."""
+    """4 ranks x K=1 for 10 steps (into epoch 2), then, fewer GPUs than the recipe, 1 process with the
+    same global batch in 4 micro-batches: the run of 1 process x K=4 throughout, within 1e-6."""
     argv = [str(TRAIN), *TUTORIAL, f"run.out_dir={tmp_path / 'run'}", "model.name=tutorial"]
     killed = torchrun(4, *argv, env=clean_env(DDP_CIFAR_FAULT="step:11"))
     assert killed.returncode != 0
@@ -108,7 +111,7 @@ def test_sync_bn_makes_1_2_and_4_ranks_one_computation(small_2_ranks, tmp_path):
     net = "model.name=small"
     one = train(tmp_path / "1", 1, SMALL, net, kill=False)
     two = train(tmp_path / "2", 2, SMALL, net, "train.sync_bn=true", kill=False)
-    four = train(tmp_path / "4", 4, SMALL, net, "train.sync_bn=true")
+    four = train(tmp_path / "4", 4, SMALL, net, "train.sync_bn=true", kill=False)  # killed: the airbench test's
     d2, d4, dc = max_diff(one, two), max_diff(one, four), max_diff(one, small_2_ranks)  # the control
     REPORT.append(
         f"small, sync_bn, 2 epochs, weights and BatchNorm statistics: 1 process vs 2 ranks {d2:.1e}, "

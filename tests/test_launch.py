@@ -45,13 +45,17 @@ def test_scripts_parse_and_every_path_they_name_exists(script):
     assert not missing, f"{script.name} names {missing}, which do not exist"
 
 
-def test_torchrun_launcher_defaults_to_2_cpu_processes_and_passes_arguments(tmp_path):
+def test_torchrun_launcher_defaults_to_2_cpu_processes_each_with_its_share_of_the_cores(tmp_path):
+    """From another directory, NPROC unset: 2 processes, the arguments passed on, and OMP_NUM_THREADS =
+    cores / processes set by the script (torchrun has nothing to warn about)."""
     env = clean_env()
     env.pop("NPROC", None)
     proc = run_script("launch/torchrun.sh", *ONE_EPOCH, f"run.out_dir={tmp_path}", env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert "ddp/torchrun.py --standalone --nproc_per_node=2" in proc.stderr
     assert metrics(tmp_path)[0]["world_size"] == 2
+    assert "Setting OMP_NUM_THREADS" not in proc.stderr
+    assert f"threads={max(1, (os.cpu_count() or 1) // 2)}" in proc.stdout
 
 
 def test_ctrl_c_on_the_torchrun_script_ends_with_our_lines_and_130_and_a_killed_rank_is_named(tmp_path):
@@ -75,14 +79,6 @@ def test_ctrl_c_on_the_torchrun_script_ends_with_our_lines_and_130_and_a_killed_
     killed = run_script("launch/torchrun.sh", *TINY, f"run.out_dir={tmp_path / 'killed'}", env=fault)
     assert killed.returncode == 128 + signal.SIGKILL and "Traceback" not in killed.stderr, killed.stderr
     assert re.search(r"^error: rank 1 \(pid \d+\) was killed by SIGKILL$", killed.stderr, re.M), killed.stderr
-
-
-def test_launch_scripts_give_each_process_its_share_of_the_cores(tmp_path):
-    """OMP_NUM_THREADS = cores / processes, set by the script: torchrun has nothing to warn about."""
-    proc = run_script("launch/torchrun.sh", *ONE_EPOCH, f"run.out_dir={tmp_path}", env=clean_env(NPROC="2"))
-    assert proc.returncode == 0, proc.stderr
-    assert "Setting OMP_NUM_THREADS" not in proc.stderr
-    assert f"threads={max(1, (os.cpu_count() or 1) // 2)}" in proc.stdout
 
 
 def test_a_mistake_every_rank_would_make_is_one_line_before_torchrun_starts(tmp_path):

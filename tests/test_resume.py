@@ -131,39 +131,6 @@ def kill_job(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
-def test_ranks_killed_at_3_random_steps_the_same_command_resumes_each_time_and_ends_bitwise(reference, tmp_path):
-    """kill -9 of a random rank in each of 3 random global steps, one run after another in one run
-    directory: each time the survivor names the dead rank, and the same command resumes; the last one
-    ends bitwise where the run that never stopped ends (one chain: each resume is the next kill's run)."""
-    kills = [(step, RNG.randint(0, 1)) for step in sorted(RNG.sample(range(1, STEPS), 3))]
-    for step, rank in kills:
-        env = clean_env(DDP_CIFAR_FAULT=f"step:{step}:r{rank}")
-        killed = subprocess.run(train_cmd(tmp_path), cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-        assert killed.returncode != 0 and rundir.fault_marker(tmp_path, "step", step).exists(), killed.stderr[-2000:]
-        survivor = f"rank {1 - rank} of 2: lost contact with rank {rank} (its connection closed: it died)"
-        assert survivor in killed.stderr  # the survivor names the dead rank
-    ok(subprocess.run(train_cmd(tmp_path), cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=300))
-    assert_bitwise(reference, tmp_path)
-    points = ", ".join(f"rank {rank} after global step {step}" for step, rank in kills)
-    REPORT.append(f"kill -9 of {points} (of {STEPS}), resumed each time: bitwise identical")
-
-
-def test_kill_during_a_checkpoint_write_leaves_only_whole_files(reference, tmp_path):
-    step = RNG.choice(range(SAVE_EVERY, STEPS, SAVE_EVERY))
-    env = clean_env(DDP_CIFAR_FAULT=f"write:{step}")
-    first = subprocess.run(train_cmd(tmp_path), cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert first.returncode != 0
-    directory = rundir.checkpoint_dir(tmp_path)
-    assert list(directory.glob(f".step-{step:09d}.pt.*.tmp")), "killed halfway through the write"
-    assert not (directory / f"step-{step:09d}.pt").exists()
-    for path in rundir.step_files(tmp_path):
-        checkpoint.load(path)  # every file under a final name is whole and passes its checksum
-    ok(subprocess.run(train_cmd(tmp_path), cwd=REPO, env=env, capture_output=True, text=True, timeout=300))
-    assert not list(directory.glob(".*.tmp"))
-    assert_bitwise(reference, tmp_path)
-    REPORT.append(f"kill -9 of rank 0 halfway through writing step {step}: resumed bitwise identical")
-
-
 def popen(cmd: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
     """A job in its own session (so killing it cannot reach pytest), output captured."""
     return subprocess.Popen(
@@ -177,23 +144,56 @@ def popen(cmd: list[str], env: dict[str, str] | None = None) -> subprocess.Popen
     )
 
 
-def wait_for_checkpoint(out: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
+def wait_for_checkpoint(out: Path, proc: subprocess.Popen, timeout: float = 120, newer_than: Path | None = None):
+    """Until `out` has a checkpoint (one newer than `newer_than`, given), the run still running."""
     deadline = time.monotonic() + timeout
-    while not rundir.step_files(out):
+    while not rundir.step_files(out) or (newer_than and rundir.step_files(out)[0] <= newer_than):
         assert proc.poll() is None and time.monotonic() < deadline, "the run ended before its first checkpoint"
         time.sleep(0.05)
 
 
-def test_whole_job_killed_at_a_random_time_then_resumes_bitwise(reference, tmp_path):
-    delay = RNG.uniform(0, 0.75)  # within the run's ~2-3 s of training here
+def test_kills_at_random_points_one_after_another_each_resumed_by_the_same_command_end_bitwise(reference, tmp_path):
+    """One run directory killed again and again, the same command resuming it each time (one chain:
+    each resume is the next kill's run), the last run ends bitwise where the run that never stopped ends:
+    - kill -9 of rank 0 and of rank 1 (in random order) each in a random global step: the survivor
+      names the dead rank;
+    - kill -9 of rank 0 halfway through writing a random step's checkpoint: that file is not under its
+      final name, every file that is passes its checksum, and the next run removes the half-written one;
+    - kill -9 of the whole job (torchrun and every worker at once) at a random time after a new checkpoint."""
+    points = []
+    for step, rank in zip(sorted(RNG.sample(range(1, 20), 2)), RNG.sample([0, 1], 2)):
+        killed = subprocess.run(train_cmd(tmp_path), cwd=REPO, env=clean_env(DDP_CIFAR_FAULT=f"step:{step}:r{rank}"),
+                                capture_output=True, text=True, timeout=300)  # fmt: skip
+        assert killed.returncode != 0 and rundir.fault_marker(tmp_path, "step", step).exists(), killed.stderr[-2000:]
+        survivor = f"rank {1 - rank} of 2: lost contact with rank {rank} (its connection closed: it died)"
+        assert survivor in killed.stderr  # the survivor names the dead rank
+        points.append(f"rank {rank} after global step {step}")
+
+    write = RNG.choice(range(20, 35, SAVE_EVERY))  # a save after the last kill's step
+    killed = subprocess.run(train_cmd(tmp_path), cwd=REPO, env=clean_env(DDP_CIFAR_FAULT=f"write:{write}"),
+                            capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert killed.returncode != 0
+    directory = rundir.checkpoint_dir(tmp_path)
+    half_written = list(directory.glob(f".step-{write:09d}.pt.*.tmp"))
+    assert half_written, "killed halfway through the write"
+    assert not (directory / f"step-{write:09d}.pt").exists()
+    for path in rundir.step_files(tmp_path):
+        checkpoint.load(path)  # every file under a final name is whole and passes its checksum
+    points.append(f"rank 0 halfway through writing step {write}")
+
+    delay, before = RNG.uniform(0, 0.75), rundir.step_files(tmp_path)[0]  # within the ~2-3 s of training left
     proc = popen(train_cmd(tmp_path))
-    wait_for_checkpoint(tmp_path, proc)
+    wait_for_checkpoint(tmp_path, proc, newer_than=before)
+    assert not any(path.exists() for path in half_written)  # the resume removed it
     time.sleep(delay)
     kill_job(proc)
     newest = rundir.step_files(tmp_path)[0].name
+    points.append(f"the whole job {delay:.2f} s after a new checkpoint (newest then: {newest})")
+
     ok(subprocess.run(train_cmd(tmp_path), cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=300))
+    assert not list(directory.glob(".*.tmp"))
     assert_bitwise(reference, tmp_path)
-    REPORT.append(f"kill -9 of the whole job {delay:.2f} s after its first checkpoint (newest then: {newest}): bitwise")
+    REPORT.append(f"kill -9 of {'; '.join(points)} (of {STEPS} steps), resumed each time: bitwise identical")
 
 
 def test_torchrun_max_restarts_recovers_a_dead_rank_by_itself(reference, tmp_path):
@@ -210,31 +210,36 @@ def test_torchrun_max_restarts_recovers_a_dead_rank_by_itself(reference, tmp_pat
     REPORT.append(f"kill -9 of rank 1 after step {step} under torchrun --max-restarts=1: {how}, bitwise")
 
 
-@pytest.mark.parametrize("sig", ["SIGTERM", "SIGUSR1"])
-def test_stop_signal_saves_at_the_next_step_and_exits_75(reference, tmp_path, sig):
-    """SIGTERM to torchrun (it forwards it to its workers), SIGUSR1 to every worker (as SLURM's
-    --signal does): each rank stops at the same step boundary, rank 0 saves, workers exit 75."""
-    fraction = RNG.uniform(0, 0.9)
-    proc = popen(train_cmd(tmp_path, "run.save_every_steps=0"))
-    while not (tmp_path / "metrics.jsonl").exists() or not metrics(tmp_path):  # into epoch 2
-        assert proc.poll() is None
-        time.sleep(0.05)
-    delay = fraction * metrics(tmp_path)[0]["seconds"]  # within epoch 2 on a machine of any speed
-    time.sleep(delay)
-    for pid in [proc.pid] if sig == "SIGTERM" else children(proc.pid):
-        os.kill(pid, signal.Signals[sig])
-    out, err = proc.communicate(timeout=120)
-    assert f"stopped on {sig}; run the same command to resume" in err
-    if sig == "SIGUSR1":
-        # torchrun's report lists the workers that had exited when it saw the first one go; each is 75
-        codes = [line.split(":")[1].split()[0] for line in err.splitlines() if line.strip().startswith("exitcode")]
-        assert codes and set(codes) == {"75"}, codes
-    saved = [line for line in out.splitlines() if line.startswith(f"stopping on {sig}")]
-    assert len(saved) == 1
-    ok(subprocess.run(train_cmd(tmp_path, "run.save_every_steps=0"), cwd=REPO, env=clean_env(),
-                      capture_output=True, text=True, timeout=300))  # fmt: skip
+def test_stop_signals_save_at_the_next_step_and_exit_75_and_the_run_resumes_bitwise(reference, tmp_path):
+    """SIGTERM to torchrun (it forwards it to its workers) in epoch 2, then, in the resumed run, SIGUSR1
+    to every worker (as SLURM's --signal does) in epoch 3, each at a random time in the first half of
+    that epoch (the last epoch: a signal later could come after the run's end on a loaded machine):
+    each time every rank stops at the same step boundary, rank 0 saves, the workers exit 75. The same
+    command resumes each time and ends bitwise."""
+    args, stops = ("run.save_every_steps=0",), []
+    for sig, epoch in (("SIGTERM", 2), ("SIGUSR1", 3)):
+        fraction = RNG.uniform(0, 0.5)
+        proc = popen(train_cmd(tmp_path, *args))
+        while len(metrics(tmp_path) if (tmp_path / "metrics.jsonl").exists() else []) < epoch - 1:  # into `epoch`
+            assert proc.poll() is None
+            time.sleep(0.05)
+        delay = fraction * metrics(tmp_path)[0]["seconds"]  # within that epoch on a machine of any speed
+        time.sleep(delay)
+        for pid in [proc.pid] if sig == "SIGTERM" else children(proc.pid):
+            os.kill(pid, signal.Signals[sig])
+        out, err = proc.communicate(timeout=120)
+        assert f"stopped on {sig}; run the same command to resume" in err
+        if sig == "SIGUSR1":
+            # torchrun's report lists the workers that had exited when it saw the first one go; each is 75
+            codes = [line.split(":")[1].split()[0] for line in err.splitlines() if line.strip().startswith("exitcode")]
+            assert codes and set(codes) == {"75"}, codes
+        saved = [line for line in out.splitlines() if line.startswith(f"stopping on {sig}")]
+        assert len(saved) == 1
+        stops.append(f"{sig} {delay:.2f} s into epoch {epoch} ({saved[0].split('/')[-1]})")
+    ok(subprocess.run(train_cmd(tmp_path, *args), cwd=REPO, env=clean_env(), capture_output=True, text=True,
+                      timeout=300))  # fmt: skip
     assert_bitwise(reference, tmp_path)
-    REPORT.append(f"{sig} {delay:.2f} s into epoch 2 ({saved[0].split('/')[-1]}): exit 75, resumed bitwise")
+    REPORT.append(f"{'; '.join(stops)}: exit 75 each time, resumed bitwise")
 
 
 def test_a_hung_rank_makes_the_others_exit_within_the_timeout(tmp_path):
@@ -258,53 +263,57 @@ def test_a_hung_rank_makes_the_others_exit_within_the_timeout(tmp_path):
                   f"rank 1, woken (SIGCONT), left {woken:.1f} s later")  # fmt: skip
 
 
-@pytest.mark.parametrize("when", ["start-up", "mid-epoch", "checkpoint write"])
-def test_the_launcher_killed_leaves_no_worker_and_the_same_command_resumes_bitwise(reference, tmp_path, when):
-    """kill -9 of torchrun alone (its workers run in sessions of their own, so it does not reach them):
-    within 10 s no worker is left, the lock is free, every checkpoint whole; killed in training, the
-    workers stop at the next step boundary with a checkpoint. The same command then ends bitwise equal."""
-    step = RNG.choice(range(SAVE_EVERY, STEPS // 2, SAVE_EVERY))
-    fault = {"DDP_CIFAR_FAULT": f"launcher:{step}"} if when == "checkpoint write" else {}
-    proc = popen(train_cmd(tmp_path), env=clean_env(**fault))  # rank 0 kills torchrun as it writes step N
-    workers: list[int] = []
-    try:
-        while len(workers) < 2:
-            assert proc.poll() is None, "torchrun ended before its workers started"
-            workers = children(proc.pid)
+def test_the_launcher_killed_leaves_no_worker_and_the_same_command_resumes_bitwise(reference, tmp_path):
+    """kill -9 of torchrun alone (its workers run in sessions of their own, so it does not reach them),
+    three times in one run directory: in start-up, mid-epoch, and as rank 0 writes a checkpoint. Each
+    time within 10 s no worker is left, the lock is free, every checkpoint whole; killed in training,
+    the workers stop at the next step boundary with a checkpoint. The same command resumes each time,
+    and the last run ends bitwise equal to the run that never stopped."""
+    kills = []
+    for when in ("start-up", "mid-epoch", "checkpoint write"):
+        newest = rundir.step_files(tmp_path)[:1]
+        resumed_at = int(newest[0].name[5:-3]) if newest else 0
+        step = RNG.choice(range((resumed_at // SAVE_EVERY + 1) * SAVE_EVERY, STEPS, SAVE_EVERY))
+        fault = {"DDP_CIFAR_FAULT": f"launcher:{step}"} if when == "checkpoint write" else {}
+        proc = popen(train_cmd(tmp_path), env=clean_env(**fault))  # rank 0 kills torchrun as it writes step N
+        workers: list[int] = []
+        try:
+            while len(workers) < 2:
+                assert proc.poll() is None, "torchrun ended before its workers started"
+                workers = children(proc.pid)
+            if when == "start-up":
+                time.sleep(RNG.uniform(0.1, 1.0))  # importing torch, reading the data, in the rendezvous
+            elif when == "mid-epoch":
+                wait_for_checkpoint(tmp_path, proc)
+                time.sleep(RNG.uniform(0, 0.5))
+            if when == "checkpoint write":
+                while proc.poll() is None:
+                    time.sleep(0.01)
+            else:
+                os.kill(proc.pid, signal.SIGKILL)
+            gone = seconds_until_gone(workers, time.monotonic())
+        finally:
+            kill_orphans(workers)
+            kill_job(proc)
+        out, err = proc.stdout.read(), proc.stderr.read()
+        assert_free_and_whole(tmp_path)
         if when == "start-up":
-            time.sleep(RNG.uniform(0.1, 1.0))  # importing torch, reading the data, in the rendezvous
-        elif when == "mid-epoch":
-            wait_for_checkpoint(tmp_path, proc)
-            time.sleep(RNG.uniform(0, 0.5))
-        if when == "checkpoint write":
-            while proc.poll() is None:
-                time.sleep(0.01)
+            assert "stopped on the launcher's end" in err and "nothing to save" in err, err
         else:
-            os.kill(proc.pid, signal.SIGKILL)
-        gone = seconds_until_gone(workers, time.monotonic())
-    finally:
-        kill_orphans(workers)
-        kill_job(proc)
-    out, err = proc.stdout.read(), proc.stderr.read()
-    assert_free_and_whole(tmp_path)
-    if when == "start-up":
-        assert "stopped on the launcher's end" in err and "nothing to save" in err, err
-    else:
-        assert "stopping on the launcher's end (its process" in out, out
+            assert "stopping on the launcher's end (its process" in out, out
+        kills.append(f"{when}{f', step {step}' if fault else ''}: its workers gone {gone:.1f} s later")
     ok(subprocess.run(train_cmd(tmp_path), cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=300))
     assert_bitwise(reference, tmp_path)
-    REPORT.append(f"kill -9 of torchrun alone ({when}{f', step {step}' if fault else ''}): its workers gone "
-                  f"{gone:.1f} s later, then resumed bitwise")  # fmt: skip
+    REPORT.append(f"kill -9 of torchrun alone ({'; '.join(kills)}), resumed each time: bitwise")
 
 
-@pytest.mark.parametrize("sizes", [(4, 2, 1), (1, 2, 4)], ids=lambda s: "->".join(map(str, s)))
-def test_resume_in_other_world_sizes_keeps_batch_and_data_order(tmp_path, sizes):
-    """A run on sizes[0] ranks is killed at a random step. At each change of world size a copy of its
-    directory, cut back to the checkpoint 4 steps before its newest, continues on the new number of
-    ranks, and after those 4 steps its weights must agree with the old number's own checkpoint there;
-    it is killed 4 steps further on (its newest checkpoint is then the next change's comparison), and
-    the last runs to the end. Three runs: each run is both one change's new world size and the next
-    change's old one.
+def test_resume_in_other_world_sizes_keeps_batch_and_data_order(tmp_path):
+    """1 -> 2 -> 4 -> 2 -> 1 ranks: every change up and down between neighbours. A run on 1 process is
+    killed at a random step. At each change of world size a copy of its directory, cut back to the
+    checkpoint 4 steps before its newest, continues on the new number of ranks, and after those 4 steps
+    its weights must agree with the old number's own checkpoint there; it is killed 4 steps further on
+    (its newest checkpoint is then the next change's comparison), and the last runs to the end. Five
+    runs: each run is both one change's new world size and the next change's old one.
 
     Why 4 steps and not the final weights: float reordering across world sizes (~1e-8 after a few
     steps, or ~4e-6 when it tips a max-pool/ReLU decision) grows exponentially along some trajectories
@@ -322,13 +331,14 @@ def test_resume_in_other_world_sizes_keeps_batch_and_data_order(tmp_path, sizes)
     def weights(out: Path, step: int) -> dict:
         return torch.load(rundir.step_path(out, step), weights_only=True)
 
-    first_kill = RNG.randint(9, STEPS - 12)  # a checkpoint 4 steps before the newest; room for 2 changes
-    out = tmp_path / f"run{sizes[0]}"
+    sizes = (1, 2, 4, 2, 1)
+    first_kill = RNG.randint(9, STEPS - 20)  # a checkpoint 4 steps before the newest; room for 4 changes
+    out = tmp_path / f"0-on-{sizes[0]}"
     train_on(sizes[0], out, first_kill)  # killed in that step, before its checkpoint: the newest is older
     resume_at = int(rundir.step_files(out)[0].name[5:-3]) - 4
     diffs = []
     for i, (before, after) in enumerate(zip(sizes, sizes[1:])):
-        new = tmp_path / f"run{after}"
+        new = tmp_path / f"{i + 1}-on-{after}"
         shutil.copytree(out, new)
         for path in rundir.step_files(new):  # auto-resume takes the newest: the files after resume_at go
             if int(path.name[5:-3]) > resume_at:

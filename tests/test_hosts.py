@@ -18,6 +18,7 @@ from conftest import (
     REPO,
     REPORT,
     TINY,
+    TORCHRUN,
     TRAIN,
     assert_free_and_whole,
     clean_env,
@@ -25,10 +26,8 @@ from conftest import (
     kill_orphans,
     max_diff,
     metrics,
-    ok,
     require,
     running,
-    torchrun,
 )
 from hosts import Host, hosts
 from slurm_hosts import slurm_cluster
@@ -270,9 +269,14 @@ def test_sbatch_on_two_nodes_stopped_requeued_ends_with_the_weights_of_an_uninte
         assert time.monotonic() < deadline, f"no checkpoint after 120 s: {slurm_job_state(h0, env, job, 'JobState')}"
         time.sleep(0.2)
     subprocess.run(h0.command(["scancel", "--signal=TERM", job]), env=env, check=True, capture_output=True)
+    reference = tmp_path / "uninterrupted"  # trained here while SLURM holds the requeued job back (10 s)
+    uninterrupted = subprocess.Popen([TORCHRUN, "--standalone", "--nproc_per_node=2", str(TRAIN), *args,
+                                      f"run.out_dir={reference}"], cwd=REPO, env=clean_env(),
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
     while (state := slurm_job_state(h0, env, job, "JobState")) not in ("COMPLETED", "FAILED", "CANCELLED"):
         assert time.monotonic() < deadline + 180, f"job {job} still {state}"
         time.sleep(1)
+    assert uninterrupted.wait(timeout=120) == 0, uninterrupted.stderr.read()[-3000:]
     log = (tmp_path / f"log-{job}.out").read_text()
     assert state == "COMPLETED" and slurm_job_state(h0, env, job, "Restarts") == "1", log[-3000:]
     assert "on 2 node(s)" in log and "stopping on SIGTERM: checkpoint" in log
@@ -280,8 +284,6 @@ def test_sbatch_on_two_nodes_stopped_requeued_ends_with_the_weights_of_an_uninte
     assert "Traceback" not in log, log  # torchrun's SignalException ends as an exit code (ddp/torchrun.py)
     assert "resumed from" in log and f"job {job} (restart 1)" in log
     assert [m["epoch"] for m in metrics(out)] == [1, 2, 3, 4]  # each epoch once, the right number
-    reference = tmp_path / "uninterrupted"
-    ok(torchrun(2, str(TRAIN), *args, f"run.out_dir={reference}"))
     got = torch.load(out / "checkpoints" / "last.pt", weights_only=True)["model"]
     want = torch.load(reference / "checkpoints" / "last.pt", weights_only=True)["model"]
     assert all(torch.equal(got[k], want[k]) for k in want)
@@ -314,15 +316,17 @@ def test_an_elastic_job_that_loses_a_node_finishes_on_the_other_with_the_same_we
                             NPROC="1", RDZV_CONF=rdzv, **fault)  # fmt: skip
             procs.append(host.popen(["bash", "launch/multinode.sh", *ELASTIC, f"run.out_dir={out}"], REPO, env))
         started = time.monotonic()
+        alone = tmp_path / "alone"  # trained here while h0 waits out the lost node (its rendezvous, ~20 s)
+        one = subprocess.Popen([sys.executable, str(TRAIN), *ELASTIC, f"run.out_dir={alone}"], cwd=REPO,
+                               env=clean_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                               text=True)  # fmt: skip
         (code, stdout, err), _ = finish(*procs, timeout=240)
         seconds = time.monotonic() - started
+        assert one.wait(timeout=120) == 0, one.stderr.read()[-3000:]
     assert code == 0, err[-3000:]
     assert "resumed from" in stdout and "saved at world_size 2, now 1 (grad_accum_steps 1, now 2)" in stdout
     assert "global batch 16 (16 per rank = 2 micro-batches of 8 (train.micro_batch_size))" in stdout
     assert [(m["epoch"], m["world_size"]) for m in metrics(out)] == [(1, 2), (2, 1)]
-    alone = tmp_path / "alone"
-    ok(subprocess.run([sys.executable, str(TRAIN), *ELASTIC, f"run.out_dir={alone}"], cwd=REPO, env=clean_env(),
-                      capture_output=True, text=True, timeout=120))  # fmt: skip
     final = [torch.load(d / "checkpoints" / "last.pt", weights_only=True)["model"] for d in (out, alone)]
     diff = max_diff(*final)
     assert diff < 1e-6

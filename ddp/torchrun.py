@@ -7,10 +7,11 @@ ranks (each saves its checkpoint and says "run the same command to resume") and 
 SignalException, printed by torchrun as a 25-line traceback with exit 1. A rank that fails (a usage
 error, a lost peer) prints its own line; torchrun then repeats it in a failure box and a traceback.
 Here both end as the exit code alone, after the ranks' lines; a rank that ended without a line of its
-own (killed by a signal) gets one. And an agent that still waits GRACE_S after its last rank ended (on
-a host cut off, torchrun's agent waits on the rendezvous store on another host for minutes) leaves,
-saying so: at once without restarts (--max-restarts 0); in an elastic job, which may restart its ranks,
-when its rendezvous store does not answer either.
+own (killed by a signal) gets one. And an agent that outlives its last rank (on a host cut off, torchrun's
+agent waits on the rendezvous store on another host for minutes) leaves, saying so: STORE_LOST_S after
+its ranks ended when its rendezvous store does not answer (the host cut off, or the store's host gone);
+else GRACE_S after them (its exit barrier waits on the other hosts), or never while the store answers
+in an elastic job, which may start new ranks.
 
 At the end of a job of several nodes, the agent that hosts the rendezvous store may leave before
 another agent has read the exit barrier's result (pytorch/pytorch#69520): that agent logged a traceback
@@ -49,6 +50,7 @@ from ddp import network  # noqa: E402
 from ddp.errors import EXIT_FAILURE  # noqa: E402
 
 GRACE_S = 20.0  # how long the agent may outlive its ranks (its own exit barrier waits on the other hosts)
+STORE_LOST_S = 5.0  # ... when its rendezvous store does not answer: what it waits for cannot come
 
 
 class ExitBarrierRace(logging.Filter):
@@ -80,9 +82,13 @@ def main(argv: list[str]) -> int:
     for name in RACE_LOGGERS:
         logging.getLogger(name).addFilter(race)
     args = parse_args(argv)
-    store = None if args.max_restarts == 0 else args.rdzv_endpoint
-    if store is None or ":" in store:  # (an elastic job without an endpoint of its own: not watched)
-        threading.Thread(target=leave_after_the_ranks, args=(store,), name="ddp-agent-watch", daemon=True).start()
+    store = args.rdzv_endpoint if ":" in args.rdzv_endpoint and not args.standalone else None
+    elastic = args.max_restarts > 0
+    if store or not elastic:  # (an elastic job without an endpoint of its own: not watched)
+        watch = threading.Thread(
+            target=leave_after_the_ranks, args=(store, elastic), name="ddp-agent-watch", daemon=True
+        )
+        watch.start()
     try:
         torchrun(argv)
     except SignalException as e:  # the ranks were stopped: their lines are printed
@@ -103,24 +109,33 @@ def failed(error: ChildFailedError) -> int:
     return code if code > 0 else 128 - code if code < 0 else EXIT_FAILURE
 
 
-def leave_after_the_ranks(store: str | None) -> None:
-    """Once every rank this agent started has ended, the agent has GRACE_S to end too (or to start
-    new ones); then this process leaves (exit 1) with one line, unless `store` ("host:port": an elastic
-    job's rendezvous) still accepts a connection: the agent may be waiting there for its next ranks."""
+def leave_after_the_ranks(store: str | None, elastic: bool) -> None:
+    """Once every rank this agent started has ended, this process leaves (exit 1) with one line when
+    `store` ("host:port": the rendezvous store on another host) does not answer STORE_LOST_S later, or
+    GRACE_S later in any case, unless `elastic` and the store answers: the agent may be waiting there for
+    its next ranks. The agent ends before that on its own in every other case."""
     seen, ended_at = False, None
     while True:
         time.sleep(0.5)
         if _ranks_running():
             seen, ended_at = True, None
-        elif seen:
-            ended_at = ended_at or time.monotonic()
-            if time.monotonic() - ended_at > GRACE_S and store and _answers(store):
-                ended_at = time.monotonic()  # another grace, then ask again
-            elif time.monotonic() - ended_at > GRACE_S:
-                host = socket.gethostname()
-                line = f"torchrun's agent on {host} still waited {GRACE_S:.0f} s after its ranks ended"
-                print(f"error: {line} (for its rendezvous store on another host?): left", file=sys.stderr, flush=True)
-                os._exit(EXIT_FAILURE)
+            continue
+        if not seen:
+            continue
+        ended_at = ended_at or time.monotonic()
+        waited, host = time.monotonic() - ended_at, socket.gethostname()
+        if waited < STORE_LOST_S:
+            continue
+        if store and not _answers(store):
+            line = f"torchrun's agent on {host}: its rendezvous store {store} does not answer {STORE_LOST_S:.0f} s"
+            print(f"error: {line} after its ranks ended (is {host} cut off?): left", file=sys.stderr, flush=True)
+            os._exit(EXIT_FAILURE)
+        if store and elastic:
+            ended_at = time.monotonic() - STORE_LOST_S  # waiting for its next ranks: ask the store again
+        elif waited > GRACE_S:
+            line = f"torchrun's agent on {host} still waited {GRACE_S:.0f} s after its ranks ended"
+            print(f"error: {line} (for its rendezvous store on another host?): left", file=sys.stderr, flush=True)
+            os._exit(EXIT_FAILURE)
 
 
 def _answers(endpoint: str) -> bool:

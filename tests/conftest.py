@@ -110,11 +110,11 @@ def pytest_configure(config) -> None:
 
 # make test gives pytest-xdist whole files (-n 2 --dist loadfile --no-loadscope-reorder), in this
 # order: the longest first, so that the workers end together instead of one finishing a long file
-# alone. Seconds of each file's tests in a 2-worker run (2026-11-24): 491, 357, 161, 135, 130, 123,
-# 92, 84, 76, 70, 66; every other file under 45. A file not listed runs after these, in name order.
+# alone. Seconds of each file's tests in a 2-worker run (2026-11-25): 349, 254, 113, 107, 106, 87, 60,
+# 55, 53, 43, 41; every other file under 35. A file not listed runs after these, in name order.
 LONGEST_FIRST = [
-    "test_resume.py", "test_hosts.py", "test_slurm.py", "test_gpu_check.py", "test_equivalence.py", "test_launch.py",
-    "test_progress.py", "test_ddp.py", "test_checkpoint.py", "test_cli_errors.py", "test_run_dir.py",
+    "test_hosts.py", "test_resume.py", "test_equivalence.py", "test_gpu_check.py", "test_fsdp.py", "test_launch.py",
+    "test_slurm.py", "test_progress.py", "test_ddp.py", "test_cli_errors.py", "test_observe.py",
 ]  # fmt: skip
 
 

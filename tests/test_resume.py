@@ -211,24 +211,27 @@ def test_torchrun_max_restarts_recovers_a_dead_rank_by_itself(reference, tmp_pat
 
 
 def test_stop_signals_save_at_the_next_step_and_exit_75_and_the_run_resumes_bitwise(reference, tmp_path):
-    """SIGTERM to torchrun (it forwards it to its workers) in epoch 2, then, in the resumed run, SIGUSR1
-    to every worker (as SLURM's --signal does) in epoch 3, each at a random time in the first half of
-    that epoch (the last epoch: a signal later could come after the run's end on a loaded machine):
-    each time every rank stops at the same step boundary, rank 0 saves, the workers exit 75. The same
-    command resumes each time and ends bitwise."""
+    """SIGTERM to torchrun (it forwards it to its workers) in the first half of epoch 2, then, in the
+    resumed run, SIGUSR1 to every worker (as SLURM's --signal does) in the first quarter of epoch 3, the
+    last (epoch 1's time is the yardstick: each must land in its epoch, the second before the run's
+    end): each time every rank stops at the same step boundary, rank 0 saves, the workers exit 75. The
+    same command resumes each time and ends bitwise."""
     args, stops = ("run.save_every_steps=0",), []
-    for sig, epoch in (("SIGTERM", 2), ("SIGUSR1", 3)):
-        fraction = RNG.uniform(0, 0.5)
+    for sig, epoch, most in (("SIGTERM", 2, 0.5), ("SIGUSR1", 3, 0.25)):
+        fraction = RNG.uniform(0, most)
         proc = popen(train_cmd(tmp_path, *args))
         while len(metrics(tmp_path) if (tmp_path / "metrics.jsonl").exists() else []) < epoch - 1:  # into `epoch`
             assert proc.poll() is None
             time.sleep(0.05)
         delay = fraction * metrics(tmp_path)[0]["seconds"]  # within that epoch on a machine of any speed
         time.sleep(delay)
-        for pid in [proc.pid] if sig == "SIGTERM" else children(proc.pid):
+        pids = [proc.pid] if sig == "SIGTERM" else children(proc.pid)
+        assert pids and proc.poll() is None, "the run ended before the signal"
+        for pid in pids:
             os.kill(pid, signal.Signals[sig])
         out, err = proc.communicate(timeout=120)
         assert f"stopped on {sig}; run the same command to resume" in err
+        assert len(metrics(tmp_path)) == epoch - 1, f"{sig} came after epoch {epoch}"
         if sig == "SIGUSR1":
             # torchrun's report lists the workers that had exited when it saw the first one go; each is 75
             codes = [line.split(":")[1].split()[0] for line in err.splitlines() if line.strip().startswith("exitcode")]
@@ -265,15 +268,15 @@ def test_a_hung_rank_makes_the_others_exit_within_the_timeout(tmp_path):
 
 def test_the_launcher_killed_leaves_no_worker_and_the_same_command_resumes_bitwise(reference, tmp_path):
     """kill -9 of torchrun alone (its workers run in sessions of their own, so it does not reach them),
-    three times in one run directory: in start-up, mid-epoch, and as rank 0 writes a checkpoint. Each
-    time within 10 s no worker is left, the lock is free, every checkpoint whole; killed in training,
-    the workers stop at the next step boundary with a checkpoint. The same command resumes each time,
-    and the last run ends bitwise equal to the run that never stopped."""
+    three times in one run directory: in start-up, as rank 0 writes a checkpoint in the first half of
+    the run (the workers need steps left to see it), and mid-epoch. Each time within 10 s no worker is
+    left, the lock is free, every checkpoint whole; killed in training, the workers stop at the next
+    step boundary with a checkpoint. The same command resumes each time, and the last run ends bitwise
+    equal to the run that never stopped."""
     kills = []
-    for when in ("start-up", "mid-epoch", "checkpoint write"):
-        newest = rundir.step_files(tmp_path)[:1]
-        resumed_at = int(newest[0].name[5:-3]) if newest else 0
-        step = RNG.choice(range((resumed_at // SAVE_EVERY + 1) * SAVE_EVERY, STEPS, SAVE_EVERY))
+    for when in ("start-up", "checkpoint write", "mid-epoch"):
+        newest = rundir.step_files(tmp_path)[:1]  # none after start-up: "nothing to save"
+        step = RNG.choice(range(SAVE_EVERY, STEPS // 2, SAVE_EVERY))
         fault = {"DDP_CIFAR_FAULT": f"launcher:{step}"} if when == "checkpoint write" else {}
         proc = popen(train_cmd(tmp_path), env=clean_env(**fault))  # rank 0 kills torchrun as it writes step N
         workers: list[int] = []
@@ -284,7 +287,7 @@ def test_the_launcher_killed_leaves_no_worker_and_the_same_command_resumes_bitwi
             if when == "start-up":
                 time.sleep(RNG.uniform(0.1, 1.0))  # importing torch, reading the data, in the rendezvous
             elif when == "mid-epoch":
-                wait_for_checkpoint(tmp_path, proc)
+                wait_for_checkpoint(tmp_path, proc, newer_than=newest[0])
                 time.sleep(RNG.uniform(0, 0.5))
             if when == "checkpoint write":
                 while proc.poll() is None:

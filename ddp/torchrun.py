@@ -126,16 +126,20 @@ def leave_after_the_ranks(store: str | None, elastic: bool) -> None:
         waited, host = time.monotonic() - ended_at, socket.gethostname()
         if waited < STORE_LOST_S:
             continue
-        if store and not _answers(store):
-            line = f"torchrun's agent on {host}: its rendezvous store {store} does not answer {STORE_LOST_S:.0f} s"
-            print(f"error: {line} after its ranks ended (is {host} cut off?): left", file=sys.stderr, flush=True)
-            os._exit(EXIT_FAILURE)
-        if store and elastic:
-            ended_at = time.monotonic() - STORE_LOST_S  # waiting for its next ranks: ask the store again
-        elif waited > GRACE_S:
-            line = f"torchrun's agent on {host} still waited {GRACE_S:.0f} s after its ranks ended"
-            print(f"error: {line} (for its rendezvous store on another host?): left", file=sys.stderr, flush=True)
-            os._exit(EXIT_FAILURE)
+        answers = store is not None and _answers(store)
+        if answers and elastic:
+            continue  # the agent may be waiting at its store for its next ranks
+        if store and not answers:
+            _leave(f"torchrun's agent on {host}: its rendezvous store {store} does not answer {STORE_LOST_S:.0f} s "
+                   f"after its ranks ended (is {host} cut off?)")  # fmt: skip
+        if waited > GRACE_S:
+            _leave(f"torchrun's agent on {host} still waited {GRACE_S:.0f} s after its ranks ended (for its "
+                   "rendezvous store on another host?)")  # fmt: skip
+
+
+def _leave(why: str) -> None:
+    print(f"error: {why}: left", file=sys.stderr, flush=True)
+    os._exit(EXIT_FAILURE)
 
 
 def _answers(endpoint: str) -> bool:

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -302,69 +303,70 @@ ELASTIC = [
 ]  # fmt: skip
 
 
-def test_an_elastic_job_that_loses_a_node_finishes_on_the_other_with_the_same_weights(tmp_path):
-    """MIN_NODES=1 NNODES=2 (torchrun --nnodes=1:2, restarts on): h1 is lost in global step 11
-    (its torchrun and its rank killed); the rank on h0 restarts alone from step 10's checkpoint with
-    2 micro-batches of 8 instead of 1 (train.micro_batch_size), and ends where one uninterrupted
-    process ends, within the invariance bound of tests/test_equivalence.py (1e-6)."""
-    out = tmp_path / "elastic"
-    rdzv = "last_call_timeout=8,keep_alive_interval=1,keep_alive_max_attempt=2"  # h1 joins late; a lost one drops fast
-    with hosts(2) as (h0, h1):
-        procs = []
-        for rank, host in enumerate((h0, h1)):
-            fault = {"DDP_CIFAR_FAULT": "node:11:r1"} if rank == 1 else {}
-            env = clean_env(NNODES="2", MIN_NODES="1", NODE_RANK=str(rank), MASTER_ADDR=h0.name, MASTER_PORT=PORT,
-                            NPROC="1", RDZV_CONF=rdzv, **fault)  # fmt: skip
-            procs.append(host.popen(["bash", "launch/multinode.sh", *ELASTIC, f"run.out_dir={out}"], REPO, env))
+def test_elastic_jobs_that_lose_a_node_finish_on_the_other_and_a_cut_off_node_ends_its_launcher(tmp_path):
+    """Two elastic jobs side by side (their waits overlap), each on two hosts of its own: MIN_NODES=1
+    NNODES=2 (torchrun --nnodes=1:2, restarts on).
+    - h1 is lost in global step 11 (its torchrun and its rank killed): the rank on h0 restarts alone from
+      step 10's checkpoint with 2 micro-batches of 8 instead of 1 (train.micro_batch_size), and ends where
+      one uninterrupted process ends, within the invariance bound of tests/test_equivalence.py (1e-6).
+    - The same job, longer: h3's link goes down after the first checkpoint. h2 goes on alone and
+      finishes. h3 cannot go on (its rendezvous store is on h2): its rank leaves naming the cut, and its
+      launcher, torchrun's agent included, is gone within run.timeout_s + 30 s, non-zero."""
+    lost, cut, alone, timeout_s = tmp_path / "elastic", tmp_path / "elastic-cut", tmp_path / "alone", 10
+    # Node 1 starts its torchrun only once node 0's store answers (launch/multinode.sh's preflight), so it
+    # joins a torchrun start-up later: 20 s for it on a loaded 2-core machine; a lost node drops in 2 s.
+    rdzv = "last_call_timeout=20,keep_alive_interval=1,keep_alive_max_attempt=2"
+
+    def node(host: Host, rank: int, master: Host, job: list[str], **fault: str) -> subprocess.Popen:
+        env = clean_env(NNODES="2", MIN_NODES="1", NODE_RANK=str(rank), MASTER_ADDR=master.name, MASTER_PORT=PORT,
+                        NPROC="1", RDZV_CONF=rdzv, **fault)  # fmt: skip
+        return host.popen(["bash", "launch/multinode.sh", *job], REPO, env)
+
+    def until_trained(out: Path, job: list[subprocess.Popen]) -> None:
+        """Until `out` has a checkpoint: the job is under way (the next one starts only then, so that the
+        load of its start cannot delay either host of this one)."""
+        while not rundir.step_files(out):
+            if any(p.poll() is not None for p in job) or time.monotonic() - started > 180:
+                ended = [(p.poll(), p.communicate(timeout=30)[1][-2000:]) for p in job if p.poll() is not None]
+                raise AssertionError(f"{out.name}: no checkpoint after {time.monotonic() - started:.0f} s: {ended}")
+            time.sleep(0.05)
+
+    longer = [*ELASTIC, "data.synthetic_train=2048", "run.save_every_steps=8", f"run.out_dir={cut}"]
+    with hosts(2) as (h0, h1), hosts(2) as (h2, h3):
         started = time.monotonic()
-        (code, stdout, err), _ = finish(*procs, timeout=240)
+        procs = [node(h0, 0, h0, [*ELASTIC, f"run.out_dir={lost}"]),
+                 node(h1, 1, h0, [*ELASTIC, f"run.out_dir={lost}"], DDP_CIFAR_FAULT="node:11:r1")]  # fmt: skip
+        until_trained(lost, procs)
+        procs += [node(h2, 0, h2, longer), node(h3, 1, h2, longer)]
+        until_trained(cut, procs[2:])
+        h3.link(False)
+        cut_at = time.monotonic()
+        cmd = [sys.executable, str(TRAIN), *ELASTIC, f"run.out_dir={alone}"]  # one process, uninterrupted
+        one = subprocess.Popen(
+            cmd, cwd=REPO, env=clean_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+        )
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            procs[3].wait(timeout=timeout_s + 30)
+        h3_left = time.monotonic() - cut_at
+        procs[3].kill()
+        (code, stdout, err), _, (cut_code, _, cut_err), (h3_code, _, h3_err) = finish(*procs, timeout=240)
         seconds = time.monotonic() - started
+        h3.link(True)
     assert code == 0, err[-3000:]
     assert "resumed from" in stdout and "saved at world_size 2, now 1 (grad_accum_steps 1, now 2)" in stdout
     assert "global batch 16 (16 per rank = 2 micro-batches of 8 (train.micro_batch_size))" in stdout
-    assert [(m["epoch"], m["world_size"]) for m in metrics(out)] == [(1, 2), (2, 1)]
-    alone = tmp_path / "alone"
-    one = subprocess.run([sys.executable, str(TRAIN), *ELASTIC, f"run.out_dir={alone}"], cwd=REPO, env=clean_env(),
-                         capture_output=True, text=True, timeout=120)  # fmt: skip
-    assert one.returncode == 0, one.stderr[-3000:]
-    final = [torch.load(d / "checkpoints" / "last.pt", weights_only=True)["model"] for d in (out, alone)]
+    assert [(m["epoch"], m["world_size"]) for m in metrics(lost)] == [(1, 2), (2, 1)]
+    assert one.wait(timeout=120) == 0, one.stderr.read()[-3000:]
+    final = [torch.load(d / "checkpoints" / "last.pt", weights_only=True)["model"] for d in (lost, alone)]
     diff = max_diff(*final)
     assert diff < 1e-6
-    REPORT.append(f"elastic job on 2 hosts, h1 lost at step 11: finished on h0 alone in {seconds:.0f} s, "
-                  f"{diff:.1e} from one uninterrupted process")  # fmt: skip
-
-
-def test_an_elastic_node_cut_off_ends_its_launcher_while_the_other_finishes_alone(tmp_path):
-    """The same elastic job, longer; h1's link goes down after the first checkpoint. h0 goes on alone
-    and finishes. h1 cannot go on (its rendezvous store is on h0): its rank leaves naming the cut, and
-    its launcher, torchrun's agent included, is gone within run.timeout_s + 30 s, non-zero."""
-    out, timeout_s = tmp_path / "elastic", 10
-    job = [*ELASTIC, "data.synthetic_train=2048", "run.save_every_steps=8", f"run.out_dir={out}"]
-    rdzv = "last_call_timeout=8,keep_alive_interval=1,keep_alive_max_attempt=2"
-    with hosts(2) as (h0, h1):
-        procs = [
-            host.popen(["bash", "launch/multinode.sh", *job], REPO,
-                       clean_env(NNODES="2", MIN_NODES="1", NODE_RANK=str(rank), MASTER_ADDR=h0.name,
-                                 MASTER_PORT=PORT, NPROC="1", RDZV_CONF=rdzv))
-            for rank, host in enumerate((h0, h1))
-        ]  # fmt: skip
-        deadline = time.monotonic() + 120
-        while not rundir.step_files(out):
-            assert all(p.poll() is None for p in procs) and time.monotonic() < deadline
-            time.sleep(0.05)
-        h1.link(False)
-        cut = time.monotonic()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            procs[1].wait(timeout=timeout_s + 30)
-        h1_left = time.monotonic() - cut
-        procs[1].kill()
-        (code, stdout, err), (h1_code, _, h1_err) = finish(*procs, timeout=240)
-        h1.link(True)
-    assert code == 0, err[-3000:]
-    assert h1_code not in (None, 0) and h1_left < timeout_s + 30, (h1_code, h1_left, h1_err[-3000:])
-    assert f"error: torchrun's agent on {h1.name}: its rendezvous store {h0.name}:{PORT} does not answer" in h1_err
-    assert metrics(out)[-1]["epoch"] == 2 and metrics(out)[-1]["world_size"] == 1
-    REPORT.append(f"elastic job, h1's link down: h0 finished alone; h1's launcher gone {h1_left:.1f} s after the cut")
+    assert cut_code == 0, cut_err[-3000:]
+    assert h3_code not in (None, 0) and h3_left < timeout_s + 30, (h3_code, h3_left, h3_err[-3000:])
+    assert f"error: torchrun's agent on {h3.name}: its rendezvous store {h2.name}:{PORT} does not answer" in h3_err
+    assert metrics(cut)[-1]["epoch"] == 2 and metrics(cut)[-1]["world_size"] == 1
+    REPORT.append(f"elastic job on 2 hosts, h1 lost at step 11: finished on h0 alone ({seconds:.0f} s for both jobs), "
+                  f"{diff:.1e} from one uninterrupted process; the other, h3's link down: h2 finished alone, h3's "
+                  f"launcher gone {h3_left:.1f} s after the cut")  # fmt: skip
 
 
 def test_the_skypilot_tasks_run_section_on_two_hosts_as_skypilot_starts_it(tmp_path):

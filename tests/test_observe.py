@@ -2,10 +2,11 @@
 ddp.plot's PNGs from a short run on the real CIFAR-10 subset."""
 
 import struct
+import subprocess
 
 import pytest
 import torch
-from conftest import TINY, TRAIN, metrics, ok, python, torchrun
+from conftest import REPO, TINY, TORCHRUN, TRAIN, clean_env, metrics, ok, python
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from ddp import checkpoint, plot, rundir, train
@@ -35,12 +36,17 @@ def png_size(path) -> tuple[int, int]:
     return struct.unpack(">II", data[16:24])
 
 
-def test_plots_of_a_real_subset_run_and_of_several_runs_on_one_chart(subset, tmp_path):
-    real = tmp_path / "subset-1proc"
-    ok(python(str(TRAIN), "--config", "configs/quick.yaml", "data.dataset=npz", f"data.path={subset}",
-              "train.epochs=2", "train.eval_every=1", "run.device=cpu", f"run.out_dir={real}"))  # fmt: skip
-    two = tmp_path / "tiny-2proc"
-    ok(torchrun(2, str(TRAIN), *TINY, f"run.out_dir={two}"))
+def test_plots_of_a_real_subset_run_and_of_several_runs_on_one_chart(subset, tmp_path, capsys):
+    """`python -m ddp.plot` of a 1-process run on the real subset (trained in this process) and a 2-rank
+    torchrun, into --out; then of one run, into its own directory."""
+    two, real = tmp_path / "tiny-2proc", tmp_path / "subset-1proc"
+    with open(tmp_path / "torchrun.log", "w+") as log:  # the torchrun job runs while this process trains
+        cmd = [TORCHRUN, "--standalone", "--nproc_per_node=2", str(TRAIN), *TINY, f"run.out_dir={two}"]
+        job = subprocess.Popen(cmd, cwd=REPO, env=clean_env(), stdout=log, stderr=subprocess.STDOUT)
+        train.main(["--config", str(REPO / "configs/quick.yaml"), "data.dataset=npz", f"data.path={subset}",
+                    "train.epochs=2", "train.eval_every=1", "run.device=cpu", "run.progress=false",
+                    f"run.out_dir={real}"])  # fmt: skip
+        assert job.wait(timeout=300) == 0, log.seek(0) or log.read()[-3000:]
     proc = ok(python("-m", "ddp.plot", str(real), str(two), "--out", str(tmp_path / "charts")))
     charts = tmp_path / "charts"
     assert png_size(charts / "curves.png") == (1000, 400)
@@ -48,8 +54,9 @@ def test_plots_of_a_real_subset_run_and_of_several_runs_on_one_chart(subset, tmp
     assert png_size(charts / "confusion-subset-1proc.png") == (700, 600)
     assert png_size(charts / "confusion-tiny-2proc.png") == (700, 600)
     assert proc.stdout.count(".png") == 4
-    alone = ok(python("-m", "ddp.plot", str(real)))  # default: into the run's own directory
-    assert png_size(real / "curves.png") == (1000, 400) and "confusion-subset-1proc.png" in alone.stdout
+    capsys.readouterr()
+    plot.main([str(real)])  # default: into the run's own directory
+    assert png_size(real / "curves.png") == (1000, 400) and "confusion-subset-1proc.png" in capsys.readouterr().out
 
 
 def test_plotting_a_directory_without_metrics_is_a_clear_error(tmp_path):

@@ -245,25 +245,60 @@ def test_stop_signals_save_at_the_next_step_and_exit_75_and_the_run_resumes_bitw
     REPORT.append(f"{'; '.join(stops)}: exit 75 each time, resumed bitwise")
 
 
-def test_a_hung_rank_makes_the_others_exit_within_the_timeout(tmp_path):
-    proc = popen(train_cmd(tmp_path, "run.timeout_s=5", "train.epochs=50"))
+def test_a_hung_rank_ends_the_others_at_the_timeout_and_a_stop_signal_ends_that_wait_within_seconds(tmp_path):
+    """Two jobs side by side (their waits overlap), rank 1 of each frozen (SIGSTOP: alive, no connection
+    closed) at its first checkpoint, rank 0 waiting for it in its next collective:
+    - run.timeout_s=5: rank 0 leaves at the timeout naming rank 1 as hung; rank 1, woken (SIGCONT), does
+      not wait for the others and leaves too;
+    - run.timeout_s=60, SIGTERM to rank 0 a second later: it cannot reach Python until torch returns, but
+      the watcher sees it: rank 0 leaves within the grace (5 s past its slowest step), exit 1, one line;
+      the checkpoints before are whole."""
+    timed, signalled = tmp_path / "timeout", tmp_path / "signal"
+    jobs = {
+        timed: popen(train_cmd(timed, "run.timeout_s=5", "train.epochs=50")),
+        signalled: popen(train_cmd(signalled, "run.timeout_s=60", "train.epochs=50")),
+    }
+    frozen: dict[Path, dict[int, int]] = {}  # each job's {rank: pid}, once its rank 1 is frozen
+    since: dict[Path, float] = {}  # from when rank 0 must leave: rank 1 frozen (timed), SIGTERM (signalled)
+    left: dict[Path, float] = {}  # seconds from then until rank 0 was gone
+    limit, sent, started = {timed: 5 + 20, signalled: 15}, False, time.monotonic()
     try:
-        wait_for_checkpoint(tmp_path, proc)
-        by_rank = {rank_of(pid): pid for pid in children(proc.pid)}
-        os.kill(by_rank[1], signal.SIGSTOP)  # alive but stuck: no connection is closed
-        stopped = time.monotonic()
-        while running(by_rank[0]):
-            assert time.monotonic() - stopped < 5 + 20, "rank 0 still waiting long after run.timeout_s"
-            time.sleep(0.1)
-        waited = time.monotonic() - stopped
-        os.kill(by_rank[1], signal.SIGCONT)  # woken: the others are gone, and it must not wait for them
-        woken = seconds_until_gone([by_rank[1]], time.monotonic())
+        while len(left) < 2:
+            now = time.monotonic()
+            for out, proc in jobs.items():
+                if out not in frozen:
+                    if not rundir.step_files(out):
+                        assert proc.poll() is None and now - started < 120, "the run ended before its checkpoint"
+                        continue
+                    frozen[out] = {rank_of(pid): pid for pid in children(proc.pid)}
+                    os.kill(frozen[out][1], signal.SIGSTOP)
+                    since[out] = now + (1 if out == signalled else 0)  # a second on, rank 0 waits for rank 1
+                elif out not in left and now >= since[out]:
+                    if out == signalled and not sent:
+                        os.kill(frozen[out][0], signal.SIGTERM)
+                        sent = True
+                    elif not running(frozen[out][0]):
+                        left[out] = now - since[out]
+                    else:
+                        assert now - since[out] < limit[out], f"rank 0 of the {out.name} job still runs"
+            time.sleep(0.05)
+        for pids in frozen.values():
+            os.kill(pids[1], signal.SIGCONT)  # woken: the others are gone, and it must not wait for them
+        woken = seconds_until_gone([frozen[timed][1]], time.monotonic())
+        jobs[signalled].wait(timeout=30)  # its torchrun ends now and reports
     finally:
-        kill_job(proc)
-    err = proc.stderr.read()
-    assert "error: rank 0 of 2: lost contact with rank 1 (no answer within run.timeout_s=5: hung)" in err
-    REPORT.append(f"rank 1 hung (SIGSTOP): rank 0 exited after {waited:.1f} s with run.timeout_s=5; "
-                  f"rank 1, woken (SIGCONT), left {woken:.1f} s later")  # fmt: skip
+        for out, proc in jobs.items():
+            kill_orphans(list(frozen.get(out, {}).values()))
+            kill_job(proc)
+    err = jobs[timed].stderr.read()
+    assert "error: rank 0 of 2: lost contact with rank 1 (no answer within run.timeout_s=5: hung)" in err, err
+    err = jobs[signalled].stderr.read()
+    assert "error: rank 0 of 2: stopping on SIGTERM, but no step boundary came within" in err, err
+    assert "exitcode  : 1" in err
+    assert_free_and_whole(signalled)
+    REPORT.append(f"rank 1 hung (SIGSTOP): rank 0 exited after {left[timed]:.1f} s with run.timeout_s=5; rank 1, "
+                  f"woken (SIGCONT), left {woken:.1f} s later; with run.timeout_s=60, SIGTERM to rank 0 waiting for "
+                  f"it: it left {left[signalled]:.1f} s later")  # fmt: skip
 
 
 def test_the_launcher_killed_leaves_no_worker_and_the_same_command_resumes_bitwise(reference, tmp_path):
@@ -412,56 +447,34 @@ def test_a_store_that_never_answers_ends_at_its_deadline_and_a_signal_ends_the_w
     timeout does not end that wait): one line naming it, exit 1, at run.timeout_s + 5 s. SIGTERM in
     that wait: exit 1 within seconds, not at the deadline."""
 
-    def worker(store: socket.socket, *args: str) -> tuple[list[str], dict[str, str]]:
+    def worker(store: socket.socket, *args: str) -> tuple[subprocess.Popen, str]:
+        """Rank 1 of a torchrun whose store is `store`; and the store's address."""
+        port = str(store.getsockname()[1])
         env = clean_env(RANK="1", LOCAL_RANK="1", WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                        MASTER_PORT=str(store.getsockname()[1]), TORCHELASTIC_USE_AGENT_STORE="True")  # fmt: skip
-        return [sys.executable, str(TRAIN), *JOB, f"run.out_dir={tmp_path}", *args], env
+                        MASTER_PORT=port, TORCHELASTIC_USE_AGENT_STORE="True")  # fmt: skip
+        cmd = [sys.executable, str(TRAIN), *JOB, f"run.out_dir={tmp_path / port}", *args]
+        return subprocess.Popen(cmd, cwd=REPO, env=env, stderr=subprocess.PIPE, text=True), f"127.0.0.1:{port}"
 
-    with socket.create_server(("127.0.0.1", 0)) as store:  # listens; never answers
-        cmd, env = worker(store, "run.timeout_s=2")
+    # Two stores that listen and never answer; the worker of each waits, side by side.
+    with socket.create_server(("127.0.0.1", 0)) as store, socket.create_server(("127.0.0.1", 0)) as other:
         started = time.monotonic()
-        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
-        waited = time.monotonic() - started
-    where = f"torchrun's store at 127.0.0.1:{env['MASTER_PORT']}"
-    assert proc.returncode == 1
-    assert f"error: rank 1 of 2: the rendezvous ({where}): no answer within run.timeout_s=2 s (+5)" in proc.stderr
-    with socket.create_server(("127.0.0.1", 0)) as store:
-        cmd, env = worker(store)
-        waiting = subprocess.Popen(cmd, cwd=REPO, env=env, stderr=subprocess.PIPE, text=True)
+        timed, where = worker(store, "run.timeout_s=2")
+        waiting, _ = worker(other)  # its wait ended by a signal
         try:
-            store.settimeout(60)
-            store.accept()[0].close()  # it is in the wait (torch connects again and waits for an answer)
+            other.settimeout(60)
+            other.accept()[0].close()  # it is in the wait (torch connects again and waits for an answer)
             time.sleep(0.5)
             waiting.send_signal(signal.SIGTERM)
             signalled = time.monotonic()
             assert waiting.wait(timeout=10) == 1
             ended = time.monotonic() - signalled
+            err = timed.communicate(timeout=60)[1]
+            waited = time.monotonic() - started
         finally:
             waiting.kill()
+            timed.kill()
+    assert timed.returncode == 1
+    line = f"error: rank 1 of 2: the rendezvous (torchrun's store at {where}): no answer within run.timeout_s=2 s (+5)"
+    assert line in err, err
     REPORT.append(f"a store that never answers: exit 1 {waited:.1f} s after start (run.timeout_s=2); "
                   f"SIGTERM in that wait: exit 1 {ended:.1f} s later")  # fmt: skip
-
-
-def test_a_stop_signal_while_a_rank_waits_for_a_hung_one_ends_it_within_seconds(tmp_path):
-    """Rank 1 frozen (SIGSTOP), rank 0 waiting for it in a collective with run.timeout_s=60: SIGTERM to
-    rank 0 cannot reach Python until torch returns, but the watcher sees it: rank 0 leaves within
-    the grace (5 s past its slowest step), exit 1, one line; the checkpoints before are whole."""
-    proc = popen(train_cmd(tmp_path, "run.timeout_s=60", "train.epochs=50"))
-    by_rank: dict[int, int] = {}
-    try:
-        wait_for_checkpoint(tmp_path, proc)
-        by_rank = {rank_of(pid): pid for pid in children(proc.pid)}
-        os.kill(by_rank[1], signal.SIGSTOP)
-        time.sleep(1)  # rank 0 is in its next collective, waiting
-        os.kill(by_rank[0], signal.SIGTERM)
-        waited = seconds_until_gone([by_rank[0]], time.monotonic(), limit=15)
-        os.kill(by_rank[1], signal.SIGCONT)  # so that torchrun ends now and reports
-        proc.wait(timeout=30)
-    finally:
-        kill_orphans(list(by_rank.values()))
-        kill_job(proc)
-    err = proc.stderr.read()
-    assert "error: rank 0 of 2: stopping on SIGTERM, but no step boundary came within" in err, err
-    assert "exitcode  : 1" in err
-    assert_free_and_whole(tmp_path)
-    REPORT.append(f"SIGTERM to rank 0 waiting for a frozen rank 1 (run.timeout_s=60): it left {waited:.1f} s later")

@@ -11,7 +11,7 @@ import termios
 
 from conftest import REPO, TINY, TORCHRUN, TRAIN, clean_env, python
 
-BIG = [*TINY, "data.synthetic_train=4096", "train.epochs=2"]  # 128 steps an epoch: a few seconds
+BIG = [*TINY, "data.synthetic_train=2048", "train.epochs=2"]  # 64 steps an epoch: 2-4 s here, a bar with loss=
 # Where no bar (or one bar, not two) may show: 32 steps an epoch (1-2 s here), long enough for a bar's
 # loss= (after 0.25 s; 6 of them in a terminal here); a bar drawn at all shows "it/s" from its first line.
 MID = [*TINY, "data.synthetic_train=1024", "train.epochs=2"]

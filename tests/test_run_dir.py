@@ -48,6 +48,7 @@ def start(out_dir: Path, *args: str) -> subprocess.Popen:
 
 def test_a_second_run_into_a_live_runs_out_dir_is_refused_and_the_lock_dies_with_the_first(tmp_path):
     first = start(tmp_path)
+    first.send_signal(signal.SIGSTOP)  # holds its lock, frozen: its training would take the others' CPU
     try:
         config_yaml = (tmp_path / "config.yaml").read_text()
         holder = f"pid {first.pid} on {socket.gethostname()}, started "
@@ -63,8 +64,12 @@ def test_a_second_run_into_a_live_runs_out_dir_is_refused_and_the_lock_dies_with
         ranks = torchrun(2, str(TRAIN), f"run.out_dir={tmp_path}", *TINY, "run.timeout_s=30", timeout=120)
         said = [line for line in ranks.stderr.splitlines() if line.startswith("error: ") and "is in use by" in line]
         assert ranks.returncode != 0 and len(said) == 1  # torchrun's box repeats it as the root cause
-        assert first.poll() is None  # the first run goes on, untouched
-        assert (tmp_path / "config.yaml").read_text() == config_yaml  # none of the refused ones wrote there
+        first.send_signal(signal.SIGCONT)
+        newest, deadline = rundir.step_files(tmp_path)[0], time.monotonic() + 60
+        while rundir.step_files(tmp_path)[0] == newest:  # the first run goes on, untouched (a new checkpoint) ...
+            assert first.poll() is None and time.monotonic() < deadline, "the first run did not go on"
+            time.sleep(0.1)
+        assert (tmp_path / "config.yaml").read_text() == config_yaml  # ... none of the refused ones wrote there
     finally:
         first.send_signal(signal.SIGKILL)  # no handler runs: only the OS can release the lock
         first.communicate(timeout=60)

@@ -40,13 +40,14 @@ def test_plots_of_a_real_subset_run_and_of_several_runs_on_one_chart(subset, tmp
     """`python -m ddp.plot` of a 1-process run on the real subset (trained in this process) and a 2-rank
     torchrun, into --out; then of one run, into its own directory."""
     two, real = tmp_path / "tiny-2proc", tmp_path / "subset-1proc"
-    with open(tmp_path / "torchrun.log", "w+") as log:  # the torchrun job runs while this process trains
+    log = tmp_path / "torchrun.log"
+    with open(log, "w") as output:  # the torchrun job runs while this process trains
         cmd = [TORCHRUN, "--standalone", "--nproc_per_node=2", str(TRAIN), *TINY, f"run.out_dir={two}"]
-        job = subprocess.Popen(cmd, cwd=REPO, env=clean_env(), stdout=log, stderr=subprocess.STDOUT)
+        job = subprocess.Popen(cmd, cwd=REPO, env=clean_env(), stdout=output, stderr=subprocess.STDOUT)
         train.main(["--config", str(REPO / "configs/quick.yaml"), "data.dataset=npz", f"data.path={subset}",
                     "train.epochs=2", "train.eval_every=1", "run.device=cpu", "run.progress=false",
                     f"run.out_dir={real}"])  # fmt: skip
-        assert job.wait(timeout=300) == 0, log.seek(0) or log.read()[-3000:]
+        assert job.wait(timeout=300) == 0, log.read_text()[-3000:]
     proc = ok(python("-m", "ddp.plot", str(real), str(two), "--out", str(tmp_path / "charts")))
     charts = tmp_path / "charts"
     assert png_size(charts / "curves.png") == (1000, 400)

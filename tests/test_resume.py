@@ -247,7 +247,7 @@ def test_stop_signals_save_at_the_next_step_and_exit_75_and_the_run_resumes_bitw
 
 def test_a_hung_rank_ends_the_others_at_the_timeout_and_a_stop_signal_ends_that_wait_within_seconds(tmp_path):
     """Two jobs side by side (their waits overlap), rank 1 of each frozen (SIGSTOP: alive, no connection
-    closed) at its first checkpoint, rank 0 waiting for it in its next collective:
+    closed) once both have a checkpoint, rank 0 waiting for it in its next collective:
     - run.timeout_s=5: rank 0 leaves at the timeout naming rank 1 as hung; rank 1, woken (SIGCONT), does
       not wait for the others and leaves too;
     - run.timeout_s=60, SIGTERM to rank 0 a second later: it cannot reach Python until torch returns, but
@@ -258,29 +258,24 @@ def test_a_hung_rank_ends_the_others_at_the_timeout_and_a_stop_signal_ends_that_
         timed: popen(train_cmd(timed, "run.timeout_s=5", "train.epochs=50")),
         signalled: popen(train_cmd(signalled, "run.timeout_s=60", "train.epochs=50")),
     }
-    frozen: dict[Path, dict[int, int]] = {}  # each job's {rank: pid}, once its rank 1 is frozen
-    since: dict[Path, float] = {}  # from when rank 0 must leave: rank 1 frozen (timed), SIGTERM (signalled)
-    left: dict[Path, float] = {}  # seconds from then until rank 0 was gone
-    limit, sent, started = {timed: 5 + 20, signalled: 15}, False, time.monotonic()
+    frozen: dict[Path, dict[int, int]] = {}  # each job's {rank: pid}
+    limit, left = {timed: 5 + 20, signalled: 15}, {}  # seconds until rank 0 must be / was gone
     try:
+        for out, proc in jobs.items():
+            wait_for_checkpoint(out, proc)  # the other job trains on meanwhile
+        for out, proc in jobs.items():
+            frozen[out] = {rank_of(pid): pid for pid in children(proc.pid)}
+            os.kill(frozen[out][1], signal.SIGSTOP)
+        since = {timed: time.monotonic()}
+        time.sleep(1)  # the signalled job's rank 0 is in its next collective, waiting
+        os.kill(frozen[signalled][0], signal.SIGTERM)
+        since[signalled] = time.monotonic()
         while len(left) < 2:
-            now = time.monotonic()
-            for out, proc in jobs.items():
-                if out not in frozen:
-                    if not rundir.step_files(out):
-                        assert proc.poll() is None and now - started < 120, "the run ended before its checkpoint"
-                        continue
-                    frozen[out] = {rank_of(pid): pid for pid in children(proc.pid)}
-                    os.kill(frozen[out][1], signal.SIGSTOP)
-                    since[out] = now + (1 if out == signalled else 0)  # a second on, rank 0 waits for rank 1
-                elif out not in left and now >= since[out]:
-                    if out == signalled and not sent:
-                        os.kill(frozen[out][0], signal.SIGTERM)
-                        sent = True
-                    elif not running(frozen[out][0]):
-                        left[out] = now - since[out]
-                    else:
-                        assert now - since[out] < limit[out], f"rank 0 of the {out.name} job still runs"
+            for out in jobs.keys() - left.keys():
+                seconds = time.monotonic() - since[out]
+                if not running(frozen[out][0]):
+                    left[out] = seconds
+                assert out in left or seconds < limit[out], f"rank 0 of the {out.name} job still runs"
             time.sleep(0.05)
         for pids in frozen.values():
             os.kill(pids[1], signal.SIGCONT)  # woken: the others are gone, and it must not wait for them

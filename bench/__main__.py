@@ -101,15 +101,27 @@ def main(argv: list[str] | None = None) -> int:
         "sizes": sizes,
         "command": "python -m bench " + " ".join(argv if argv is not None else sys.argv[1:]),
     }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = ("quick-" if args.quick else "") + "-".join((result["machine"]["gpus"][:1] or ["cpu"])[0].lower().split())
+
+    def keep(section: str) -> None:  # the JSON so far, after each section: a run cut off keeps what it measured
+        result["done"] = result.get("done", []) + [section]
+        (out / f"{stem}.json").write_text(json.dumps(result, indent=1))
+
     print("training throughput", flush=True)
     result["train"] = harness.train_throughput(sizes, devices)
+    keep("train")
+    print("DDP overhead", flush=True)
+    result["ddp"] = harness.ddp_overhead(sizes)
+    keep("ddp")
     if cuda and sizes["compiled"]:
         print("compiled", flush=True)
         result["compiled"] = harness.compiled_sweep(sizes, cuda[0])
+        keep("compiled")
     print("data path", flush=True)
     result["data_path"] = harness.data_path(sizes, devices)
-    print("DDP overhead", flush=True)
-    result["ddp"] = harness.ddp_overhead(sizes)
+    keep("data_path")
     if not args.quick and not args.gpu_only:
         print("host cost of a step", flush=True)
         result["host_cost"] = host_cost.measure()
@@ -119,9 +131,7 @@ def main(argv: list[str] | None = None) -> int:
             print("time to accuracy", flush=True)
             npz = Path(args.data).resolve()
             result["time_to_accuracy"] = harness.time_to_accuracy(npz, Path(tmp), args.tutorial_epochs)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = ("quick-" if args.quick else "") + "-".join((result["machine"]["gpus"][:1] or ["cpu"])[0].lower().split())
+    del result["done"]
     (out / f"{stem}.json").write_text(json.dumps(result, indent=1))
     (out / f"{stem}.md").write_text(markdown(result))
     print(f"wrote {out / stem}.md and .json")

@@ -57,3 +57,26 @@ def test_a_ddp_step_of_ours_reads_nothing_from_the_device_and_broadcasts_no_buff
     counts = host_cost.ours(torchrun, tmp_path / "ours")
     assert counts["collective_kinds"] == ["gloo:all_reduce"] and counts["collectives"] <= 2
     assert counts["device_reads"] == 0 and counts["flag_reads"] <= 1
+
+
+def test_a_bench_cut_off_keeps_the_json_of_the_sections_it_finished(tmp_path, monkeypatch):
+    """A device call's time limit can stop the bench mid-way: the JSON holds every section done so far
+    and names them; a finished bench's JSON does not carry that list. (Sections faked: no training.)"""
+    import bench.__main__ as entry
+    from bench import harness
+
+    monkeypatch.setattr(harness, "train_throughput", lambda sizes, devices: [{"row": "train"}])
+    monkeypatch.setattr(harness, "ddp_overhead", lambda sizes: [{"row": "ddp"}])
+
+    def cut_off(sizes, devices):
+        raise KeyboardInterrupt  # what a timeout's signal does mid-section
+
+    monkeypatch.setattr(harness, "data_path", cut_off)
+    try:
+        entry.main(["--quick", "--out", str(tmp_path)])
+    except KeyboardInterrupt:
+        pass
+    else:
+        raise AssertionError("the faked cut-off did not stop the bench")
+    kept = json.loads((tmp_path / "quick-cpu.json").read_text())
+    assert kept["done"] == ["train", "ddp"] and kept["train"] == [{"row": "train"}] and "data_path" not in kept

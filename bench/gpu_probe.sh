@@ -4,8 +4,12 @@
 #          through ddp/train.py bare, under torchrun with nccl, and with each DDP knob that could
 #          remove a copy or a broadcast, and a profile of each of the two (top-10 by self time)
 #   tune   fast at batch 8192 compiled, default against TORCHINDUCTOR_MAX_AUTOTUNE=1 (MFU short of 30%)
+#   graphs the second check (2026-11-25) left DDP at world size 1 +14..18% over the bare model and
+#          compiled DDP slower than eager: the same job eager, compiled, and compiled with CUDA graphs
+#          (TORCHINDUCTOR_CUDAGRAPHS=1: torch.compile's reduce-overhead), bare and under torchrun with
+#          nccl; then configs/fast.yaml on the subset compiled with CUDA graphs (its accuracy, as eager's)
 # Each run's epoch lines (and profile tables) go to $OUT/probe-<step>.log.
-#   bash bench/gpu_probe.sh [ddp] [tune]
+#   bash bench/gpu_probe.sh [ddp] [tune] [graphs]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -18,7 +22,7 @@ run() {  # run LABEL COMMAND...: the command's epoch lines and profile table, un
   shift
   rm -rf "$dir"
   echo "== $label"
-  "$@" "run.out_dir=$dir" 2>&1 | grep -E "^epoch|^ +[a-zA-Z_].*(%|us)|Self (CPU|CUDA) time|^profile|Error|error" | cut -c1-200
+  "$@" "run.out_dir=$dir" 2>&1 | grep -E "^epoch|^ +[a-zA-Z_].*(%|us)|Self (CPU|CUDA) time|^profile|Error|error|[Cc][Uu][Dd][Aa] ?[Gg]raph" | cut -c1-200
 }
 for step in "${@:-ddp tune}"; do
   for s in $step; do
@@ -42,6 +46,22 @@ for step in "${@:-ddp tune}"; do
           run "compiled, default" python3 ddp/train.py "${job[@]}"
           TORCHINDUCTOR_MAX_AUTOTUNE=1 run "compiled, max-autotune" timeout 300 python3 ddp/train.py "${job[@]}"
         } >"$out/probe-tune.log"
+        ;;
+      graphs)
+        job=("${common[@]}" data.synthetic_train=32768 train.batch_size=1024 train.epochs=3)
+        tr=(python3 -m torch.distributed.run --standalone --nproc_per_node=1 ddp/train.py)
+        subset=(--config configs/fast.yaml data.dataset=npz data.path=.gpu/cifar10-subset.npz run.compile=true
+          run.warmup_steps=3 run.resume=never run.progress=false)
+        {
+          for launch in bare ddp; do
+            cmd=(python3 ddp/train.py)
+            [ $launch = ddp ] && cmd=("${tr[@]}")
+            run "$launch eager" "${cmd[@]}" "${job[@]}"
+            run "$launch compiled" "${cmd[@]}" "${job[@]}" run.compile=true
+            TORCHINDUCTOR_CUDAGRAPHS=1 run "$launch compiled, CUDA graphs" "${cmd[@]}" "${job[@]}" run.compile=true
+          done
+          TORCHINDUCTOR_CUDAGRAPHS=1 run "fast.yaml on the subset, compiled, CUDA graphs" python3 ddp/train.py "${subset[@]}"
+        } >"$out/probe-graphs.log"
         ;;
       *) echo "no probe '$s'" >&2; exit 64 ;;
     esac

@@ -299,21 +299,30 @@ def _ddp_worker(
 
 
 # DDP over the compiled model, each way torch offers to combine them: (torch._dynamo.config while it
-# compiles and runs, ddp/train.py settings). ddp_compiled is run.compile=true as ddp/train.py runs it.
+# compiles and runs, "inductor." keys torch._inductor.config; ddp/train.py settings). ddp_compiled is
+# run.compile=true as ddp/train.py runs it. inductor.triton.cudagraphs is torch.compile's
+# mode="reduce-overhead" (CUDA graphs of the compiled graphs; TORCHINDUCTOR_CUDAGRAPHS=1 for ddp/train.py).
 COMPILED_DDP: dict[str, tuple[dict[str, Any], tuple[str, ...]]] = {
     "ddp_compiled": ({}, ()),  # dynamo's DDPOptimizer: the graph split at DDP's buckets (torch's default)
     "static_graph": ({}, ("ddp.static_graph=true",)),  # DDP told the graph never changes
     "whole_graph": ({"optimize_ddp": False}, ()),  # one graph; DDP's hooks all-reduce as autograd runs it
     # the all-reduce traced into a compiled backward (compiled autograd)
     "python_reducer": ({"optimize_ddp": "python_reducer", "compiled_autograd": True}, ()),
+    "cuda_graphs": ({"inductor.triton.cudagraphs": True}, ()),  # DDPOptimizer's graphs, each a CUDA graph
+    "whole_graph_cuda_graphs": ({"optimize_ddp": False, "inductor.triton.cudagraphs": True}, ()),
 }
 
 
 def under_dynamo(settings: dict[str, Any], step: Callable[[], Any]) -> Callable[[], Any]:
-    """`step` with torch._dynamo.config patched by `settings` while it runs (its compile included)."""
+    """`step` with torch._dynamo.config (and, for "inductor." keys, torch._inductor.config) patched by
+    `settings` while it runs (its compile included)."""
+    import torch._inductor.config as inductor
+
+    dynamo = {k: v for k, v in settings.items() if not k.startswith("inductor.")}
+    induct = {k.removeprefix("inductor."): v for k, v in settings.items() if k.startswith("inductor.")}
 
     def patched() -> Any:
-        with torch._dynamo.config.patch(**settings):
+        with torch._dynamo.config.patch(**dynamo), inductor.patch(induct):
             return step()
 
     return patched
@@ -390,7 +399,7 @@ def ddp_overhead(sizes: dict) -> list[dict]:
             row["ddp1_compiled_step_s"] = one["ddp_compiled"]
             row["compiled_variants"] = {
                 v: {"first_two_steps_s": one[f"{v}_first_two_steps_s"], "step_s": one[v],
-                    "vs_eager": one[f"{v}_eager_s"] / one[v]} for v in COMPILED_DDP
+                    "vs_eager": one[f"{v}_eager_s"] / one[v], "vs_bare": bare_s / one[v]} for v in COMPILED_DDP
             }  # fmt: skip
         if n > 1:
             row.update({"processes": n, "ddpN_step_s": ddp_step_seconds(n, name, batch, sizes)["ddp"]})

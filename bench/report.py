@@ -114,15 +114,17 @@ def ddp(rows: list[dict]) -> list[str]:
         lines += [
             "",
             "Compiled DDP at world size 1, each way to combine them (bench/harness.py COMPILED_DDP), each compiled "
-            "afresh and timed in turns with eager DDP:",
+            "afresh and timed in turns with eager DDP (the bare model: eager, from the table above; cuda_graphs: "
+            "torch.compile's reduce-overhead):",
             "",
-            "| model | global batch | variant | first two steps s | step ms | eager DDP / it |",
-            "| --- | --- | --- | --- | --- | --- |",
+            "| model | global batch | variant | first two steps s | step ms | eager DDP / it | eager bare / it |",
+            "| --- | --- | --- | --- | --- | --- | --- |",
         ]
         for r in compiled_rows:
             for name, v in r["compiled_variants"].items():
+                bare = f"{v['vs_bare']:.2f}x" if "vs_bare" in v else "-"
                 lines.append(f"| {r['model']} | {r['global_batch']} | {name} | {v['first_two_steps_s']:.1f} | "
-                             f"{v['step_s'] * 1e3:.2f} | {v['vs_eager']:.2f}x |")  # fmt: skip
+                             f"{v['step_s'] * 1e3:.2f} | {v['vs_eager']:.2f}x | {bare} |")  # fmt: skip
     return lines
 
 

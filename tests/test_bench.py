@@ -80,3 +80,21 @@ def test_a_bench_cut_off_keeps_the_json_of_the_sections_it_finished(tmp_path, mo
         raise AssertionError("the faked cut-off did not stop the bench")
     kept = json.loads((tmp_path / "quick-cpu.json").read_text())
     assert kept["done"] == ["train", "ddp"] and kept["train"] == [{"row": "train"}] and "data_path" not in kept
+
+
+def test_the_compiled_ddp_variants_patch_dynamo_and_inductor_only_while_they_run():
+    """A variant's settings (bench/harness.py COMPILED_DDP) hold inside its step, its compile included,
+    and are put back after it: the CUDA-graph one sets inductor's triton.cudagraphs (torch.compile's
+    reduce-overhead), the whole-graph one dynamo's optimize_ddp. (No compile here: the step only looks.)"""
+    import torch
+    import torch._inductor.config as inductor
+
+    from bench import harness
+
+    seen = []
+    look = lambda: seen.append((torch._dynamo.config.optimize_ddp, inductor.triton.cudagraphs))  # noqa: E731
+    before = (torch._dynamo.config.optimize_ddp, inductor.triton.cudagraphs)
+    for variant in ("ddp_compiled", "cuda_graphs", "whole_graph_cuda_graphs"):
+        harness.under_dynamo(harness.COMPILED_DDP[variant][0], look)()
+    assert seen == [before, (before[0], True), (False, True)] and before[1] is False
+    assert (torch._dynamo.config.optimize_ddp, inductor.triton.cudagraphs) == before

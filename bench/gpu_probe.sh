@@ -9,7 +9,9 @@
 #          (TORCHINDUCTOR_CUDAGRAPHS=1: torch.compile's reduce-overhead), bare and under torchrun with
 #          nccl; then configs/fast.yaml on the subset compiled with CUDA graphs (its accuracy, as eager's)
 # Each run's epoch lines (and profile tables) go to $OUT/probe-<step>.log.
-#   bash bench/gpu_probe.sh [ddp] [tune] [graphs]
+#   fsdp   FSDP2 at one rank took 4.1x DDP's step (resnet18, batch 256, bf16, 2026-11-25): the same with
+#          --amp off (bf16 shards each BatchNorm on its own: 27 FSDP2 units instead of 8)
+#   bash bench/gpu_probe.sh [ddp] [tune] [graphs] [fsdp]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -62,6 +64,11 @@ for step in "${@:-ddp tune}"; do
           done
           TORCHINDUCTOR_CUDAGRAPHS=1 run "fast.yaml on the subset, compiled, CUDA graphs" python3 ddp/train.py "${subset[@]}"
         } >"$out/probe-graphs.log"
+        ;;
+      fsdp)
+        for amp in auto off; do
+          python3 bench/fsdp_memory.py --model resnet18 --batch 256 --steps 10 --ranks 1 --amp $amp --out "$out/fsdp-$amp.md"
+        done >"$out/probe-fsdp.log" 2>&1
         ;;
       *) echo "no probe '$s'" >&2; exit 64 ;;
     esac

@@ -17,6 +17,7 @@ def test_bad_values_of_the_gpu_bench_options_end_in_one_line():
         (["-m", "bench", "--gpu-only", "--quick"], "--gpu-only: no CUDA device here"),
         (["-m", "bench", "--host-cost", "--quick"], "--host-cost runs alone, on the CPU"),
         (["bench/lightning_fast.py", "--out", "r.json", "--workers", "-1"], "'-1' is not a count of processes"),
+        (["bench/fsdp_memory.py", "--amp", "fp16"], "argument --amp: invalid choice: 'fp16'"),
         (["bench/lightning_fast.py", "--out", "r.json", "train.batch_size=0"], "train.batch_size=0 is out of range"),
         (["bench/lightning_fast.py", "--out", "r.json", "data.dataset=npz", "data.path=/no/such.npz"],
          "data.path=/no/such.npz: no such file"),

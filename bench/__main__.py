@@ -105,8 +105,11 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     stem = ("quick-" if args.quick else "") + "-".join((result["machine"]["gpus"][:1] or ["cpu"])[0].lower().split())
 
-    def keep(section: str) -> None:  # the JSON so far, after each section: a run cut off keeps what it measured
-        result["done"] = result.get("done", []) + [section]
+    def keep(section: str | None) -> None:  # the JSON so far, after each section: a run cut off keeps what it measured
+        if section:
+            result.setdefault("done", []).append(section)
+        else:  # the end: complete, no list of what is done
+            result.pop("done")
         (out / f"{stem}.json").write_text(json.dumps(result, indent=1))
 
     print("training throughput", flush=True)
@@ -131,8 +134,7 @@ def main(argv: list[str] | None = None) -> int:
             print("time to accuracy", flush=True)
             npz = Path(args.data).resolve()
             result["time_to_accuracy"] = harness.time_to_accuracy(npz, Path(tmp), args.tutorial_epochs)
-    del result["done"]
-    (out / f"{stem}.json").write_text(json.dumps(result, indent=1))
+    keep(None)
     (out / f"{stem}.md").write_text(markdown(result))
     print(f"wrote {out / stem}.md and .json")
     return 0

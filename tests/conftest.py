@@ -195,6 +195,22 @@ def running(pid: int) -> bool:
         return False
 
 
+def wait_for_checkpoint(
+    out: Path, procs: subprocess.Popen | list[subprocess.Popen], timeout: float = 120, newer_than: Path | None = None
+) -> None:
+    """Until `out` has a checkpoint (one newer than `newer_than`, given), every process of its job (its
+    launchers) still running; else fails naming the ones that ended, with their exit codes and stderr."""
+    procs = procs if isinstance(procs, list) else [procs]
+    deadline = time.monotonic() + timeout
+    while not rundir.step_files(out) or (newer_than and rundir.step_files(out)[0] <= newer_than):
+        if any(p.poll() is not None for p in procs) or time.monotonic() > deadline:
+            ended = [
+                (p.returncode, (p.communicate(timeout=30)[1] or "")[-2000:]) for p in procs if p.poll() is not None
+            ]
+            raise AssertionError(f"{out.name}: no new checkpoint within {timeout:.0f} s; launchers that ended: {ended}")
+        time.sleep(0.05)
+
+
 def seconds_until_gone(pids: list[int], since: float, limit: float = 10) -> float:
     """Seconds from `since` until none of `pids` runs; fails past `limit`."""
     while any(running(pid) for pid in pids):

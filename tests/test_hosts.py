@@ -9,7 +9,6 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import torch
@@ -29,6 +28,7 @@ from conftest import (
     metrics,
     require,
     running,
+    wait_for_checkpoint,
 )
 from hosts import Host, hosts
 from slurm_hosts import slurm_cluster
@@ -119,24 +119,13 @@ def test_a_master_that_does_not_resolve_answer_or_let_through_is_one_line_in_bou
     REPORT.append("before torchrun, from node 1: " + "; ".join(seen))
 
 
-def under_way(out: Path, procs: list[subprocess.Popen], timeout: float = 120) -> None:
-    """Until `out` has a checkpoint, every launcher of its job still running; else their exit codes and
-    stderr."""
-    deadline = time.monotonic() + timeout
-    while not rundir.step_files(out):
-        if any(p.poll() is not None for p in procs) or time.monotonic() > deadline:
-            ended = [(p.returncode, p.communicate(timeout=30)[1][-2000:]) for p in procs if p.poll() is not None]
-            raise AssertionError(f"{out.name}: no checkpoint within {timeout:.0f} s; launchers that ended: {ended}")
-        time.sleep(0.05)
-
-
 def lose_h1(h0: Host, h1: Host, procs: list[subprocess.Popen], out, timeout_s: int, cut: bool):
     """Once training is under way, h1 is lost: its link goes down (`cut`) or every process on it is
     killed. The rank on each host must leave within run.timeout_s + 20 s and each host's launcher
     (torchrun's agent included) within run.timeout_s + 30 s, non-zero; every checkpoint is whole. Then
     h1 comes back, with nothing of the job left on it. Returns (seconds until each host's rank left,
     (exit code, seconds) of each launcher, each launcher's stderr)."""
-    under_way(out, procs)
+    wait_for_checkpoint(out, procs)
     ranks = {
         h.name: [p for p in h.pids() if b"ddp/train.py" in cmdline(p) and b"torchrun" not in cmdline(p)]
         for h in (h0, h1)
@@ -335,9 +324,9 @@ def test_elastic_jobs_that_lose_a_node_finish_on_the_other_and_a_cut_off_node_en
         started = time.monotonic()
         procs = [node(h0, 0, h0, [*ELASTIC, f"run.out_dir={lost}"]),
                  node(h1, 1, h0, [*ELASTIC, f"run.out_dir={lost}"], DDP_CIFAR_FAULT="node:11:r1")]  # fmt: skip
-        under_way(lost, procs)  # the second job starts only then: the load of its start cannot delay h1
+        wait_for_checkpoint(lost, procs)  # the second job starts only then: the load of its start cannot delay h1
         procs += [node(h2, 0, h2, longer), node(h3, 1, h2, longer)]
-        under_way(cut, procs[2:])
+        wait_for_checkpoint(cut, procs[2:])
         h3.link(False)
         cut_at = time.monotonic()
         cmd = [sys.executable, str(TRAIN), *ELASTIC, f"run.out_dir={alone}"]  # one process, uninterrupted

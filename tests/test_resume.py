@@ -35,6 +35,7 @@ from conftest import (
     running,
     seconds_until_gone,
     torchrun,
+    wait_for_checkpoint,
 )
 
 from ddp import checkpoint, rundir
@@ -142,14 +143,6 @@ def popen(cmd: list[str], env: dict[str, str] | None = None) -> subprocess.Popen
         stderr=subprocess.PIPE,
         text=True,
     )
-
-
-def wait_for_checkpoint(out: Path, proc: subprocess.Popen, timeout: float = 120, newer_than: Path | None = None):
-    """Until `out` has a checkpoint (one newer than `newer_than`, given), the run still running."""
-    deadline = time.monotonic() + timeout
-    while not rundir.step_files(out) or (newer_than and rundir.step_files(out)[0] <= newer_than):
-        assert proc.poll() is None and time.monotonic() < deadline, "the run ended before its first checkpoint"
-        time.sleep(0.05)
 
 
 def test_kills_at_random_points_one_after_another_each_resumed_by_the_same_command_end_bitwise(reference, tmp_path):

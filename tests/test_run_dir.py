@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, TINY, TRAIN, clean_env, metrics, ok, python, torchrun
+from conftest import REPO, TINY, TRAIN, clean_env, metrics, ok, python, torchrun, wait_for_checkpoint
 
 from ddp import checkpoint, files, rundir
 from ddp.devices import World
@@ -65,10 +65,8 @@ def test_a_second_run_into_a_live_runs_out_dir_is_refused_and_the_lock_dies_with
         said = [line for line in ranks.stderr.splitlines() if line.startswith("error: ") and "is in use by" in line]
         assert ranks.returncode != 0 and len(said) == 1  # torchrun's box repeats it as the root cause
         first.send_signal(signal.SIGCONT)
-        newest, deadline = rundir.step_files(tmp_path)[0], time.monotonic() + 60
-        while rundir.step_files(tmp_path)[0] == newest:  # the first run goes on, untouched (a new checkpoint) ...
-            assert first.poll() is None and time.monotonic() < deadline, "the first run did not go on"
-            time.sleep(0.1)
+        # the first run goes on, untouched (a new checkpoint) ...
+        wait_for_checkpoint(tmp_path, first, timeout=60, newer_than=rundir.step_files(tmp_path)[0])
         assert (tmp_path / "config.yaml").read_text() == config_yaml  # ... none of the refused ones wrote there
     finally:
         first.send_signal(signal.SIGKILL)  # no handler runs: only the OS can release the lock

@@ -56,6 +56,15 @@ class Host:
     def pids(self) -> list[int]:
         return [int(p) for p in ip("netns", "pids", self.name, check=False).stdout.split()]
 
+    def listens(self, port: int) -> bool:
+        """Whether a program on this host listens on TCP `port`: read in /proc/PID/net of a process of
+        this host (those files are its network namespace's), so no process is started to look."""
+        rows = []  # sl, local address, remote address, state (0A: listening), ...
+        for pid, kind in itertools.product(self.pids()[:1], ("tcp", "tcp6")):  # tcp6: where IPv6 is on
+            with contextlib.suppress(OSError):
+                rows += [line.split() for line in Path(f"/proc/{pid}/net/{kind}").read_text().splitlines()]
+        return any(row[1].endswith(f":{port:04X}") and row[3] == "0A" for row in rows if len(row) > 3)
+
 
 def _remove(names: list[str]) -> None:
     for name in names:

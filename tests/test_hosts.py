@@ -48,6 +48,19 @@ def multinode(host: Host, node_rank: int, master: Host | str, *args: str, nnodes
     return host.popen(["bash", "launch/multinode.sh", *args], REPO, env)
 
 
+def store_up(master: Host, node0: subprocess.Popen, port: str = PORT, timeout: float = 120) -> subprocess.Popen:
+    """`node0` (the launcher on `master`) once its rendezvous store listens. A node started beside it waits
+    only run.timeout_s for the store (launch/multinode.sh's preflight), and the tests' short run.timeout_s
+    is less than node 0 can take to start torchrun on a loaded machine (seen: over 8 s at 3 test workers)."""
+    deadline = time.monotonic() + timeout
+    while not master.listens(int(port)):
+        if node0.poll() is not None or time.monotonic() > deadline:
+            node0.kill()
+            raise AssertionError(f"no store on {master.name}:{port} within {timeout:.0f} s: {node0.communicate()}")
+        time.sleep(0.05)
+    return node0
+
+
 def finish(*procs: subprocess.Popen, timeout: float = 180) -> list[tuple[int, str, str]]:
     """(exit code, stdout, stderr) of each, in order."""
     results = []
@@ -167,7 +180,7 @@ def test_a_host_cut_off_mid_training_every_rank_and_launcher_leaves_and_leaves_a
     out, timeout_s = tmp_path / "run", 8
     args = [*JOB, f"run.out_dir={out}", f"run.timeout_s={timeout_s}"]
     with hosts(2) as (h0, h1):
-        procs = [multinode(h0, 0, h0, *args), multinode(h1, 1, h0, *args)]
+        procs = [store_up(h0, multinode(h0, 0, h0, *args)), multinode(h1, 1, h0, *args)]
         left, launchers_left, errors = lose_h1(h0, h1, procs, out, timeout_s, cut=True)
         assert not [pid for pid in h0.pids() if running(pid)]
     assert_free_and_whole(out)
@@ -322,10 +335,10 @@ def test_elastic_jobs_that_lose_a_node_finish_on_the_other_and_a_cut_off_node_en
     longer = [*ELASTIC, "data.synthetic_train=2048", "run.save_every_steps=8", f"run.out_dir={cut}"]
     with hosts(2) as (h0, h1), hosts(2) as (h2, h3):
         started = time.monotonic()
-        procs = [node(h0, 0, h0, [*ELASTIC, f"run.out_dir={lost}"]),
+        procs = [store_up(h0, node(h0, 0, h0, [*ELASTIC, f"run.out_dir={lost}"])),
                  node(h1, 1, h0, [*ELASTIC, f"run.out_dir={lost}"], DDP_CIFAR_FAULT="node:11:r1")]  # fmt: skip
         wait_for_checkpoint(lost, procs)  # the second job starts only then: the load of its start cannot delay h1
-        procs += [node(h2, 0, h2, longer), node(h3, 1, h2, longer)]
+        procs += [store_up(h2, node(h2, 0, h2, longer)), node(h3, 1, h2, longer)]
         wait_for_checkpoint(cut, procs[2:])
         h3.link(False)
         cut_at = time.monotonic()
@@ -402,9 +415,9 @@ def test_the_kubernetes_manifest_trains_on_two_hosts_and_a_pod_lost_mid_run_resu
         return host.popen([*container["command"], *container["args"]], REPO, clean_env(**operator, **own))
 
     with hosts(2) as (h0, h1):
-        pods = [pod(h0, 0), pod(h1, 1)]
+        pods = [store_up(h0, pod(h0, 0), str(port)), pod(h1, 1)]
         left, launchers_left, errors = lose_h1(h0, h1, pods, out, timeout_s, cut=False)  # the worker's node gone
-        restarted = finish(pod(h0, 0), pod(h1, 1))
+        restarted = finish(store_up(h0, pod(h0, 0), str(port)), pod(h1, 1))
     assert f"error: rank 0 of 2: lost contact with rank 1 on {h1.name} (its connection closed: it died)" in errors[0]
     ok_all(restarted)
     assert "resumed from" in restarted[0][1] and "launcher=torchrun parallel=ddp world_size=2" in restarted[0][1]

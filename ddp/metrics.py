@@ -157,7 +157,7 @@ def epoch_record(
     epoch: int, train_loss: float, confusion: torch.Tensor | None, classes: list[str], world: World, **timing: float
 ) -> dict[str, Any]:
     """One line of metrics.jsonl: the epoch's loss and evaluation (none for an epoch that did not
-    evaluate: confusion None, train.eval_every), `timing` (lr, images_per_s, seconds, startup_s), the
+    evaluate: confusion None, train.eval_every), `timing` (lr, images_per_s, train_s, seconds, startup_s), the
     layout of the run, and on a GPU its memory in MB (this rank's)."""
     record: dict[str, Any] = {"epoch": epoch, "train_loss": train_loss}
     if confusion is not None:

@@ -214,14 +214,14 @@ def fit(cfg: Config, world: World, data: datasets.Data, plan: Plan) -> dict[str,
             # DistributedSampler: this epoch's shuffle, the same on every rank, each rank its slice (a
             # resumed epoch goes on from the step it stopped at).
             job.sampler.set_epoch(epoch, start_step=position.step_in_epoch)
-            started, images_before = metrics.epoch_start(world.device), job.stats.images()
+            started, before = metrics.epoch_start(world.device), job.stats.images()  # this rank's images so far
             position = train_epoch(job, epoch, position, stop, profile, last_metrics)
             stop_if_diverged(job, position)
-            images_trained = (job.stats.images() - images_before) * world.world_size  # all ranks'
-            images_per_s = images_trained / metrics.elapsed(started, world.device)
+            train_s = metrics.elapsed(started, world.device)  # training alone: the evaluation comes after
+            speed = dict(images_per_s=(job.stats.images() - before) * world.world_size / train_s, train_s=train_s)
             startup_s = job.startup_s if epoch == first_epoch else None  # reported with this process's first epoch
             evaluate = epoch % cfg.train.eval_every == 0 or epoch == cfg.train.epochs
-            last_metrics = epoch_metrics(job, epoch, started, images_per_s, startup_s, evaluate)  # all_reduce
+            last_metrics = epoch_metrics(job, epoch, started, speed, startup_s, evaluate)  # all_reduce
             with distributed.fail_together(world):  # metrics.jsonl on a full disk stops every rank alike
                 if world.is_main:
                     logs.record_epoch(last_metrics, cfg.train.epochs, cfg.run.out_dir, board)
@@ -333,13 +333,13 @@ def bn_agreement(cfg: Config) -> str:
 
 
 def epoch_metrics(
-    job: Job, epoch: int, started: float, images_per_s: float, startup_s: float | None, evaluate: bool
+    job: Job, epoch: int, started: float, speed: dict[str, float], startup_s: float | None, evaluate: bool
 ) -> dict[str, Any]:
     """The epoch's record: the ranks' BatchNorm statistics made one (every epoch, so that the checkpoint
     is the same whether the epoch evaluates or not); if `evaluate`, the whole test set evaluated once
     over the ranks, by the moving average if there is one (the trained weights' accuracy beside it as
-    raw_test_acc); the mean training loss over the ranks, the gradients' norm, lr, speed, and seconds
-    since `started` (training and evaluation)."""
+    raw_test_acc); the mean training loss over the ranks, the gradients' norm, lr, `speed` (images_per_s
+    over all ranks and train_s, the training's seconds) and seconds since `started` (training and evaluation)."""
     how, world = bn_agreement(job.cfg), job.world
     distributed.sync_buffers(job.trained.model, world, how)
     confusion = test_confusion(job, distributed.for_eval(job.wrapped)) if evaluate else None
@@ -353,7 +353,7 @@ def epoch_metrics(
     train_loss = job.stats.mean_over_ranks(world)
     return metrics.epoch_record(
         epoch, train_loss, confusion, job.data.classes, world, lr=job.trained.scheduler.get_last_lr()[0],
-        images_per_s=images_per_s, seconds=metrics.elapsed(started, world.device),
+        **speed, seconds=metrics.elapsed(started, world.device),
         **job.stats.grad_norm(), **extra,
     )  # fmt: skip
 

@@ -26,8 +26,10 @@ def test_torchrun_trains_and_rank0_logs(ddp_run):
     assert [r["epoch"] for r in rows] == [1, 2]
     for r in rows:
         assert (r["world_size"], r["parallel"], r["device"], r["test_images"]) == (2, "ddp", "cpu", 101)
-        assert {"train_loss", "test_acc", "per_class_acc", "images_per_s", "seconds"} <= r.keys()
+        assert {"train_loss", "test_acc", "per_class_acc", "images_per_s", "train_s", "seconds"} <= r.keys()
         assert len(r["per_class_acc"]) == 10 and r["images_per_s"] > 0
+        assert 0 < r["train_s"] < r["seconds"]  # the training's seconds; the evaluation's come on top
+        assert abs(r["images_per_s"] * r["train_s"] - 256) < 1e-6  # TINY's 256 images, over both ranks
     assert rows[-1]["test_acc"] > 0.5  # chance is 0.1
     assert rows[-1]["train_loss"] < rows[0]["train_loss"]
     assert proc.stdout.count("epoch 2/2") == 1  # rank 0 alone prints

@@ -95,8 +95,8 @@ ranks() {  # 2 and 3 ranks sharing the GPU with gloo, each killed after step 5 t
     grep -q '"epoch": 2' "$dir/metrics.jsonl" || return 1
   done
   [ $dry = 1 ] && return 0  # no nccl on a CPU
-  "$py" -m torch.distributed.run --standalone --nproc_per_node=1 ddp/train.py "${job[@]}" run.backend=nccl \
-    "run.out_dir=$out/ranks-1-nccl"
+  "$py" -m torch.distributed.run --standalone --nproc_per_node=1 ddp/train.py "${job[@]}" run.parallel=ddp \
+    run.backend=nccl "run.out_dir=$out/ranks-1-nccl"  # DDP at 1 rank (auto would run it without DDP)
 }
 
 fsdp() {  # FSDP2 beside DDP, what each rank holds and images/s: 1 rank nccl, 2 ranks sharing the GPU with gloo

@@ -31,7 +31,7 @@ for step in "${@:-ddp tune}"; do
     case $s in
       ddp)
         job=("${common[@]}" data.synthetic_train=32768 train.batch_size=1024 train.epochs=3)
-        tr=(python3 -m torch.distributed.run --standalone --nproc_per_node=1 ddp/train.py)
+        tr=(python3 -m torch.distributed.run --standalone --nproc_per_node=1 ddp/train.py run.parallel=ddp)
         {
           run "bare" python3 ddp/train.py "${job[@]}"
           run "ddp nccl" "${tr[@]}" "${job[@]}"
@@ -51,7 +51,7 @@ for step in "${@:-ddp tune}"; do
         ;;
       graphs)
         job=("${common[@]}" data.synthetic_train=32768 train.batch_size=1024 train.epochs=3)
-        tr=(python3 -m torch.distributed.run --standalone --nproc_per_node=1 ddp/train.py)
+        tr=(python3 -m torch.distributed.run --standalone --nproc_per_node=1 ddp/train.py run.parallel=ddp)
         subset=(--config configs/fast.yaml data.dataset=npz data.path=.gpu/cifar10-subset.npz run.compile=true
           run.warmup_steps=3 run.resume=never run.progress=false)
         {

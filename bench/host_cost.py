@@ -4,7 +4,8 @@ pays for every one of them). For the same model, batch and synthetic data:
   plain       a plain loop: the model, SGD (Nesterov, weight decay), label smoothing, an LR schedule
   plain DDP   the same loop with the model in DDP at world size 1 (gloo)
   ours        ddp/train.py in one process (python ddp/train.py, run.profile)
-  ours 1 rank and ours 2 ranks   ddp/train.py under torchrun (rank 0's trace)
+  ours 1 rank and ours 2 ranks   ddp/train.py under torchrun (rank 0's trace); at 1 rank with
+              run.parallel=ddp (auto runs one process without DDP: nothing to all-reduce)
 Per step: operators at the top level (called from Python) and in all (with the ones they call);
 device reads (.item(), bool(), float(), int() of a tensor: aten::_local_scalar_dense, which on a GPU
 is a device-to-host copy that waits for every queued kernel), apart from the stop agreement's read
@@ -112,13 +113,13 @@ def plain_in_ddp(out: Path) -> dict[str, float]:
         dist.destroy_process_group()
 
 
-def ours(launch: list[str], out_dir: Path) -> dict[str, float]:
+def ours(launch: list[str], out_dir: Path, *extra: str) -> dict[str, float]:
     """ddp/train.py, started by `launch`, profiled over steps FIRST..END-1: rank 0's counts."""
     settings = [
         f"model.name={MODEL}", f"model.width={WIDTH}", f"train.batch_size={BATCH}", "train.epochs=1",
         "data.dataset=synthetic", f"data.synthetic_train={BATCH * END}", "data.synthetic_test=32",
         "data.augment=false", "run.channels_last=true", f"run.profile={FIRST}:{END}", "run.progress=false",
-        f"run.out_dir={out_dir}", "run.save_every_steps=0",
+        f"run.out_dir={out_dir}", "run.save_every_steps=0", *extra,
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([*launch, str(REPO / "ddp" / "train.py"), *settings], capture_output=True, text=True, env=env)
@@ -134,7 +135,7 @@ def measure() -> list[dict[str, Any]]:
         ("plain", lambda d: plain_loop(False, d / "plain.json")),
         ("plain DDP, world size 1", lambda d: plain_in_ddp(d / "plain-ddp.json")),
         ("ours, one process", lambda d: ours([sys.executable], d / "ours")),
-        ("ours, torchrun 1 rank", lambda d: ours([*torchrun, "--nproc_per_node=1"], d / "ours1")),
+        ("ours, torchrun 1 rank", lambda d: ours([*torchrun, "--nproc_per_node=1"], d / "ours1", "run.parallel=ddp")),
         ("ours, torchrun 2 ranks", lambda d: ours([*torchrun, "--nproc_per_node=2"], d / "ours2")),
     ]
     threads = torch.get_num_threads()

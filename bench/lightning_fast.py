@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     trainer = pl.Trainer(
         accelerator="gpu" if cuda else "cpu",
         devices=1,
-        strategy="ddp",  # DistributedDataParallel on the one device, as torchrun --nproc_per_node=1 does
+        strategy="ddp",  # DistributedDataParallel on the one device, as run.parallel=ddp does at world size 1
         precision="bf16-mixed" if cuda and cfg.run.amp == "bf16" else "32-true",
         max_epochs=cfg.train.epochs,
         num_sanity_val_steps=0,

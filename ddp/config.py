@@ -202,7 +202,7 @@ class DdpConfig:
 class RunConfig:
     out_dir: str = opt("runs/default", "where checkpoints, metrics.jsonl and config.yaml go")
     device: str = opt("auto", "auto | cpu | cuda | cuda:N (under torchrun: auto/cuda = cuda:<local_rank>)")
-    parallel: str = opt("auto", "auto = ddp under a launcher else none | fsdp: FSDP2, each rank holds 1/N of the state",
+    parallel: str = opt("auto", "auto = ddp for 2+ launched processes, else none | fsdp: FSDP2, 1/N of the state each",
                         ("auto", "none", "dp", "ddp", "fsdp"))  # fmt: skip
     backend: str = opt(
         "auto", "the process group's: auto = nccl on GPUs, gloo on CPUs | gloo: several ranks share a GPU (tests)",

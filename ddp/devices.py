@@ -122,16 +122,16 @@ def _single_process(run: RunConfig, cuda_count: int) -> World:
 
 
 def resolve(run: RunConfig, env: Env = os.environ, cuda_count: int | None = None) -> World:
-    """The World this process will be: its rank, local_rank and world_size from the launcher's
-    variables, its device cuda:<local_rank> (or the CPU). Pure: no CUDA call beyond counting the
-    devices, no network, so every error comes before any work."""
+    """The World this process will be: rank, local_rank and world_size from the launcher's variables,
+    its device cuda:<local_rank> (or the CPU), run.parallel=auto as ddp from 2 processes on (one has
+    nothing to all-reduce). Pure: no CUDA call beyond counting the devices, no network: errors come first."""
     launch = launchers.detect_launch(env, run.launcher)
     cuda_count = torch.cuda.device_count() if cuda_count is None else cuda_count
     if run.backend == "nccl" and (run.device == "cpu" or cuda_count == 0):
         raise UsageError("run.backend=nccl needs CUDA GPUs (nccl has no CPU path); use run.backend=auto or gloo")
     if launch.launcher == "none":
         return _single_process(run, cuda_count)
-    parallel = "ddp" if run.parallel == "auto" else run.parallel
+    parallel = run.parallel if run.parallel != "auto" else "ddp" if launch.world_size > 1 else "none"
     if parallel == "dp":
         raise UsageError(f"run.parallel=dp is a single-process mode; under {launch.launcher} use ddp (or auto)")
     if parallel == "none" and launch.world_size > 1:
@@ -152,5 +152,5 @@ def planned(run: RunConfig, processes: int, node: int | None) -> World:
     """The World that the checks before a launch of `processes` per node (train.py --preflight) stand
     for: rank 0, or on a node other than 0 its last rank; on a GPU if there is one."""
     device = torch.device("cuda" if run.device != "cpu" and torch.cuda.device_count() else "cpu")
-    parallel = "fsdp" if run.parallel == "fsdp" else "ddp"
+    parallel = run.parallel if run.parallel in ("ddp", "fsdp") else "ddp" if processes > 1 else "none"
     return World(0 if not node else processes - 1, 0, processes, device, parallel)

@@ -56,6 +56,29 @@ def test_torchrun_rank_uses_cuda_local_rank_or_gloo_on_cpu():
         resolve(2, TORCHRUN, device="cuda:0")
 
 
+def test_one_launched_process_runs_without_ddp_unless_asked():
+    """run.parallel=auto under a launcher that started one process (torchrun --nproc_per_node=1 on a
+    1-GPU VM): nothing to all-reduce, so no process group and no DDP wrapper (DDP's per-step cost at
+    world size 1: README "Speed"); run.parallel=ddp still asks for DDP there. The checks before a
+    launch (--preflight N) stand for the same."""
+    one = {**TORCHRUN, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}
+    world = resolve(1, one)
+    assert (world.parallel, world.world_size, world.launcher, world.device) == (
+        "none",
+        1,
+        "torchrun",
+        torch.device("cuda", 0),
+    )
+    assert not world.grouped and resolve(1, one, parallel="ddp").parallel == "ddp"
+    assert resolve(0, one, parallel="fsdp").parallel == "fsdp"
+    planned = {
+        (n, mode): devices.planned(RunConfig(parallel=mode), n, None).parallel
+        for n in (1, 2)
+        for mode in ("auto", "ddp")
+    }
+    assert planned == {(1, "auto"): "none", (2, "auto"): "ddp", (1, "ddp"): "ddp", (2, "ddp"): "ddp"}
+
+
 def test_parallel_modes_need_the_right_launch():
     world = resolve(2, parallel="dp")
     assert (world.parallel, world.device, world.world_size) == ("dp", torch.device("cuda", 0), 1)

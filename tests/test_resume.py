@@ -339,7 +339,8 @@ def test_resume_in_other_world_sizes_keeps_batch_and_data_order(tmp_path):
     checkpoint 4 steps before its newest, continues on the new number of ranks, and after those 4 steps
     its weights must agree with the old number's own checkpoint there; it is killed 4 steps further on
     (its newest checkpoint is then the next change's comparison), and the last runs to the end. Five
-    runs: each run is both one change's new world size and the next change's old one.
+    runs: each run is both one change's new world size and the next change's old one. One rank runs
+    without DDP (run.parallel=auto: nothing to all-reduce), so DDP's runs are checked against it too.
 
     Why 4 steps and not the final weights: float reordering across world sizes (~1e-8 after a few
     steps, or ~4e-6 when it tips a max-pool/ReLU decision) grows exponentially along some trajectories
@@ -372,6 +373,7 @@ def test_resume_in_other_world_sizes_keeps_batch_and_data_order(tmp_path):
         last = i == len(sizes) - 2
         run = train_on(after, new, None if last else resume_at + 9)  # saves at +4 and +8, killed in +9
         assert f"saved at world_size {before}, now {after}; same global batch 32 and data order" in run.stdout
+        assert f"parallel={'ddp' if after > 1 else 'none'} world_size={after}" in run.stdout  # 1: no DDP (auto)
         a, b = weights(out, resume_at + 4), weights(new, resume_at + 4)
         assert (a["world_size"], b["world_size"]) == (before, after)
         diffs.append(max((a["model"][k] - b["model"][k]).abs().max().item() for k in a["model"]))

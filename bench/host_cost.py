@@ -5,7 +5,7 @@ pays for every one of them). For the same model, batch and synthetic data:
   plain DDP   the same loop with the model in DDP at world size 1 (gloo)
   ours        ddp/train.py in one process (python ddp/train.py, run.profile)
   ours 1 rank and ours 2 ranks   ddp/train.py under torchrun (rank 0's trace); at 1 rank with
-              run.parallel=ddp (auto runs one process without DDP: nothing to all-reduce)
+              run.parallel=ddp, and as run.parallel=auto runs it: without DDP (nothing to all-reduce)
 Per step: operators at the top level (called from Python) and in all (with the ones they call);
 device reads (.item(), bool(), float(), int() of a tensor: aten::_local_scalar_dense, which on a GPU
 is a device-to-host copy that waits for every queued kernel), apart from the stop agreement's read
@@ -129,13 +129,14 @@ def ours(launch: list[str], out_dir: Path, *extra: str) -> dict[str, float]:
 
 
 def measure() -> list[dict[str, Any]]:
-    """The five rows, in the order of the module's docstring."""
+    """The six rows, in the order of the module's docstring."""
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     rows: list[tuple[str, Callable[[Path], dict[str, float]]]] = [
         ("plain", lambda d: plain_loop(False, d / "plain.json")),
         ("plain DDP, world size 1", lambda d: plain_in_ddp(d / "plain-ddp.json")),
         ("ours, one process", lambda d: ours([sys.executable], d / "ours")),
         ("ours, torchrun 1 rank", lambda d: ours([*torchrun, "--nproc_per_node=1"], d / "ours1", "run.parallel=ddp")),
+        ("ours, torchrun 1 rank, auto (no DDP)", lambda d: ours([*torchrun, "--nproc_per_node=1"], d / "ours1-auto")),
         ("ours, torchrun 2 ranks", lambda d: ours([*torchrun, "--nproc_per_node=2"], d / "ours2")),
     ]
     threads = torch.get_num_threads()

@@ -121,17 +121,23 @@ def _single_process(run: RunConfig, cuda_count: int) -> World:
     return World(0, 0, 1, device, parallel)
 
 
+def launched_parallel(parallel: str, processes: int) -> str:
+    """run.parallel for `processes` launched processes: auto is ddp from 2 on, and none for one (it has
+    nothing to all-reduce: no process group, no DDP wrapper); any other value as given."""
+    return parallel if parallel != "auto" else "ddp" if processes > 1 else "none"
+
+
 def resolve(run: RunConfig, env: Env = os.environ, cuda_count: int | None = None) -> World:
-    """The World this process will be: rank, local_rank and world_size from the launcher's variables,
-    its device cuda:<local_rank> (or the CPU), run.parallel=auto as ddp from 2 processes on (one has
-    nothing to all-reduce). Pure: no CUDA call beyond counting the devices, no network: errors come first."""
+    """The World this process will be: its rank, local_rank and world_size from the launcher's
+    variables, its device cuda:<local_rank> (or the CPU). Pure: no CUDA call beyond counting the
+    devices, no network, so every error comes before any work."""
     launch = launchers.detect_launch(env, run.launcher)
     cuda_count = torch.cuda.device_count() if cuda_count is None else cuda_count
     if run.backend == "nccl" and (run.device == "cpu" or cuda_count == 0):
         raise UsageError("run.backend=nccl needs CUDA GPUs (nccl has no CPU path); use run.backend=auto or gloo")
     if launch.launcher == "none":
         return _single_process(run, cuda_count)
-    parallel = run.parallel if run.parallel != "auto" else "ddp" if launch.world_size > 1 else "none"
+    parallel = launched_parallel(run.parallel, launch.world_size)
     if parallel == "dp":
         raise UsageError(f"run.parallel=dp is a single-process mode; under {launch.launcher} use ddp (or auto)")
     if parallel == "none" and launch.world_size > 1:
@@ -152,5 +158,6 @@ def planned(run: RunConfig, processes: int, node: int | None) -> World:
     """The World that the checks before a launch of `processes` per node (train.py --preflight) stand
     for: rank 0, or on a node other than 0 its last rank; on a GPU if there is one."""
     device = torch.device("cuda" if run.device != "cpu" and torch.cuda.device_count() else "cpu")
-    parallel = run.parallel if run.parallel in ("ddp", "fsdp") else "ddp" if processes > 1 else "none"
+    # none and dp stand for auto here: under a launcher each rank's resolve says what is wrong with them
+    parallel = launched_parallel(run.parallel if run.parallel in GROUPED else "auto", processes)
     return World(0 if not node else processes - 1, 0, processes, device, parallel)

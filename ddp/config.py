@@ -169,7 +169,7 @@ class OptimConfig:
     freeze_norm_weights: bool = opt(False, "BatchNorm's weights (scales) stay 1: only its biases learn (airbench)")
     whiten_bias_epochs: int = opt(3, "model.whiten: the stem's bias learns in the first N epochs only", valid=NATURAL)
     warmup_epochs: float = opt(1.0, "linear LR warm-up from 0, in epochs (may be fractional)", valid=Range(0))
-    warmup_from: float = opt(0.0, "the warm-up starts from this fraction of optim.lr (airbench: 0.2)", valid=FRACTION)
+    warmup_from: float = opt(0.0, "the first warm-up step's fraction of optim.lr (airbench: 0.2)", valid=FRACTION)
     clip_grad_norm: float = opt(
         0.0, "clip the gradients' total L2 norm to this before each step (0 = off)", valid=Range(0)
     )

@@ -67,10 +67,13 @@ def freeze_norm_weights(model: nn.Module) -> None:
 def lr_factor(o: OptimConfig, total_steps: int, steps_per_epoch: int) -> Callable[[int], float]:
     """The schedule: step -> the fraction of each group's peak learning rate."""
     warmup = round(o.warmup_epochs * steps_per_epoch)
+    # From warmup_from > 0: that fraction at step 0, the peak at step `warmup` (airbench's triangle, step for
+    # step). From 0: 1/warmup at step 0 (a first step at LR 0 would be wasted), the peak at step warmup - 1.
+    first = 0 if o.warmup_from > 0 else 1
 
     def factor(step: int) -> float:
         if step < warmup:
-            return o.warmup_from + (1.0 - o.warmup_from) * (step + 1) / warmup
+            return o.warmup_from + (1.0 - o.warmup_from) * (step + first) / warmup
         if o.schedule == "constant":
             return 1.0
         progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))

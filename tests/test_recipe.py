@@ -137,9 +137,9 @@ def test_linear_schedule_ends_at_final_lr():
     cosine = optim.lr_factor(config.OptimConfig(final_lr=0.1), 50, 10)
     assert cosine(50) == pytest.approx(0.1) and cosine(30) == pytest.approx(0.1 + 0.9 * 0.5)
     assert [factor(step) for step in (0, 4)] == [0.1, 0.5]  # the warm-up from 0: 1/10 of the peak in its first step
-    cfg.optim.warmup_from = 0.2  # airbench's triangle starts at 0.2 of the peak
+    cfg.optim.warmup_from = 0.2  # airbench's triangle: 0.2 of the peak at step 0, the peak at step 10
     factor = optim.lr_factor(cfg.optim, total_steps=50, steps_per_epoch=10)
-    assert [factor(step) for step in (0, 4, 9)] == pytest.approx([0.28, 0.6, 1.0])
+    assert [factor(step) for step in (0, 5, 9, 10, 11)] == pytest.approx([0.2, 0.6, 0.92, 1.0, 1 - 0.93 / 40])
 
 
 def test_reflect_padding_is_torch_reflect_for_any_dtype():

@@ -19,6 +19,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -42,19 +43,38 @@ class HostEvent:
         return 1e3 * (end.at - self.at)
 
 
-def on_the_cpu(airbench) -> None:  # noqa: ANN001 (the airbench module)
-    torch.Tensor.cuda = lambda self, *_, **__: self
-    nn.Module.cuda = lambda self, *_, **__: self
-    torch.Tensor.half = lambda self, *_, **__: self.float()
-    nn.Module.half = lambda self: self.float()
-    torch.cuda.Event = HostEvent
-    torch.cuda.synchronize = lambda *_, **__: None
+@contextlib.contextmanager
+def on_the_cpu(airbench) -> Iterator[None]:  # noqa: ANN001 (the airbench module)
+    """airbench's CUDA calls made the CPU's while inside; torch's own again after."""
     loader_init = airbench.CifarLoader.__init__
 
     def cpu_loader(self, *args, gpu="cpu", **kwargs) -> None:  # noqa: ANN001
         loader_init(self, *args, gpu=gpu, **kwargs)
 
-    airbench.CifarLoader.__init__ = cpu_loader
+    cpu = [
+        (torch.Tensor, "cuda", lambda self, *_, **__: self),
+        (nn.Module, "cuda", lambda self, *_, **__: self),
+        (torch.Tensor, "half", lambda self, *_, **__: self.float()),
+        (nn.Module, "half", lambda self: self.float()),
+        (torch.cuda, "Event", HostEvent),
+        (torch.cuda, "synchronize", lambda *_, **__: None),
+        (airbench.CifarLoader, "__init__", cpu_loader),
+    ]
+    with replaced(cpu):
+        yield
+
+
+@contextlib.contextmanager
+def replaced(attributes: list[tuple[object, str, object]]) -> Iterator[None]:
+    """Each (owner, name, value): owner.name = value while inside, its own value again after."""
+    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in attributes]
+    try:
+        for owner, name, value in attributes:
+            setattr(owner, name, value)
+        yield
+    finally:
+        for owner, name, value in saved:
+            setattr(owner, name, value)
 
 
 def main() -> int:
@@ -65,21 +85,21 @@ def main() -> int:
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     airbench, work, counts = prepare(args.airbench, args.data, "airbench-cpu-")
-    on_the_cpu(airbench)
     os.chdir(work)  # train94 evaluates on ./cifar10/test.pt
     from airbench.lib_airbench94 import hyp
 
     torch.manual_seed(args.seed)
-    loader = airbench.CifarLoader("cifar10", train=True, batch_size=hyp["opt"]["batch_size"], aug=hyp["aug"],
-                                  altflip=True)  # fmt: skip
     printed = io.StringIO()
-    started = time.perf_counter()
-    with contextlib.redirect_stdout(printed):
-        model = airbench.train94(train_loader=loader, verbose=True)
-    seconds = time.perf_counter() - started
-    print(printed.getvalue(), end="")
-    test = airbench.CifarLoader("cifar10", train=False, batch_size=2000)
-    tta = {f"tta{level}": float(airbench.evaluate(model, test, tta_level=level)) for level in (0, 1, 2)}
+    with on_the_cpu(airbench):
+        loader = airbench.CifarLoader("cifar10", train=True, batch_size=hyp["opt"]["batch_size"], aug=hyp["aug"],
+                                      altflip=True)  # fmt: skip
+        started = time.perf_counter()
+        with contextlib.redirect_stdout(printed):
+            model = airbench.train94(train_loader=loader, verbose=True)
+        seconds = time.perf_counter() - started
+        print(printed.getvalue(), end="")
+        test = airbench.CifarLoader("cifar10", train=False, batch_size=2000)
+        tta = {f"tta{level}": float(airbench.evaluate(model, test, tta_level=level)) for level in (0, 1, 2)}
     result = {
         "airbench": "airbench 0.1.8, train94, float32 on the CPU", "seed": args.seed,
         "threads": torch.get_num_threads(),

@@ -43,6 +43,7 @@ sys.path.insert(0, str(ROOT))  # `bench` and `ddp` from the checkout
 
 from bench.airbench_cpu import on_the_cpu, replaced  # noqa: E402
 from ddp import config, models, train  # noqa: E402
+from ddp.errors import UsageError  # noqa: E402
 
 AIRBENCH = "0.1.8"
 FAST = ROOT / "configs" / "fast.yaml"
@@ -177,7 +178,7 @@ def arguments(data: list[str], batch: int, epochs: int, lr_scale: float, out_dir
     fast = config.load(FAST, [])
     steps = images // batch  # drop_last, as both loaders
     if steps < 1:
-        raise SystemExit(f"--batch {batch} is more than the {images} training images")
+        raise UsageError(f"--batch {batch} is more than the {images} training images")
     warmup_steps = int(0.23 * epochs * steps)  # train94's triangle: its peak at int(0.23 x its steps)
     return [
         "--config", str(FAST), *data, f"train.batch_size={batch}", f"train.epochs={epochs}",
@@ -223,17 +224,17 @@ def report(result: dict) -> str:
         f"## --batch {result['batch']} --epochs {result['epochs']} --lr-scale {result['lr_scale']:g}"
         + "".join(f" --ours {change}" for change in result["changes"]),
         "",
-        f"{result['steps_per_epoch']} steps an epoch; airbench {result['airbench']}, torch {result['torch']}. "
+        f"Steps an epoch: {result['steps_per_epoch']}; airbench {result['airbench']}, torch {result['torch']}. "
         f"Whitening filters, airbench's against ours: {result['whitening']:.1e} (relative). Test accuracy of "
         f"the final weights with flip + translate TTA: ours {result['test_acc']['ours']:.2%}, airbench's "
         f"evaluate {result['test_acc']['airbench']:.2%}.",
         "",
-        "| step | ours vs airbench94 | where | " + ("floor: ours vs ours, other layout |" if floor else ""),
-        "| ---: | ---: | --- | " + ("---: |" if floor else ""),
+        "| step | ours vs airbench94 | where |" + (" floor: ours vs ours, other layout |" if floor else ""),
+        "| ---: | ---: | --- |" + (" ---: |" if floor else ""),
     ]
     for row in result["steps"]:
-        lines.append(f"| {row['step']} | {row['airbench']:.1e} | {row['tensor']} | "
-                     + (f"{row['floor']:.1e} |" if floor else ""))  # fmt: skip
+        lines.append(f"| {row['step']} | {row['airbench']:.1e} | {row['tensor']} |"
+                     + (f" {row['floor']:.1e} |" if floor else ""))  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
@@ -255,13 +256,16 @@ def main() -> int:
     except metadata.PackageNotFoundError:
         found = None
     if found != AIRBENCH:
-        raise SystemExit(f"this compares with airbench {AIRBENCH}; found {found}: pip install airbench=={AIRBENCH}")
-    if args.batch < 1 or args.epochs < 1 or not math.isfinite(args.lr_scale) or args.lr_scale <= 0:
-        raise SystemExit("--batch and --epochs must be at least 1 and --lr-scale a positive number")
-    if args.data:
-        if not args.data.is_file():
-            raise SystemExit(f"--data {args.data}: no such file")
-        images = len(np.load(args.data)["y_train"])
+        parser.error(f"this compares with airbench {AIRBENCH}; found {found}: pip install airbench=={AIRBENCH}")
+    if min(args.batch, args.epochs, 1 if args.synthetic is None else args.synthetic) < 1:
+        parser.error("--batch, --epochs and --synthetic are counts of at least 1")
+    if not (math.isfinite(args.lr_scale) and args.lr_scale > 0):
+        parser.error(f"--lr-scale {args.lr_scale}: a positive number")
+    if args.data:  # the count sets the warm-up's length; ddp/train.py checks the rest of the file
+        try:
+            images = len(np.load(args.data)["y_train"])
+        except (OSError, KeyError, ValueError) as e:
+            parser.error(f"--data {args.data}: not an .npz with y_train ({e})")
         data = ["data.dataset=npz", f"data.path={args.data.resolve()}"]
     else:
         images = args.synthetic
@@ -269,6 +273,8 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="airbench-steps-"))
     try:
         result = compare(data, images, args.batch, args.epochs, args.lr_scale, args.floor, work, args.ours)
+    except UsageError as e:  # a bad --ours, or data that lies: ddp/train.py's own one line
+        parser.error(str(e))
     finally:
         shutil.rmtree(work, ignore_errors=True)
     text = report(result)

@@ -5,6 +5,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 from conftest import REPO, clean_env
 
 from bench import host_cost
@@ -99,3 +100,28 @@ def test_the_compiled_ddp_variants_patch_dynamo_and_inductor_only_while_they_run
         harness.under_dynamo(harness.COMPILED_DDP[variant][0], look)()
     assert seen == [before, (before[0], True), (False, True)] and before[1] is False
     assert (torch._dynamo.config.optimize_ddp, inductor.triton.cudagraphs) == before
+
+
+def test_bad_values_of_the_airbench_comparison_end_in_one_line(tmp_path, monkeypatch, capsys):
+    """bench/airbench_steps.py: bad counts, LR scale or file, a batch over the images, a bad --ours: exit 2
+    and the reason (its own run: tests/test_recipe.py). In this process: its main() parses, checks, ends."""
+    from bench import airbench_steps
+
+    (tmp_path / "lies.npz").write_text("not an npz")
+    synthetic = ["--synthetic", "16", "--batch", "16", "--epochs", "2"]
+    cases = [
+        (["--synthetic", "0"], "--batch, --epochs and --synthetic are counts of at least 1"),
+        (["--synthetic", "8", "--epochs", "0"], "--batch, --epochs and --synthetic are counts of at least 1"),
+        (["--synthetic", "8", "--lr-scale", "nan"], "--lr-scale nan: a positive number"),
+        (["--synthetic", "8", "--lr-scale", "-1"], "--lr-scale -1.0: a positive number"),
+        (["--data", str(tmp_path / "lies.npz")], "lies.npz: not an .npz with y_train"),
+        (["--synthetic", "8", "--batch", "16"], "--batch 16 is more than the 8 training images"),
+        ([*synthetic, "--ours", "optim.lr=-1"], "optim.lr=-1.0 is out of range: it must be > 0"),
+        ([*synthetic, "--ours", "optim.nope=1"], "unknown key 'optim.nope'"),
+    ]
+    for args, reason in cases:
+        monkeypatch.setattr(sys, "argv", ["airbench_steps.py", *args])
+        with pytest.raises(SystemExit) as exit_:
+            airbench_steps.main()
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and reason in err and "Traceback" not in err, (args, err)

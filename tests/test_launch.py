@@ -125,7 +125,9 @@ def test_a_master_port_held_by_another_program_is_one_line_on_node_0_and_on_the_
     assert "accepts connections from" in node_1.stderr and "does not answer as torchrun's rendezvous store" in (
         node_1.stderr
     )
-    assert seconds < 2 + 10 + 10, seconds  # the probe's bound, and the preflight's own start
+    # the probe's bound, and the preflight's own start: its imports cost 2.5-4.5 s of CPU, 22.5 s in all once
+    # with another job beside the suite on this 2-core machine; bounded is the property, not fast
+    assert seconds < 2 + 10 + 20, seconds
 
 
 def test_accelerate_launch_on_cpu_runs_2_processes_through_mpi(tmp_path):

@@ -203,6 +203,7 @@ def compare(
         if floor
         else None
     )
+    accuracy = {"ours": run.test_acc, "airbench": their_acc, **({"floor": again.test_acc} if again else {})}
     steps = []
     for i, (mine, theirs_) in enumerate(zip(run.states, states)):
         d, name = difference(mine, theirs_)
@@ -211,23 +212,32 @@ def compare(
             row["floor"] = difference(mine, again.states[i])[0]
         steps.append(row)
     return {
-        "airbench": metadata.version("airbench"), "torch": torch.__version__, "batch": batch, "epochs": epochs,
-        "steps_per_epoch": run.steps_per_epoch, "lr_scale": lr_scale,
-        "whitening": whitening_difference(run), "test_acc": {"ours": run.test_acc, "airbench": their_acc},
+        "airbench": metadata.version("airbench"), "torch": torch.__version__, "source": source(data), "batch": batch,
+        "epochs": epochs, "steps_per_epoch": run.steps_per_epoch, "lr_scale": lr_scale,
+        "whitening": whitening_difference(run), "test_acc": accuracy,
         "changes": changes, "steps": steps,
     }  # fmt: skip
+
+
+def source(data: list[str]) -> str:
+    """The data settings as this script's option: --data NAME or --synthetic N."""
+    settings = dict(setting.split("=", 1) for setting in data)
+    if settings["data.dataset"] == "npz":
+        return f"--data {Path(settings['data.path']).name}"
+    return f"--synthetic {settings['data.synthetic_train']}"
 
 
 def report(result: dict) -> str:
     floor = "floor" in result["steps"][0]
     lines = [
-        f"## --batch {result['batch']} --epochs {result['epochs']} --lr-scale {result['lr_scale']:g}"
+        f"## {result['source']} --batch {result['batch']} --epochs {result['epochs']} --lr-scale {result['lr_scale']:g}"
         + "".join(f" --ours {change}" for change in result["changes"]),
         "",
         f"Steps an epoch: {result['steps_per_epoch']}; airbench {result['airbench']}, torch {result['torch']}. "
         f"Whitening filters, airbench's against ours: {result['whitening']:.1e} (relative). Test accuracy of "
         f"the final weights with flip + translate TTA: ours {result['test_acc']['ours']:.2%}, airbench's "
-        f"evaluate {result['test_acc']['airbench']:.2%}.",
+        f"evaluate {result['test_acc']['airbench']:.2%}"
+        + (f", ours in the other layout {result['test_acc']['floor']:.2%}." if floor else "."),
         "",
         "| step | ours vs airbench94 | where |" + (" floor: ours vs ours, other layout |" if floor else ""),
         "| ---: | ---: | --- |" + (" ---: |" if floor else ""),

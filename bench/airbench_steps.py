@@ -120,12 +120,21 @@ class TestImages:
         self.images, self.labels, self.normalize = images, labels, lambda x: x
 
 
+def imported_airbench():  # noqa: ANN201 (the airbench module)
+    """airbench, imported with torch's cudnn.benchmark left as it was (its modules set it to True)."""
+    benchmark = torch.backends.cudnn.benchmark
+    try:
+        import airbench
+    finally:
+        torch.backends.cudnn.benchmark = benchmark
+    return airbench
+
+
 def theirs(run: Recorded, epochs: int, lr_scale: float) -> tuple[list[State], float]:
     """airbench's train94 over our batches from our initial weights: its state after each step, and the
     accuracy of its final weights by its own evaluate (tta_level 2)."""
-    import airbench
-    from airbench import utils
-    from airbench.lib_airbench94 import hyp
+    airbench = imported_airbench()
+    utils, hyp = airbench.utils, airbench.lib_airbench94.hyp
 
     states: list[State] = []
     net: dict[str, nn.Module] = {}
@@ -139,13 +148,11 @@ def theirs(run: Recorded, epochs: int, lr_scale: float) -> tuple[list[State], fl
         model.load_state_dict(dict(zip(keys, (value.clone() for _, value in ours_))))
         return model
 
-    benchmark = torch.backends.cudnn.benchmark  # airbench's modules set it at import
     stand_ins = [(utils, "init_whitening_conv", lambda *_, **__: None), (utils, "CifarLoader", lambda *_, **__: None)]
     with on_the_cpu(airbench), replaced(stand_ins):
         final = airbench.train94(train_loader=Replay(run, net, states), epochs=epochs, make_net=make_net,
                                  learning_rate=hyp["opt"]["lr"] * lr_scale, verbose=False)  # fmt: skip
         accuracy = float(airbench.evaluate(final, TestImages(*run.test), tta_level=2))
-    torch.backends.cudnn.benchmark = benchmark
     states.append(snapshot(final))  # the last step ends train94 before it asks for another batch
     return states, accuracy
 
@@ -153,8 +160,7 @@ def theirs(run: Recorded, epochs: int, lr_scale: float) -> tuple[list[State], fl
 def whitening_difference(run: Recorded) -> float:
     """airbench's init_whitening_conv on the images model.whiten used, against our stem's filters: the
     largest difference, relative to the largest filter weight, each filter matched up to its sign."""
-    from airbench import utils
-
+    utils = imported_airbench().utils
     conv = nn.Conv2d(3, run.initial["0.weight"].shape[0], 2)
     utils.init_whitening_conv(conv, run.whiten_images)
     a, b = run.initial["0.weight"].flatten(1), conv.weight.detach().flatten(1)

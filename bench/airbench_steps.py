@@ -5,11 +5,12 @@ our initial weights (after model.whiten); after every optimizer step the two mod
 BatchNorm statistics are compared. Both in float32 on the CPU, in one process.
 
     python bench/airbench_steps.py --data ../shared/data/cifar10-subset.npz --out bench/results
-    python bench/airbench_steps.py --synthetic 32 --batch 32 --lr-scale 0.01   (tests/test_recipe.py's run)
+    python bench/airbench_steps.py --synthetic 16 --batch 16 --epochs 6 --lr-scale 0.01   (tests/test_recipe.py's run)
 
 Compared step for step: everything train94 does with a batch (the net, the loss, the optimizer and its
 parameter groups, the LR schedule, the whitening bias's first epochs, lookahead, BatchNorm). Compared
-apart: the whitening (airbench's on the same images; filters equal up to their sign) and the test-time
+apart: the whitening (airbench's on the same images; filters equal up to their sign, airbench's covariance
+in float32, ours in float64) and the test-time
 augmentation (airbench's `evaluate` at tta_level 2 on the final weights, against our last evaluation).
 Not compared: the data order and augmentation, ours in both (airbench draws its own from torch's global
 generator: equal in distribution, not image for image).
@@ -141,11 +142,10 @@ def theirs(run: Recorded, epochs: int, lr_scale: float) -> tuple[list[State], fl
 
     def make_net() -> nn.Module:
         net["net"] = model = airbench.make_net94()
-        keys, ours_ = list(model.state_dict()), list(run.initial.items())
-        shapes = [tuple(v.shape) for v in model.state_dict().values()], [tuple(v.shape) for _, v in ours_]
-        if shapes[0] != shapes[1]:
+        theirs_, ours_ = model.state_dict(), list(run.initial.values())  # the same tensors in the same order
+        if [t.shape for t in theirs_.values()] != [t.shape for t in ours_]:
             raise SystemExit("airbench's make_net94 and our fast net differ in their tensors' shapes")
-        model.load_state_dict(dict(zip(keys, (value.clone() for _, value in ours_))))
+        model.load_state_dict(dict(zip(theirs_, (t.clone() for t in ours_))))
         return model
 
     stand_ins = [(utils, "init_whitening_conv", lambda *_, **__: None), (utils, "CifarLoader", lambda *_, **__: None)]
@@ -256,9 +256,9 @@ def report(result: dict) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--data", type=Path, help="an .npz of CIFAR images (x_train, y_train, x_test, y_test)")
-    source.add_argument("--synthetic", type=int, metavar="N", help="N synthetic training images instead")
+    given = parser.add_mutually_exclusive_group(required=True)
+    given.add_argument("--data", type=Path, help="an .npz of CIFAR images (x_train, y_train, x_test, y_test)")
+    given.add_argument("--synthetic", type=int, metavar="N", help="N synthetic training images instead")
     parser.add_argument("--batch", type=int, default=1024)
     parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--lr-scale", type=float, default=1.0)

@@ -16,6 +16,7 @@ import statistics
 import subprocess
 import sys
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -337,19 +338,44 @@ def _time_ddp(world: World, name: str, global_batch: int, timing: tuple, out: An
         bare = job(name, global_batch, global_batch, World(0, 0, 1, world.device, "none"))
         steps["bare"] = stepping(bare, lambda: fixed)
     result.update(alternating(steps, *timing))
-    for variant, (settings, extra) in COMPILED_DDP.items() if compiled else ():
-        torch._dynamo.reset()  # each compiles afresh under its settings (else dynamo reuses the last graph)
-        built = job(name, global_batch, global_batch, world, "run.compile=true", *extra)
-        step = under_dynamo(settings, stepping(built, lambda: fixed))
-        result[f"{variant}_first_two_steps_s"] = first_two_steps_s(step, world.device)
-        pair = alternating({"ddp": steps["ddp"], variant: step}, *timing)  # in turns with eager DDP
-        result[variant], result[f"{variant}_eager_s"] = pair[variant], pair["ddp"]
     if compiled:
-        result["compiled_first_two_steps_s"] = result["ddp_compiled_first_two_steps_s"]
+        result["variants"] = {
+            variant: compiled_variant((name, global_batch, world), how, steps["ddp"], fixed, timing)
+            for variant, how in COMPILED_DDP.items()
+        }
     agree = lambda: distributed.any_rank(False, world)  # noqa: E731 (timed right here)
     result["stop_agreement_s"] = seconds_per_call(agree, world.device, 10, 100, timing[3])
     if world.is_main:
         out.put(result)
+
+
+def compiled_variant(
+    what: tuple[str, int, World],
+    how: tuple[dict[str, Any], tuple[str, ...]],
+    eager: Callable,
+    fixed: Batch,
+    timing: tuple,
+) -> dict[str, Any]:
+    """One way of COMPILED_DDP, compiled afresh: its first two steps (the compile), its step timed in
+    turns with eager DDP's, and how many of its graphs inductor ran without CUDA graphs (cudagraph_skips,
+    the reason in its warning). A variant this torch cannot run ends in {"error": its first line}, not in
+    the end of the bench: the next variant, and the sections after, still run."""
+    from torch._dynamo.utils import counters
+
+    (name, global_batch, world), (settings, extra) = what, how
+    torch._dynamo.reset()  # each compiles afresh under its settings (else dynamo reuses the last graph)
+    counters.clear()
+    try:
+        built = job(name, global_batch, global_batch, world, "run.compile=true", *extra)
+        step = under_dynamo(settings, stepping(built, lambda: fixed))
+        first = first_two_steps_s(step, world.device)
+        pair = alternating({"ddp": eager, "compiled": step}, *timing)
+    except Exception as e:  # noqa: BLE001 (any failure of torch's is this variant's result)
+        print(f"  compiled DDP with {settings} {extra} failed; the bench goes on:", file=sys.stderr, flush=True)
+        traceback.print_exc()  # the whole of it in the bench's log, for the issue to file
+        return {"error": f"{type(e).__name__}: " + (str(e).strip().splitlines() or [""])[0][:300]}
+    skips = counters["inductor"]["cudagraph_skips"]
+    return {"first_two_steps_s": first, "step_s": pair["compiled"], "eager_s": pair["ddp"], "cudagraph_skips": skips}
 
 
 def free_port() -> int:
@@ -378,6 +404,13 @@ def ddp_step_seconds(world_size: int, name: str, global_batch: int, sizes: dict)
     return out.get(timeout=10)
 
 
+def with_ratios(variant: dict[str, Any], bare_s: float) -> dict[str, Any]:
+    """A compiled variant's result with its speed against eager DDP and against the eager bare model."""
+    if "error" in variant:
+        return variant
+    return {**variant, "vs_eager": variant["eager_s"] / variant["step_s"], "vs_bare": bare_s / variant["step_s"]}
+
+
 def ddp_overhead(sizes: dict) -> list[dict]:
     rows = []
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
@@ -394,13 +427,12 @@ def ddp_overhead(sizes: dict) -> list[dict]:
             "ddp1_overhead": one_s / bare_s - 1,
             "stop_agreement_s": one["stop_agreement_s"],
         }
-        if "ddp_compiled" in one:
-            row["compiled_first_two_steps_s"] = one["compiled_first_two_steps_s"]
-            row["ddp1_compiled_step_s"] = one["ddp_compiled"]
-            row["compiled_variants"] = {
-                v: {"first_two_steps_s": one[f"{v}_first_two_steps_s"], "step_s": one[v],
-                    "vs_eager": one[f"{v}_eager_s"] / one[v], "vs_bare": bare_s / one[v]} for v in COMPILED_DDP
-            }  # fmt: skip
+        if "variants" in one:
+            row["compiled_variants"] = {v: with_ratios(r, bare_s) for v, r in one["variants"].items()}
+            default = row["compiled_variants"]["ddp_compiled"]
+            if "error" not in default:
+                row["compiled_first_two_steps_s"] = default["first_two_steps_s"]
+                row["ddp1_compiled_step_s"] = default["step_s"]
         if n > 1:
             row.update({"processes": n, "ddpN_step_s": ddp_step_seconds(n, name, batch, sizes)["ddp"]})
             row["speedup_N_vs_1"] = one_s / row["ddpN_step_s"]

@@ -117,14 +117,19 @@ def ddp(rows: list[dict]) -> list[str]:
             "afresh and timed in turns with eager DDP (the bare model: eager, from the table above; cuda_graphs: "
             "torch.compile's reduce-overhead):",
             "",
-            "| model | global batch | variant | first two steps s | step ms | eager DDP / it | eager bare / it |",
-            "| --- | --- | --- | --- | --- | --- | --- |",
+            "| model | global batch | variant | first two steps s | step ms | eager DDP / it | eager bare / it "
+            "| graphs without CUDA graphs |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- |",
         ]
         for r in compiled_rows:
             for name, v in r["compiled_variants"].items():
+                head = f"| {r['model']} | {r['global_batch']} | {name} |"
+                if "error" in v:
+                    lines.append(f"{head} failed: {v['error'].replace('|', '/')} | | | | |")
+                    continue
                 bare = f"{v['vs_bare']:.2f}x" if "vs_bare" in v else "-"
-                lines.append(f"| {r['model']} | {r['global_batch']} | {name} | {v['first_two_steps_s']:.1f} | "
-                             f"{v['step_s'] * 1e3:.2f} | {v['vs_eager']:.2f}x | {bare} |")  # fmt: skip
+                lines.append(f"{head} {v['first_two_steps_s']:.1f} | {v['step_s'] * 1e3:.2f} | {v['vs_eager']:.2f}x | "
+                             f"{bare} | {v.get('cudagraph_skips', '-')} |")  # fmt: skip
     return lines
 
 

@@ -16,7 +16,7 @@ ifneq ($(DATA),)
   endif
 endif
 
-.PHONY: install system-packages train test bench lint format clean gpu-check gpu-carry
+.PHONY: install system-packages train test bench lint format clean gpu-check gpu-carry gpu-lease
 install: $(STAMP)
 
 # --system-site-packages: a machine that already has torch + torchvision (a GPU VM with a torch that
@@ -64,6 +64,11 @@ clean:
 # subset and airbench's source archive into .gpu/, the folder the device call carries.
 gpu-check:
 	bash bench/gpu_check.sh $(ARGS)
+
+# make gpu-lease: one device call's worth of it (gpu-check's bench and fast steps, then the probes) that
+# brings its logs back packed in $$OUT/gpu-lease.tgz even when the call runs out of time (bench/gpu_lease.sh).
+gpu-lease:
+	bash bench/gpu_lease.sh $(ARGS)
 
 gpu-carry:
 	@mkdir -p .gpu

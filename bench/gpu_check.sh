@@ -14,6 +14,7 @@
 #   lightning  Lightning training the same net with the same recipe, DDP on the one GPU (bench/lightning_fast.py)
 # STEP...: only those steps (e.g. `bash bench/gpu_check.sh bench` in a device call of its own, the
 # others in another: one call has 10 minutes); none named: all of them.
+# bench/gpu_lease.sh (make gpu-lease) runs steps of it in one device call and packs what they wrote.
 # Before the device call, here (once): `make gpu-carry` puts the subset and airbench's source archive
 # into .gpu/ (git-ignored); the call carries it: run(command="bash bench/gpu_check.sh", carry=[".gpu"]).
 # --dry-run: the same steps on this machine's CPU at toy sizes (tests/test_gpu_check.py runs it), so

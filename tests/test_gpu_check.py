@@ -5,6 +5,8 @@ its exit status counts the failed steps."""
 import json
 import subprocess
 import sys
+import tarfile
+import time
 
 from conftest import REPO, clean_env
 
@@ -74,6 +76,60 @@ def test_a_failing_step_is_counted_in_the_exit_status(tmp_path):
     proc = subprocess.run(["bash", "bench/gpu_check.sh", "--dry-run"], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=120)  # fmt: skip
     assert proc.returncode >= 5 and "FAILED" in (tmp_path / "summary.md").read_text()
+
+
+def lease(tmp_path, *args, **env):
+    """bash bench/gpu_lease.sh --dry-run ARGS, its archive in tmp_path/out, its work in tmp_path/work."""
+    env = clean_env(OUT=str(tmp_path / "out"), GPU_LEASE_DIR=str(tmp_path / "work"), PYTHON=sys.executable, **env)
+    return ["bash", "bench/gpu_lease.sh", "--dry-run", *args], env
+
+
+def packed(tmp_path):
+    with tarfile.open(tmp_path / "out" / "gpu-lease.tgz") as archive:
+        return archive.getnames()
+
+
+def test_a_gpu_lease_brings_back_what_it_wrote_when_its_time_or_its_call_runs_out(tmp_path):
+    """A device call brings back at most 8 files from $OUT and nothing at all of a command killed before
+    it packed them: bench/gpu_lease.sh packs the check's folder at the end, at its own time limit too,
+    and every GPU_LEASE_PACK_S seconds while the check runs, so a kill of the whole call (the device
+    tool's limit) still leaves an archive. (Cut in the dry run's bench step: no training needed.)"""
+    command, env = lease(tmp_path, "3", CHECK_STEPS="bench")
+    proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 124 and "out of time after 3 s" in proc.stderr, proc.stdout + proc.stderr
+    assert "work/check/bench.log" in packed(tmp_path) and not (tmp_path / "out" / "summary.md").exists()
+
+    (tmp_path / "out" / "gpu-lease.tgz").unlink()
+    command, env = lease(tmp_path, "120", CHECK_STEPS="bench", GPU_LEASE_PACK_S="1")
+    proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "out" / "gpu-lease.tgz").exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+    finally:
+        subprocess.run(["pkill", "-KILL", "-s", str(proc.pid)])  # the whole call, as the device tool's limit
+        proc.wait(timeout=30)
+    assert "work/check/bench.log" in packed(tmp_path)
+
+
+def test_a_gpu_lease_run_to_its_end_packs_the_summary_and_refuses_bad_values_in_one_line(tmp_path):
+    command, env = lease(tmp_path, "120", CHECK_STEPS="env")
+    proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "3 files in" in proc.stdout, proc.stdout + proc.stderr
+    assert {"work/.gpu-lease", "work/check/env.log", "work/check/summary.md"} <= set(packed(tmp_path))
+    assert "| env | ok (" in (tmp_path / "out" / "summary.md").read_text()
+    bad = [(("0",), {}, "SECONDS must be a whole number >= 1, not '0'"),
+           (("9m",), {}, "SECONDS must be a whole number >= 1, not '9m'"),
+           ((), {"GPU_LEASE_PACK_S": "-1"}, "GPU_LEASE_PACK_S must be a whole number >= 1, not '-1'"),
+           ((), {"GPU_LEASE_DIR": str(REPO)}, "holds files this script did not write: name a new or empty folder"),
+           ((), {"GPU_LEASE_DIR": str(tmp_path / "out")}, "did not write: name a new or empty folder")]  # fmt: skip
+    for args, more, said in bad:
+        command, env = lease(tmp_path, *args)
+        env.update(more)
+        proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=30)
+        assert proc.returncode == 64 and proc.stderr.strip().endswith(said) and len(proc.stderr.splitlines()) == 1
+    assert (REPO / "ddp" / "train.py").is_file()
 
 
 AIRBENCH_PRINTED = """\

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import tarfile
 import time
+from pathlib import Path
 
 from conftest import REPO, clean_env
 
@@ -78,10 +79,28 @@ def test_a_failing_step_is_counted_in_the_exit_status(tmp_path):
     assert proc.returncode >= 5 and "FAILED" in (tmp_path / "summary.md").read_text()
 
 
-def lease(tmp_path, *args, **env):
-    """bash bench/gpu_lease.sh --dry-run ARGS, its archive in tmp_path/out, its work in tmp_path/work."""
-    env = clean_env(OUT=str(tmp_path / "out"), GPU_LEASE_DIR=str(tmp_path / "work"), PYTHON=sys.executable, **env)
+def lease(tmp_path, *args, python="true", **env):
+    """bash bench/gpu_lease.sh --dry-run ARGS, its archive in tmp_path/out, its work in tmp_path/work.
+    The check's steps run PYTHON: here `true` (done at once) or a stand-in that takes 60 s and ignores
+    SIGTERM: what these
+    tests watch is the lease's packing and time limit, not the steps (the dry-run tests above run them)."""
+    if python == "slow":
+        python = tmp_path / "slow-python"
+        python.write_text(f"#!/bin/sh\necho $$ >>{tmp_path / 'pids'}\ntrap '' TERM\nexec sleep 60\n")  # deaf to TERM
+        python.chmod(0o755)
+    env = clean_env(OUT=str(tmp_path / "out"), GPU_LEASE_DIR=str(tmp_path / "work"), PYTHON=str(python), **env)
     return ["bash", "bench/gpu_lease.sh", "--dry-run", *args], env
+
+
+def left_running(tmp_path):
+    """The slow stand-ins still running (not ended, or ended and not yet reaped), after up to 5 s."""
+    pids = (tmp_path / "pids").read_text().split()
+    deadline = time.monotonic() + 5
+    while True:
+        running = [p for p in pids if Path(f"/proc/{p}").exists() and ") Z" not in Path(f"/proc/{p}/stat").read_text()]
+        if not running or time.monotonic() > deadline:
+            return running
+        time.sleep(0.1)
 
 
 def packed(tmp_path):
@@ -91,22 +110,24 @@ def packed(tmp_path):
 
 def test_a_gpu_lease_brings_back_what_it_wrote_when_its_time_or_its_call_runs_out(tmp_path):
     """A device call brings back at most 8 files from $OUT and nothing at all of a command killed before
-    it packed them: bench/gpu_lease.sh packs the check's folder at the end, at its own time limit too,
-    and every GPU_LEASE_PACK_S seconds while the check runs, so a kill of the whole call (the device
-    tool's limit) still leaves an archive. (Cut in the dry run's bench step: no training needed.)"""
-    command, env = lease(tmp_path, "3", CHECK_STEPS="bench")
-    proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 124 and "out of time after 3 s" in proc.stderr, proc.stdout + proc.stderr
+    it packed them: bench/gpu_lease.sh packs the check's folder at the end, at its own time limit too
+    (ending the step that runs on, which ignores SIGTERM, with SIGKILL to the whole group), and
+    every GPU_LEASE_PACK_S seconds while the check runs, so a kill of the whole call (the device tool's
+    limit) still leaves an archive."""
+    command, env = lease(tmp_path, "1", python="slow", CHECK_STEPS="bench")
+    proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=20)
+    assert proc.returncode == 124 and "out of time after 1 s" in proc.stderr, proc.stdout + proc.stderr
     assert "work/check/bench.log" in packed(tmp_path) and not (tmp_path / "out" / "summary.md").exists()
+    assert left_running(tmp_path) == []
 
     (tmp_path / "out" / "gpu-lease.tgz").unlink()
-    command, env = lease(tmp_path, "120", CHECK_STEPS="bench", GPU_LEASE_PACK_S="1")
+    command, env = lease(tmp_path, "120", python="slow", CHECK_STEPS="bench", GPU_LEASE_PACK_S="1")
     proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)  # fmt: skip
     try:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 30
         while not (tmp_path / "out" / "gpu-lease.tgz").exists() and time.monotonic() < deadline:
-            time.sleep(0.2)
+            time.sleep(0.1)
     finally:
         subprocess.run(["pkill", "-KILL", "-s", str(proc.pid)])  # the whole call, as the device tool's limit
         proc.wait(timeout=30)
@@ -115,7 +136,7 @@ def test_a_gpu_lease_brings_back_what_it_wrote_when_its_time_or_its_call_runs_ou
 
 def test_a_gpu_lease_run_to_its_end_packs_the_summary_and_refuses_bad_values_in_one_line(tmp_path):
     command, env = lease(tmp_path, "120", CHECK_STEPS="env")
-    proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and "3 files in" in proc.stdout, proc.stdout + proc.stderr
     assert {"work/.gpu-lease", "work/check/env.log", "work/check/summary.md"} <= set(packed(tmp_path))
     assert "| env | ok (" in (tmp_path / "out" / "summary.md").read_text()

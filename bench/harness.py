@@ -357,9 +357,10 @@ def compiled_variant(
     timing: tuple,
 ) -> dict[str, Any]:
     """One way of COMPILED_DDP, compiled afresh: its first two steps (the compile), its step timed in
-    turns with eager DDP's, and how many of its graphs inductor ran without CUDA graphs (cudagraph_skips,
-    the reason in its warning). A variant this torch cannot run ends in {"error": its first line}, not in
-    the end of the bench: the next variant, and the sections after, still run."""
+    turns with eager DDP's, and, for a CUDA-graph way, how many of its graphs inductor ran without CUDA
+    graphs (cudagraph_skips, the reason in its warning). A variant this torch cannot run ends in
+    {"error": its first line}, not in the end of the bench: the next variant, and the sections after,
+    still run."""
     from torch._dynamo.utils import counters
 
     (name, global_batch, world), (settings, extra) = what, how
@@ -374,8 +375,10 @@ def compiled_variant(
         print(f"  compiled DDP with {settings} {extra} failed; the bench goes on:", file=sys.stderr, flush=True)
         traceback.print_exc()  # the whole of it in the bench's log, for the issue to file
         return {"error": f"{type(e).__name__}: " + (str(e).strip().splitlines() or [""])[0][:300]}
-    skips = counters["inductor"]["cudagraph_skips"]
-    return {"first_two_steps_s": first, "step_s": pair["compiled"], "eager_s": pair["ddp"], "cudagraph_skips": skips}
+    result = {"first_two_steps_s": first, "step_s": pair["compiled"], "eager_s": pair["ddp"]}
+    if settings.get("inductor.triton.cudagraphs"):
+        result["cudagraph_skips"] = counters["inductor"]["cudagraph_skips"]
+    return result
 
 
 def free_port() -> int:

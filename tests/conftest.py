@@ -181,6 +181,12 @@ def children(pid: int) -> list[int]:
     return [int(p.name) for p in Path("/proc").glob("[0-9]*") if (f := _stat(int(p.name))) and int(f[1]) == pid]
 
 
+def session(sid: int) -> list[int]:
+    """The processes of session `sid` (a Popen(start_new_session=True)'s pid): its whole tree, process
+    groups of its own (timeout's) included."""
+    return [int(p.name) for p in Path("/proc").glob("[0-9]*") if (f := _stat(int(p.name))) and int(f[3]) == sid]
+
+
 def running(pid: int) -> bool:
     """Alive, or still exiting: a killed process's main thread turns zombie before its other threads have
     exited, and its files (the run's lock) close only with the last of them."""

@@ -2,14 +2,16 @@
 (so that on a lent GPU machine it cannot fail for a typo), writes each step's log and summary.md, and
 its exit status counts the failed steps."""
 
+import contextlib
 import json
+import os
+import signal
 import subprocess
 import sys
 import tarfile
 import time
-from pathlib import Path
 
-from conftest import REPO, clean_env
+from conftest import REPO, clean_env, running, session
 
 
 def test_gpu_check_dry_run_runs_every_step(tmp_path):
@@ -93,14 +95,12 @@ def lease(tmp_path, *args, python="true", **env):
 
 
 def left_running(tmp_path):
-    """The slow stand-ins still running (not ended, or ended and not yet reaped), after up to 5 s."""
-    pids = (tmp_path / "pids").read_text().split()
+    """The slow stand-ins still running, after up to 5 s."""
+    pids = [int(p) for p in (tmp_path / "pids").read_text().split()]
     deadline = time.monotonic() + 5
-    while True:
-        running = [p for p in pids if Path(f"/proc/{p}").exists() and ") Z" not in Path(f"/proc/{p}/stat").read_text()]
-        if not running or time.monotonic() > deadline:
-            return running
+    while any(running(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
+    return [p for p in pids if running(p)]
 
 
 def packed(tmp_path):
@@ -129,7 +129,9 @@ def test_a_gpu_lease_brings_back_what_it_wrote_when_its_time_or_its_call_runs_ou
         while not (tmp_path / "out" / "gpu-lease.tgz").exists() and time.monotonic() < deadline:
             time.sleep(0.1)
     finally:
-        subprocess.run(["pkill", "-KILL", "-s", str(proc.pid)])  # the whole call, as the device tool's limit
+        for pid in session(proc.pid):  # the whole call, as the device tool's limit
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         proc.wait(timeout=30)
     assert "work/check/bench.log" in packed(tmp_path)
 

@@ -340,7 +340,7 @@ def _time_ddp(world: World, name: str, global_batch: int, timing: tuple, out: An
     result.update(alternating(steps, *timing))
     if compiled:
         result["variants"] = {
-            variant: compiled_variant((name, global_batch, world), how, steps["ddp"], fixed, timing)
+            variant: compiled_variant(world, name, global_batch, how, steps["ddp"], fixed, timing)
             for variant, how in COMPILED_DDP.items()
         }
     agree = lambda: distributed.any_rank(False, world)  # noqa: E731 (timed right here)
@@ -350,7 +350,9 @@ def _time_ddp(world: World, name: str, global_batch: int, timing: tuple, out: An
 
 
 def compiled_variant(
-    what: tuple[str, int, World],
+    world: World,
+    name: str,
+    global_batch: int,
     how: tuple[dict[str, Any], tuple[str, ...]],
     eager: Callable,
     fixed: Batch,
@@ -363,7 +365,7 @@ def compiled_variant(
     still run."""
     from torch._dynamo.utils import counters
 
-    (name, global_batch, world), (settings, extra) = what, how
+    settings, extra = how
     torch._dynamo.reset()  # each compiles afresh under its settings (else dynamo reuses the last graph)
     counters.clear()
     try:

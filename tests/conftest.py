@@ -177,14 +177,19 @@ def _stat(pid: int) -> list[str] | None:
         return None
 
 
+def _processes_with(field: int, value: int) -> list[int]:
+    """The processes whose /proc/PID/stat field (counted as _stat does) is `value`."""
+    return [int(p.name) for p in Path("/proc").glob("[0-9]*") if (f := _stat(int(p.name))) and int(f[field]) == value]
+
+
 def children(pid: int) -> list[int]:
-    return [int(p.name) for p in Path("/proc").glob("[0-9]*") if (f := _stat(int(p.name))) and int(f[1]) == pid]
+    return _processes_with(1, pid)  # ppid
 
 
 def session(sid: int) -> list[int]:
     """The processes of session `sid` (a Popen(start_new_session=True)'s pid): its whole tree, process
     groups of its own (timeout's) included."""
-    return [int(p.name) for p in Path("/proc").glob("[0-9]*") if (f := _stat(int(p.name))) and int(f[3]) == sid]
+    return _processes_with(3, sid)
 
 
 def running(pid: int) -> bool:

@@ -117,13 +117,13 @@ def test_a_compiled_ddp_variant_torch_cannot_run_is_reported_and_the_bench_goes_
     world = World(0, 0, 1, cpu, "none")
     eager = harness.job("small", 8, 8, world)
     fixed = next(iter(eager.train_loader))
-    timing, what = (cpu, 0, 1, 1), ("small", 8, world)
+    timing, what = (cpu, 0, 1, 1), (world, "small", 8)
     step = harness.stepping(eager, lambda: fixed)
-    failed = harness.compiled_variant(what, ({"no_such_setting": True}, ()), step, fixed, timing)
+    failed = harness.compiled_variant(*what, ({"no_such_setting": True}, ()), step, fixed, timing)
     assert failed == {"error": "AttributeError: torch._dynamo.config.no_such_setting does not exist"}
-    ran = harness.compiled_variant(what, ({"disable": True}, ()), step, fixed, timing)
+    ran = harness.compiled_variant(*what, ({"disable": True}, ()), step, fixed, timing)
     assert ran["step_s"] > 0 and ran["eager_s"] > 0 and ran["first_two_steps_s"] > 0 and "cudagraph_skips" not in ran
-    graphed = harness.compiled_variant(what, ({"disable": True, "inductor.triton.cudagraphs": True}, ()), step, fixed,
+    graphed = harness.compiled_variant(*what, ({"disable": True, "inductor.triton.cudagraphs": True}, ()), step, fixed,
                                        timing)  # fmt: skip
     assert graphed["cudagraph_skips"] == 0  # counted where CUDA graphs are asked for (none compiled here)
 

@@ -2,16 +2,13 @@
 (so that on a lent GPU machine it cannot fail for a typo), writes each step's log and summary.md, and
 its exit status counts the failed steps."""
 
-import contextlib
 import json
-import os
-import signal
 import subprocess
 import sys
 import tarfile
 import time
 
-from conftest import REPO, clean_env, running, session
+from conftest import REPO, clean_env, kill_orphans, seconds_until_gone, session
 
 
 def test_gpu_check_dry_run_runs_every_step(tmp_path):
@@ -94,15 +91,6 @@ def lease(tmp_path, *args, python="true", **env):
     return ["bash", "bench/gpu_lease.sh", "--dry-run", *args], env
 
 
-def left_running(tmp_path):
-    """The slow stand-ins still running, after up to 5 s."""
-    pids = [int(p) for p in (tmp_path / "pids").read_text().split()]
-    deadline = time.monotonic() + 5
-    while any(running(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return [p for p in pids if running(p)]
-
-
 def packed(tmp_path):
     with tarfile.open(tmp_path / "out" / "gpu-lease.tgz") as archive:
         return archive.getnames()
@@ -118,7 +106,7 @@ def test_a_gpu_lease_brings_back_what_it_wrote_when_its_time_or_its_call_runs_ou
     proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=20)
     assert proc.returncode == 124 and "out of time after 1 s" in proc.stderr, proc.stdout + proc.stderr
     assert "work/check/bench.log" in packed(tmp_path) and not (tmp_path / "out" / "summary.md").exists()
-    assert left_running(tmp_path) == []
+    seconds_until_gone([int(p) for p in (tmp_path / "pids").read_text().split()], time.monotonic(), limit=5)
 
     (tmp_path / "out" / "gpu-lease.tgz").unlink()
     command, env = lease(tmp_path, "120", python="slow", CHECK_STEPS="bench", GPU_LEASE_PACK_S="1")
@@ -129,9 +117,7 @@ def test_a_gpu_lease_brings_back_what_it_wrote_when_its_time_or_its_call_runs_ou
         while not (tmp_path / "out" / "gpu-lease.tgz").exists() and time.monotonic() < deadline:
             time.sleep(0.1)
     finally:
-        for pid in session(proc.pid):  # the whole call, as the device tool's limit
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        kill_orphans(session(proc.pid))  # the whole call, as the device tool's limit
         proc.wait(timeout=30)
     assert "work/check/bench.log" in packed(tmp_path)
 

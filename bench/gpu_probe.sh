@@ -7,16 +7,24 @@
 #   graphs the second check (2026-11-25) left DDP at world size 1 +14..18% over the bare model and
 #          compiled DDP slower than eager: the same job eager, compiled, and compiled with CUDA graphs
 #          (TORCHINDUCTOR_CUDAGRAPHS=1: torch.compile's reduce-overhead), bare and under torchrun with
-#          nccl; then configs/fast.yaml on the subset compiled with CUDA graphs (its accuracy, as eager's)
-# Each run's epoch lines (and profile tables) go to $OUT/probe-<step>.log.
+#          nccl
+#   fast-graphs  configs/fast.yaml on the subset compiled with CUDA graphs: does the whole loop keep
+#          eager's accuracy (2026-11-26: its evaluation read an output that CUDA graphs had overwritten)
+#   fast-seeds   configs/fast.yaml as gpu-check's fast step runs it (seed 0), with seeds 1 and 2
+#   overhead     the bench's DDP-overhead section alone (DDP at world size 1 against the bare model, each
+#          compiled-DDP variant): a second sample of its figures; ddp-overhead.md and .json
+# Each run's epoch lines (and profile tables) go to $OUT/probe-<step>.log; the fast-* runs' metrics.jsonl
+# to $OUT/<run>/.
 #   fsdp   FSDP2 at one rank took 4.1x DDP's step (resnet18, batch 256, bf16, 2026-11-25): the same with
 #          --amp off (bf16 shards each BatchNorm on its own: 27 FSDP2 units instead of 8)
-#   bash bench/gpu_probe.sh [ddp] [tune] [graphs] [fsdp]
+#   bash bench/gpu_probe.sh [ddp] [tune] [graphs] [fast-graphs] [fast-seeds] [overhead] [fsdp]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 out=${OUT:-/tmp/probe}
 mkdir -p "$out"
+subset=(--config configs/fast.yaml data.dataset=npz data.path=.gpu/cifar10-subset.npz run.warmup_steps=3
+  run.resume=never run.progress=false)  # gpu-check's fast step
 common=(data.dataset=synthetic data.synthetic_test=1000 run.amp=bf16 run.channels_last=true run.cudnn_benchmark=true
   run.resume=never run.progress=false model.name=fast)
 run() {  # run LABEL COMMAND...: the command's epoch lines and profile table, under LABEL
@@ -52,8 +60,6 @@ for step in "${@:-ddp tune}"; do
       graphs)
         job=("${common[@]}" data.synthetic_train=32768 train.batch_size=1024 train.epochs=3)
         tr=(python3 -m torch.distributed.run --standalone --nproc_per_node=1 ddp/train.py run.parallel=ddp)
-        subset=(--config configs/fast.yaml data.dataset=npz data.path=.gpu/cifar10-subset.npz run.compile=true
-          run.warmup_steps=3 run.resume=never run.progress=false)
         {
           for launch in bare ddp; do
             cmd=(python3 ddp/train.py)
@@ -62,8 +68,30 @@ for step in "${@:-ddp tune}"; do
             run "$launch compiled" "${cmd[@]}" "${job[@]}" run.compile=true
             TORCHINDUCTOR_CUDAGRAPHS=1 run "$launch compiled, CUDA graphs" "${cmd[@]}" "${job[@]}" run.compile=true
           done
-          TORCHINDUCTOR_CUDAGRAPHS=1 run "fast.yaml on the subset, compiled, CUDA graphs" python3 ddp/train.py "${subset[@]}"
         } >"$out/probe-graphs.log"
+        ;;
+      fast-graphs)
+        rm -rf "$out/fast-graphs"
+        echo "== fast.yaml on the subset, compiled, CUDA graphs" >"$out/probe-fast-graphs.log"
+        TORCHINDUCTOR_CUDAGRAPHS=1 python3 ddp/train.py "${subset[@]}" run.compile=true "run.out_dir=$out/fast-graphs" \
+          >>"$out/probe-fast-graphs.log" 2>&1
+        ;;
+      fast-seeds)
+        for seed in 1 2; do
+          rm -rf "$out/fast-seed$seed"
+          echo "== fast.yaml on the subset, seed $seed"
+          python3 ddp/train.py "${subset[@]}" run.seed=$seed "run.out_dir=$out/fast-seed$seed" 2>&1
+        done >"$out/probe-fast-seeds.log"
+        ;;
+      overhead)
+        python3 -c 'import json, sys
+from bench import harness, report
+from bench.__main__ import SIZES
+rows = harness.ddp_overhead(SIZES["full"])
+open(sys.argv[1] + ".json", "w").write(json.dumps(rows, indent=1))
+open(sys.argv[1] + ".md", "w").write("\n".join(report.ddp(rows)) + "\n")' "$out/ddp-overhead" \
+          >"$out/probe-overhead.log" 2>&1
+        cat "$out/ddp-overhead.md" >>"$out/probe-overhead.log"
         ;;
       fsdp)
         for amp in auto off; do

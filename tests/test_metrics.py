@@ -21,3 +21,28 @@ def test_flip_test_time_augmentation_adds_the_logits_of_the_mirror_image():
     tta = metrics.confusion_matrix(LeftMinusRight(), loader, to_input, 2, world, None, tta_flip=True)
     assert plain.tolist() == [[0, 2], [2, 0]]  # rows: true class; bright-left says 1, blank ties to 0
     assert tta.tolist() == [[2, 0], [2, 0]]  # the mirrored logits cancel: ties go to class 0
+
+
+def test_test_time_augmentation_reads_no_output_after_the_modules_next_call():
+    """A module compiled with CUDA graphs returns the same memory from every call (torch raises when an
+    overwritten output is read). This one does the same, silently: the mirror's logits would replace
+    the image's, and the first image, class 1 alone, would tie to class 0 with its mirror only if both
+    were counted."""
+
+    class OneOutputBuffer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.out = torch.zeros(2, 2)
+
+        def forward(self, x):  # class 1's logit: the top-left pixel
+            self.out[:, 1] = x[:, 0, 0, 0]
+            return self.out
+
+    images = torch.zeros(2, 3, 32, 32)
+    images[0, 0, 0, 0], images[0, 0, 0, -1] = 2.0, -3.0  # alone class 1; with its mirror (-1) class 0
+    images[1, 0, 0, 0], images[1, 0, 0, -1] = 2.0, -1.0  # class 1 both ways
+    world = devices.World(0, 0, 1, torch.device("cpu"), "none")
+    loader = [(images, torch.tensor([1, 1]))]
+    for translate in (False, True):
+        tta = metrics.confusion_matrix(OneOutputBuffer(), loader, lambda x: x, 2, world, None, True, translate)
+        assert tta.tolist() == [[0, 0], [1, 1]], translate

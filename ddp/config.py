@@ -216,7 +216,7 @@ class RunConfig:
     amp: str = opt("off", "autocast precision (fp16 adds a GradScaler; CUDA only)", ("off", "bf16", "fp16"))
     compile: bool = opt(False, "torch.compile the model (before the DDP wrap)")
     warmup_steps: int = opt(
-        0, "throwaway steps before the first epoch (compile, autotuning), all they change put back", valid=NATURAL
+        0, "throwaway steps and an evaluation before the first epoch (compile, autotuning), all put back", valid=NATURAL
     )
     channels_last: bool = opt(False, "NHWC memory format for model and inputs (faster convs on GPU)")
     resume: str = opt("auto", "auto = from the newest valid checkpoint in out_dir | never | PATH")

@@ -234,11 +234,14 @@ def fit(cfg: Config, world: World, data: datasets.Data, plan: Plan) -> dict[str,
 
 
 def warm_up(job: Job, epoch: int, position: Position) -> float:
-    """run.warmup_steps throwaway steps on the next batch, before the timed epochs; their seconds."""
+    """run.warmup_steps throwaway steps on the next batch and a throwaway evaluation (of the moving
+    average too, if any), before the timed epochs; their seconds."""
     job.sampler.set_epoch(epoch, start_step=position.step_in_epoch)
     images, labels = next(iter(job.train_loader))
+    evaluated = [distributed.for_eval(job.wrapped)] + ([job.trained.ema.module] if job.trained.ema else [])
     return warmup.throwaway_steps(job.checkpoints, position, job.stats, job.cfg.run.warmup_steps,
-                                  lambda: train_step(job, images, labels))  # fmt: skip
+                                  lambda: train_step(job, images, labels),
+                                  lambda: [test_confusion(job, module) for module in evaluated])  # fmt: skip
 
 
 def train_epoch(

@@ -1,6 +1,7 @@
-"""run.warmup_steps=N: N throwaway training steps before the first epoch, so that torch.compile's
-compile, cuDNN's autotuning and the allocator's first requests happen outside the timed epochs (as
-airbench warms up); everything the steps change is put back, so the run then trains as one without them."""
+"""run.warmup_steps=N: N throwaway training steps and one throwaway evaluation before the first epoch,
+so that torch.compile's compiles (the training graph and the evaluation's), cuDNN's autotuning and the
+allocator's first requests happen outside the timed epochs (as airbench warms up); everything they
+change is put back, so the run then trains as one without them."""
 
 from __future__ import annotations
 
@@ -20,11 +21,13 @@ def throwaway_steps(
     stats: metrics.StepStats,
     steps: int,
     step: Callable[[], Any],
+    evaluate: Callable[[], Any] = lambda: None,
 ) -> float:
-    """Call `step` (one training step on a batch of the run's) `steps` times, then put back what a
-    checkpoint at `position` would (the weights and BatchNorm statistics, optimizer, schedule,
+    """Call `step` (one training step on a batch of the run's) `steps` times and `evaluate` once (the
+    epoch's evaluation: compiled, it is a graph of its own, on shapes of its own), then put back what
+    a checkpoint at `position` would (the weights and BatchNorm statistics, optimizer, schedule,
     GradScaler, moving average, lookahead; checkpoint.restore), this rank's step statistics and RNG
-    states. Returns the seconds the steps took."""
+    states. Returns the seconds the steps and the evaluation took."""
     trained, device = checkpoints.trained, checkpoints.world.device
     full = distributed.full_state(trained.model, trained.optimizer)
     kept = copy.deepcopy(checkpoint.build_state(trained, position, [], checkpoints.info, None, full))
@@ -33,6 +36,7 @@ def throwaway_steps(
     started = time.perf_counter()
     for _ in range(steps):
         step()
+    evaluate()
     seconds = metrics.elapsed(started, device)
     with torch.no_grad():
         checkpoint.restore(kept, trained)  # in place: DDP's and the compiled model's weights too

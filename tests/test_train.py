@@ -78,8 +78,8 @@ def test_warmup_steps_are_put_back_and_the_run_trains_as_one_without_them(tmp_pa
 
 
 def test_warmup_puts_back_the_random_generators_a_step_draws_from():
-    """Dropout draws from torch's generator (the run above has none): after the throwaway steps it is
-    where it was."""
+    """Dropout draws from torch's generator (the run above has none): after the throwaway steps and the
+    evaluation, each drawing, it is where it was; the evaluation ran once."""
     net = torch.nn.Linear(2, 2)
     sgd = torch.optim.SGD(net.parameters(), lr=0.1)
     trained = checkpoint.Trained(net, sgd, torch.optim.lr_scheduler.LambdaLR(sgd, lambda _: 1.0),
@@ -90,9 +90,11 @@ def test_warmup_puts_back_the_random_generators_a_step_draws_from():
     torch.manual_seed(1)
     expected = torch.rand(3)
     torch.manual_seed(1)
+    evaluations = []
     seconds = warmup.throwaway_steps(checkpoints, checkpoint.Position(), step_metrics.StepStats(torch.device("cpu")),
-                                     2, lambda: torch.nn.functional.dropout(torch.ones(64), 0.5))  # fmt: skip
-    assert torch.equal(torch.rand(3), expected) and seconds >= 0
+                                     2, lambda: torch.nn.functional.dropout(torch.ones(64), 0.5),
+                                     lambda: evaluations.append(torch.rand(1)))  # fmt: skip
+    assert torch.equal(torch.rand(3), expected) and seconds >= 0 and len(evaluations) == 1
 
 
 def tensors(state) -> list[torch.Tensor]:

@@ -6,8 +6,7 @@
 #   tune   fast at batch 8192 compiled, default against TORCHINDUCTOR_MAX_AUTOTUNE=1 (MFU short of 30%)
 #   graphs the second check (2026-11-25) left DDP at world size 1 +14..18% over the bare model and
 #          compiled DDP slower than eager: the same job eager, compiled, and compiled with CUDA graphs
-#          (TORCHINDUCTOR_CUDAGRAPHS=1: torch.compile's reduce-overhead), bare and under torchrun with
-#          nccl
+#          (run.compile_mode=reduce-overhead), bare and under torchrun with nccl
 #   fast-graphs  configs/fast.yaml on the subset compiled with CUDA graphs: does the whole loop keep
 #          eager's accuracy (2026-11-26: its evaluation read an output that CUDA graphs had overwritten)
 #   fast-seeds   configs/fast.yaml as gpu-check's fast step runs it (seed 0), with seeds 1 and 2
@@ -66,15 +65,15 @@ for step in "${@:-ddp tune}"; do
             [ $launch = ddp ] && cmd=("${tr[@]}")
             run "$launch eager" "${cmd[@]}" "${job[@]}"
             run "$launch compiled" "${cmd[@]}" "${job[@]}" run.compile=true
-            TORCHINDUCTOR_CUDAGRAPHS=1 run "$launch compiled, CUDA graphs" "${cmd[@]}" "${job[@]}" run.compile=true
+            run "$launch compiled, CUDA graphs" "${cmd[@]}" "${job[@]}" run.compile=true run.compile_mode=reduce-overhead
           done
         } >"$out/probe-graphs.log"
         ;;
       fast-graphs)
         rm -rf "$out/fast-graphs"
         echo "== fast.yaml on the subset, compiled, CUDA graphs" >"$out/probe-fast-graphs.log"
-        TORCHINDUCTOR_CUDAGRAPHS=1 python3 ddp/train.py "${subset[@]}" run.compile=true "run.out_dir=$out/fast-graphs" \
-          >>"$out/probe-fast-graphs.log" 2>&1
+        python3 ddp/train.py "${subset[@]}" run.compile=true run.compile_mode=reduce-overhead \
+          "run.out_dir=$out/fast-graphs" >>"$out/probe-fast-graphs.log" 2>&1
         ;;
       fast-seeds)
         for seed in 1 2; do

@@ -88,6 +88,8 @@ def check_combinations(cfg: Config, world: World) -> None:
             "train.sync_bn=true needs DDP (nn.DataParallel computes BatchNorm per GPU): "
             "torchrun --standalone --nproc_per_node=N ddp/train.py ..."
         )
+    if cfg.run.compile_mode != "default" and not cfg.run.compile:
+        raise UsageError(f"run.compile_mode={cfg.run.compile_mode} is torch.compile's mode: add run.compile=true")
     if cfg.run.deterministic and cfg.run.cudnn_benchmark:
         raise UsageError("run.deterministic=true and run.cudnn_benchmark=true: cuDNN's autotuning is not deterministic")
     if cfg.ddp.static_graph and cfg.train.grad_accum_steps > 1:

@@ -66,11 +66,16 @@ def start_line(cfg: Config, world: World, data: Data, params: int, resumed: Resu
         f"launcher={world.launcher} parallel={world.parallel} world_size={world.world_size} device={world.device}"
         f"{backend(world)} "
         f"global batch {cfg.train.batch_size} ({batch_split(cfg, world)}), sync_bn={cfg.train.sync_bn}, "
-        f"amp={cfg.run.amp}{toolbox(cfg)}; loader={cfg.data.loader} tf32={cfg.run.tf32} "
+        f"amp={cfg.run.amp}{compiled(cfg)}{toolbox(cfg)}; loader={cfg.data.loader} tf32={cfg.run.tf32} "
         f"cudnn_benchmark={cfg.run.cudnn_benchmark} "
         f"threads={torch.get_num_threads()} deterministic={cfg.run.deterministic}"
     )
     return "\n".join(lines)
+
+
+def compiled(cfg: Config) -> str:
+    """For the start line: " compile=MODE" when run.compile is on."""
+    return f" compile={cfg.run.compile_mode}" if cfg.run.compile else ""
 
 
 def accum_change(saved: int, now: int) -> str:

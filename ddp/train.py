@@ -168,10 +168,10 @@ def build(cfg: Config, world: World, data: datasets.Data, plan: Plan) -> tuple[J
     checkpoints = checkpoint.Checkpoints(cfg.run, world, trained, info)
     stats = metrics.StepStats(world.device)
     resumed = checkpoints.resume(stats)  # torch.load(..., map_location="cpu") into the raw model, before the wrap
-    # DDP's broadcast of rank 0's buffers before each forward changes nothing where rank 0's BatchNorm
-    # statistics become every rank's at the boundaries anyway (bn_agreement): rank 0's own never change by it.
+    # DDP's per-forward broadcast of rank 0's buffers: not needed where they agree at the boundaries (bn_agreement)
     knobs = replace(cfg.ddp, broadcast_buffers=cfg.ddp.broadcast_buffers and bn_agreement(cfg) == "reduce")
-    wrapped = distributed.wrap(torch.compile(model) if cfg.run.compile else model, world, knobs)  # DDP / DP
+    compiled = torch.compile(model, mode=cfg.run.compile_mode) if cfg.run.compile else model  # before the wrap
+    wrapped = distributed.wrap(compiled, world, knobs)  # DDP / DP
     d = cfg.data
     how = loaders.Augment(d.translate, d.pad == "reflect", d.flip) if d.augment else None
     train_loader = loaders.train_loader(data.train, plan.per_rank_batch, world, how, d.workers, cfg.run.seed, d.loader)

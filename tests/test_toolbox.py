@@ -189,6 +189,8 @@ def test_bad_profile_values(value, message):
         ("train.lookahead_every=-5", "train.lookahead_every=-5 is out of range: it must be >= 0"),
         ("run.warmup_steps=-1", "run.warmup_steps=-1 is out of range: it must be >= 0"),
         ("run.warmup_steps=some", "run.warmup_steps: expected int, got 'some'"),
+        ("run.compile_mode=fast", "run.compile_mode: 'fast' is not one of default, reduce-overhead, max-autotune"),
+        ("run.compile_mode=reduce-overhead", "reduce-overhead is torch.compile's mode: add run.compile=true"),
         ("train.lookahead_every=every", "train.lookahead_every: expected int, got 'every'"),
         ("train.lookahead_decay=1", "train.lookahead_decay=1.0 is out of range: it must be in [0, 1)"),
         ("train.lookahead_decay=-0.5", "train.lookahead_decay=-0.5 is out of range: it must be in [0, 1)"),

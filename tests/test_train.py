@@ -21,13 +21,15 @@ def test_learns_the_real_cifar10_subset(subset, tmp_path):
 
 @pytest.mark.parametrize(
     "switches",
-    [["run.amp=bf16"], ["run.channels_last=true"], ["run.compile=true", "model.name=tutorial"],
+    [["run.amp=bf16"], ["run.channels_last=true"],
+     ["run.compile=true", "run.compile_mode=reduce-overhead", "model.name=tutorial"],  # CUDA graphs: none on a CPU
      ["run.tf32=true", "run.cudnn_benchmark=true", "train.tta_flip=true", "data.loader=torch"]],
     ids=["bf16", "channels_last", "compile", "tf32-benchmark-tta-torchloader"],
 )  # fmt: skip
-def test_speed_switches_train_and_save_a_plain_model(switches, tmp_path):
+def test_speed_switches_train_and_save_a_plain_model(switches, tmp_path, capsys):
     last = train.main([f"run.out_dir={tmp_path}", *TINY, "train.epochs=1", *switches])
     assert last["test_images"] == 101 and last["train_loss"] == last["train_loss"]  # not NaN
+    assert ("compile=reduce-overhead;" in capsys.readouterr().out) == ("run.compile=true" in switches)
     state = torch.load(tmp_path / "checkpoints" / "last.pt", map_location="cpu", weights_only=True)
     assert not any(k.startswith(("module.", "_orig_mod.")) for k in state["model"])
     name = "tutorial" if "model.name=tutorial" in switches else "small"

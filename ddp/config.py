@@ -215,14 +215,10 @@ class RunConfig:
     seed: int = opt(0, "seed for weights, data order and augmentation", valid=Range(0, 2**32 - 1))
     amp: str = opt("off", "autocast precision (fp16 adds a GradScaler; CUDA only)", ("off", "bf16", "fp16"))
     compile: bool = opt(False, "torch.compile the model (before the DDP wrap)")
-    compile_mode: str = opt(
-        "default",
-        "torch.compile's mode (reduce-overhead: CUDA graphs of the step, the fastest DDP on a GPU)",
-        ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"),
-    )
-    warmup_steps: int = opt(
-        0, "throwaway steps and an evaluation before the first epoch (compile, autotuning), all put back", valid=NATURAL
-    )
+    compile_mode: str = opt("default", "torch.compile's mode (reduce-overhead: CUDA graphs, the fastest step on a GPU)",
+                            ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"))  # fmt: skip
+    warmup_steps: int = opt(0, "throwaway steps and an evaluation before epoch 1 (compile, autotuning), all put back",
+                            valid=NATURAL)  # fmt: skip
     channels_last: bool = opt(False, "NHWC memory format for model and inputs (faster convs on GPU)")
     resume: str = opt("auto", "auto = from the newest valid checkpoint in out_dir | never | PATH")
     save_every_steps: int = opt(

@@ -95,10 +95,9 @@ def preflight(cfg: Config, processes: int) -> None:
 
 @contextlib.contextmanager
 def checked(cfg: Config, world: World) -> Iterator[tuple[datasets.Data, Plan]]:
-    """Everything checked before joining the process group, so that a mistake stops every rank alike
-    instead of leaving some waiting, in the order it is cheapest to find: the settings; run.out_dir,
-    locked for this run while inside (rank 0 holds it), against run.resume; the data (read here) and
-    what depends on it. Yields the data and the Plan."""
+    """Everything checked before joining the process group, so that a mistake stops every rank alike instead of
+    leaving some waiting, cheapest first: the settings; run.out_dir, locked for this run while inside (rank 0
+    holds it), against run.resume; the data (read here) and what depends on it. Yields the data and the Plan."""
     t = cfg.train
     if t.micro_batch_size:  # the accumulation follows from the world size this run (or restart) got
         t.grad_accum_steps = checks.accumulation(t.batch_size, world.world_size, t.micro_batch_size)
@@ -168,7 +167,6 @@ def build(cfg: Config, world: World, data: datasets.Data, plan: Plan) -> tuple[J
     checkpoints = checkpoint.Checkpoints(cfg.run, world, trained, info)
     stats = metrics.StepStats(world.device)
     resumed = checkpoints.resume(stats)  # torch.load(..., map_location="cpu") into the raw model, before the wrap
-    # DDP's per-forward broadcast of rank 0's buffers: not needed where they agree at the boundaries (bn_agreement)
     knobs = replace(cfg.ddp, broadcast_buffers=cfg.ddp.broadcast_buffers and bn_agreement(cfg) == "reduce")
     compiled = torch.compile(model, mode=cfg.run.compile_mode) if cfg.run.compile else model  # before the wrap
     wrapped = distributed.wrap(compiled, world, knobs)  # DDP / DP
@@ -234,8 +232,7 @@ def fit(cfg: Config, world: World, data: datasets.Data, plan: Plan) -> dict[str,
 
 
 def warm_up(job: Job, epoch: int, position: Position) -> float:
-    """run.warmup_steps throwaway steps on the next batch and a throwaway evaluation (of the moving
-    average too, if any), before the timed epochs; their seconds."""
+    """run.warmup_steps throwaway steps on the next batch, then an evaluation (the average's too); their seconds."""
     job.sampler.set_epoch(epoch, start_step=position.step_in_epoch)
     images, labels = next(iter(job.train_loader))
     evaluated = [distributed.for_eval(job.wrapped)] + ([job.trained.ema.module] if job.trained.ema else [])
@@ -330,8 +327,8 @@ def forward(wrapped: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 def bn_agreement(cfg: Config) -> str:
-    """How the ranks' BatchNorm statistics become one (distributed.sync_buffers): with sync_bn they
-    agree already, so rank 0's are everyone's; else train.dist_bn."""
+    """How the ranks' BatchNorm statistics become one at the boundaries (distributed.sync_buffers): with sync_bn
+    they agree, so rank 0's; else train.dist_bn. build() keeps DDP's per-forward buffer broadcast for "reduce" alone."""
     return "broadcast" if cfg.train.sync_bn else cfg.train.dist_bn
 
 

@@ -1,7 +1,6 @@
-"""run.warmup_steps=N: N throwaway training steps and one throwaway evaluation before the first epoch,
-so that torch.compile's compiles (the training graph and the evaluation's), cuDNN's autotuning and the
-allocator's first requests happen outside the timed epochs (as airbench warms up); everything they
-change is put back, so the run then trains as one without them."""
+"""run.warmup_steps=N: N throwaway training steps and one evaluation before epoch 1, so that compiles (the
+step's, the evaluation's), cuDNN's autotuning and first allocations happen outside the timed epochs (as
+airbench warms up); all they change is put back: the run then trains as one without them."""
 
 from __future__ import annotations
 

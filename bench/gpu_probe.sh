@@ -4,6 +4,9 @@
 #          through ddp/train.py bare, under torchrun with nccl, and with each DDP knob that could
 #          remove a copy or a broadcast, and a profile of each of the two (top-10 by self time)
 #   tune   fast at batch 8192 compiled, default against TORCHINDUCTOR_MAX_AUTOTUNE=1 (MFU short of 30%)
+#   mfu    the bench's compiled rows at the best batches (fast 8192, resnet18 4096), run.compile_mode
+#          default against max-autotune-no-cudagraphs (2026-11-26: MFU 28.8% and 38.4%, the targets
+#          35% and 45%); mfu.md and .json (max-autotune compiled 113 s for fast alone on 2026-11-23)
 #   graphs the second check (2026-11-25) left DDP at world size 1 +14..18% over the bare model and
 #          compiled DDP slower than eager: the same job eager, compiled, and compiled with CUDA graphs
 #          (run.compile_mode=reduce-overhead), bare and under torchrun with nccl
@@ -16,7 +19,7 @@
 # to $OUT/<run>/.
 #   fsdp   FSDP2 at one rank took 4.1x DDP's step (resnet18, batch 256, bf16, 2026-11-25): the same with
 #          --amp off (bf16 shards each BatchNorm on its own: 27 FSDP2 units instead of 8)
-#   bash bench/gpu_probe.sh [ddp] [tune] [graphs] [fast-graphs] [fast-seeds] [overhead] [fsdp]
+#   bash bench/gpu_probe.sh [ddp] [tune] [mfu] [graphs] [fast-graphs] [fast-seeds] [overhead] [fsdp]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -55,6 +58,20 @@ for step in "${@:-ddp tune}"; do
           run "compiled, default" python3 ddp/train.py "${job[@]}"
           TORCHINDUCTOR_MAX_AUTOTUNE=1 run "compiled, max-autotune" timeout 300 python3 ddp/train.py "${job[@]}"
         } >"$out/probe-tune.log"
+        ;;
+      mfu)
+        python3 -c 'import json, sys, torch
+from bench import harness, report
+from bench.__main__ import SIZES
+sizes = dict(SIZES["full"], compiled=[("fast", 8192), ("resnet18", 4096)])
+device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+rows = []
+for mode in sys.argv[2:]:
+    rows += harness.compiled_sweep(sizes, device, mode)
+    open(sys.argv[1] + ".json", "w").write(json.dumps(rows, indent=1))  # after each mode: a cut-off call keeps it
+    open(sys.argv[1] + ".md", "w").write("\n".join(report.compiled(rows)) + "\n")' \
+          "$out/mfu" default max-autotune-no-cudagraphs >"$out/probe-mfu.log" 2>&1
+        cat "$out/mfu.md" >>"$out/probe-mfu.log"
         ;;
       graphs)
         job=("${common[@]}" data.synthetic_train=32768 train.batch_size=1024 train.epochs=3)

@@ -208,18 +208,18 @@ def first_two_steps_s(step: Callable[[], Any], device: torch.device) -> float:
     return metrics.elapsed(start, device)
 
 
-def compiled_sweep(sizes: dict, device: torch.device) -> list[dict]:
-    """On a GPU: bf16 + channels_last + cudnn.benchmark + torch.compile at each (model, batch) of
-    sizes["compiled"]: the compile (the first two steps), then img/s with our data path and on one
-    batch repeated, and MFU. Each batch size compiles afresh (no dynamic-shape graph)."""
+def compiled_sweep(sizes: dict, device: torch.device, mode: str = "default") -> list[dict]:
+    """On a GPU: bf16 + channels_last + cudnn.benchmark + torch.compile (run.compile_mode=`mode`) at
+    each (model, batch) of sizes["compiled"]: the compile (the first two steps), then img/s with our
+    data path and on one batch repeated, and MFU. Each batch size compiles afresh (no dynamic-shape graph)."""
     rows = []
     timing = (device, sizes["warmup"], sizes["steps"], sizes["repeats"])
     for name, batch in sizes["compiled"]:
         torch._dynamo.reset()
         images = max(sizes["images"], 4 * batch)  # epochs of 4+ steps
         ours = job(name, batch, images, World(0, 0, 1, device, "none"), "run.compile=true",
-                   f"run.cudnn_benchmark={device.type == 'cuda'}")  # fmt: skip
-        row: dict[str, Any] = {"device": device_name(device), "model": name, "batch": batch}
+                   f"run.compile_mode={mode}", f"run.cudnn_benchmark={device.type == 'cuda'}")  # fmt: skip
+        row: dict[str, Any] = {"device": device_name(device), "model": name, "batch": batch, "compile_mode": mode}
         row["first_two_steps_s"] = first_two_steps_s(stepping(ours, cycle(ours.train_loader)), device)
         row.update(step_rates(ours, batch, timing))
         rows.append(row)

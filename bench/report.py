@@ -66,8 +66,10 @@ def compiled(rows: list[dict]) -> list[str]:
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
+        mode = r.get("compile_mode", "default")  # results written before the mode was a key: the default
+        model = r["model"] if mode == "default" else f"{r['model']} ({mode})"
         lines.append(
-            f"| {r['device']} | {r['model']} | {r['batch']} | {r['first_two_steps_s']:.1f} | {r['ours_img_s']:.0f} | "
+            f"| {r['device']} | {model} | {r['batch']} | {r['first_two_steps_s']:.1f} | {r['ours_img_s']:.0f} | "
             f"{r['one_batch_img_s']:.0f} | {r['ours_img_s'] / r['one_batch_img_s']:.0%} | {r['peak_mb']:.0f} | "
             f"{r.get('mfu', float('nan')):.1%} |"
         )

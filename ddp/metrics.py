@@ -131,7 +131,7 @@ def confusion_matrix(
 
 def _logits(module: nn.Module, x: torch.Tensor, tta_flip: bool) -> torch.Tensor:
     """The logits of x, with those of its mirror added if tta_flip. A copy, not the module's output:
-    compiled with CUDA graphs (TORCHINDUCTOR_CUDAGRAPHS=1, reduce-overhead), a module's next call
+    compiled with CUDA graphs (run.compile_mode=reduce-overhead), a module's next call
     writes its output into the same memory, and torch raises when the first output is read after."""
     logits = module(x).clone()
     return logits + module(x.flip(-1)) if tta_flip else logits

@@ -25,9 +25,9 @@ def test_flip_test_time_augmentation_adds_the_logits_of_the_mirror_image():
 
 def test_test_time_augmentation_reads_no_output_after_the_modules_next_call():
     """A module compiled with CUDA graphs returns the same memory from every call (torch raises when an
-    overwritten output is read). This one does the same, silently: the mirror's logits would replace
-    the image's, and the first image, class 1 alone, would tie to class 0 with its mirror only if both
-    were counted."""
+    overwritten output is read). This one does the same, silently. Class 1's logit is the top-left pixel:
+    with its mirror counted, the first image is class 0 (2 - 3) and the second class 1 (2 - 1); with the
+    mirror's logit counted twice instead, both would be class 0."""
 
     class OneOutputBuffer(torch.nn.Module):
         def __init__(self):

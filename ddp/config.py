@@ -183,7 +183,7 @@ class DdpConfig:
         25.0, "gradients are all-reduced in buckets of this many MiB (larger: fewer, later all-reduces)",
         valid=Range(0, low_open=True),
     )  # fmt: skip
-    gradient_as_bucket_view: bool = opt(False, "gradients are views into the buckets: saves one copy of them")
+    gradient_as_bucket_view: bool = opt(True, "gradients are views into the buckets: no copy out of them, one less")
     static_graph: bool = opt(
         False, "the same parameters are used in every step: lets DDP skip per-step checks (and allows unused ones)"
     )

@@ -19,7 +19,7 @@ WORKER = str(REPO / "tests" / "knob_worker.py")
 # Every probe in one torchrun job (tests/knob_worker.py): each builds and wraps its own net.
 PROBES = {
     "default": [],
-    "small buckets": ["ddp.bucket_cap_mb=0.05", "ddp.gradient_as_bucket_view=true", "ddp.broadcast_buffers=false"],
+    "small buckets": ["ddp.bucket_cap_mb=0.05", "ddp.gradient_as_bucket_view=false", "ddp.broadcast_buffers=false"],
     "accum 2": ["train.grad_accum_steps=2"],
     "accum 4": ["train.grad_accum_steps=4"],
     "fp16": ["ddp.comm_hook=fp16"],
@@ -38,15 +38,15 @@ def test_defaults_one_bucket_per_step_buffers_from_rank_0_float32_gradients(prob
     default = probes["default"]
     assert default["allreduces_per_step"] == [1, 1]  # the small net fits one 25 MiB bucket
     assert default["running_means"][0] == default["running_means"][1]  # rank 1's buffer was replaced
-    assert not default["grads_are_bucket_views"] and not default["grads_fp16_exact"]
+    assert default["grads_are_bucket_views"] and not default["grads_fp16_exact"]  # no copy out of the bucket
     assert not default["static_graph"]
 
 
-def test_small_buckets_gradient_views_and_no_buffer_broadcast(probes):
+def test_small_buckets_gradients_of_their_own_and_no_buffer_broadcast(probes):
     got, default = probes["small buckets"], probes["default"]
     REPORT.append(f"ddp.bucket_cap_mb=0.05: {got['allreduces_per_step'][-1]} all-reduces per optimizer step (25: 1)")
     assert got["allreduces_per_step"][-1] > default["allreduces_per_step"][-1]  # more, smaller buckets
-    assert got["grads_are_bucket_views"]
+    assert not got["grads_are_bucket_views"]  # gradient_as_bucket_view=false: torch's default
     assert got["running_means"][0] != got["running_means"][1]  # each rank kept its own
 
 

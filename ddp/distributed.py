@@ -225,8 +225,9 @@ def sync_buffers(model: nn.Module, world: World, how: str = "broadcast") -> None
 
 
 def any_rank(flag: bool, world: World) -> bool:
-    """True on every rank if it is True on any: one all-reduce of a CPU tensor (no GPU sync)."""
-    if not world.grouped:
+    """True on every rank if it is True on any: one all-reduce of a CPU tensor (no GPU sync); none for a
+    group of one (DDP at world size 1), whose flag is already everyone's."""
+    if not world.grouped or world.world_size == 1:
         return flag
     t = torch.tensor([int(flag)])
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=world.control)

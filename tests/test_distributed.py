@@ -166,3 +166,15 @@ def test_global_batch_splits_evenly_or_says_what_would():
 )
 def test_a_collective_that_lost_a_peer_is_told_from_other_errors(error, comm):
     assert lost_rank.is_comm_failure(error) is comm
+
+
+def test_the_stop_agreement_of_a_group_of_one_calls_no_collective(monkeypatch):
+    """DDP at world size 1 (run.parallel=ddp, one process): its own flag is the group's, every step."""
+    from ddp import distributed
+
+    def all_reduce(*args, **kwargs):
+        raise AssertionError("an all-reduce in a group of one")
+
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    world = devices.World(0, 0, 1, torch.device("cpu"), "ddp")
+    assert world.grouped and distributed.any_rank(True, world) and not distributed.any_rank(False, world)

@@ -7,7 +7,8 @@
 # the start of python and the packing). The device tool brings back at most 8 files from $OUT, so the
 # work goes to $GPU_LEASE_DIR (default /tmp/gpu-lease) and is packed, checkpoints left out, into
 # $OUT/gpu-lease.tgz every $GPU_LEASE_PACK_S seconds (default 20) and at the end: a call killed at its
-# limit still brings back every log up to its last 20 s. The check's summary.md is also copied beside the archive.
+# limit still brings back every log up to its last 20 s. The check's summary.md is also copied beside
+# the archive.
 #   run(command="bash bench/gpu_lease.sh", carry=[".gpu"], timeout_s=600)   after `make gpu-carry` here
 # Exit status: 124 when SECONDS ran out, else the check's (its failed steps) plus 1 if a probe failed.
 set -uo pipefail

@@ -302,7 +302,7 @@ def _ddp_worker(
 # DDP over the compiled model, each way torch offers to combine them: (torch._dynamo.config while it
 # compiles and runs, "inductor." keys torch._inductor.config; ddp/train.py settings). ddp_compiled is
 # run.compile=true as ddp/train.py runs it. inductor.triton.cudagraphs is torch.compile's
-# mode="reduce-overhead" (CUDA graphs of the compiled graphs; TORCHINDUCTOR_CUDAGRAPHS=1 for ddp/train.py).
+# mode="reduce-overhead" (CUDA graphs of the compiled graphs; run.compile_mode=reduce-overhead for ddp/train.py).
 COMPILED_DDP: dict[str, tuple[dict[str, Any], tuple[str, ...]]] = {
     "ddp_compiled": ({}, ()),  # dynamo's DDPOptimizer: the graph split at DDP's buckets (torch's default)
     "static_graph": ({}, ("ddp.static_graph=true",)),  # DDP told the graph never changes

@@ -22,7 +22,8 @@ gpu_count_or_2() {
 
 # preflight N ARGS...: ddp/train.py --preflight N ARGS, before the launcher starts N processes. A
 # mistake every rank would make (the config, the global batch, the data, run.out_dir) is then one
-# line and exit 2, here, instead of one error per rank and the launcher's traceback.
+# line and exit 2, here, instead of one error per rank and the launcher's traceback. (launch/torchrun.sh
+# and multinode.sh have ddp/torchrun.py --preflight=N make it in its own process: one Python start fewer.)
 preflight() {
   local n=$1
   shift

@@ -28,13 +28,11 @@ whole MAX_RESTARTS "$restarts"
 source "$root/launch/common.sh"
 nproc=${NPROC:-$(gpu_count_or_2)}
 omp_threads "$nproc"
-# On every node: the config, the data, MASTER_ADDR resolving (and, from the other nodes, answering
-# within run.timeout_s: torchrun would wait without end); node 0 also takes and checks the lock.
-preflight $((NNODES * nproc)) "$@"
+# --preflight, on every node in torchrun's process first: the config, the data, MASTER_ADDR resolving (and, from
+# the other nodes, answering within run.timeout_s: torchrun would wait without end); node 0 also takes and
+# checks the lock. It prints the command it then runs.
 is_host=$([ "$NODE_RANK" = 0 ] && echo true || echo false)  # node 0 serves the rendezvous store
-cmd=(python "$root/ddp/torchrun.py" --nnodes="$nodes" --nproc_per_node="$nproc" --rdzv_backend=c10d
-  --max-restarts="$restarts"
-  --rdzv_endpoint="$MASTER_ADDR:${MASTER_PORT:-29400}" --rdzv_id="${RDZV_ID:-ddp-cifar}"
-  --rdzv_conf="is_host=$is_host${RDZV_CONF:+,$RDZV_CONF}" "$root/ddp/train.py" "$@")
-echo "+ ${cmd[*]}" >&2
-exec "${cmd[@]}"
+exec python "$root/ddp/torchrun.py" --preflight=$((NNODES * nproc)) --nnodes="$nodes" --nproc_per_node="$nproc" \
+  --rdzv_backend=c10d --max-restarts="$restarts" \
+  --rdzv_endpoint="$MASTER_ADDR:${MASTER_PORT:-29400}" --rdzv_id="${RDZV_ID:-ddp-cifar}" \
+  --rdzv_conf="is_host=$is_host${RDZV_CONF:+,$RDZV_CONF}" "$root/ddp/train.py" "$@"

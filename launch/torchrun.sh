@@ -7,7 +7,5 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 source "$root/launch/common.sh"
 nproc=${NPROC:-$(gpu_count_or_2)}
 omp_threads "$nproc"
-preflight "$nproc" "$@"
-cmd=(python "$root/ddp/torchrun.py" --standalone --nproc_per_node="$nproc" "$root/ddp/train.py" "$@")
-echo "+ ${cmd[*]}" >&2
-exec "${cmd[@]}"
+# --preflight: ddp/train.py --preflight in torchrun's process first; it prints the command it then runs
+exec python "$root/ddp/torchrun.py" --preflight="$nproc" --standalone --nproc_per_node="$nproc" "$root/ddp/train.py" "$@"

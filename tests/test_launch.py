@@ -89,7 +89,25 @@ def test_a_mistake_every_rank_would_make_is_one_line_before_torchrun_starts(tmp_
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert lines[-1].startswith(f"error: CIFAR-10 not found in data.root={tmp_path} and data.download=false")
-    assert proc.stderr.count("error: ") == 1 and "Traceback" not in proc.stderr and "+ torchrun" not in proc.stderr
+    assert proc.stderr.count("error: ") == 1 and "Traceback" not in proc.stderr and "+ python" not in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--preflight=0", "--standalone", str(TRAIN)], "--preflight=N needs the number of processes to be started"),
+        (["--preflight=two", "--standalone", str(TRAIN)], "not 'two'"),
+        (["--preflight=", "--standalone", str(TRAIN)], "not ''"),
+        (["--preflight=2", "--standalone", "other.py"], "--preflight checks ddp/train.py's arguments, not other.py's"),
+        (["--preflight=3", "--standalone", str(TRAIN), *TINY], "=32 must be a positive multiple of world_size=3"),
+    ],
+)  # fmt: skip
+def test_the_launchers_preflight_in_torchruns_process_refuses_in_one_line(argv, message, capsys):
+    """ddp/torchrun.py --preflight=N (the launch files'): a bad N, another script, a mistake every rank would
+    make: exit 2, one line, and torchrun never starts (no "+ python" line, no rank)."""
+    assert launcher.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ") and message in err and "+ python" not in err, err
 
 
 @pytest.mark.parametrize("mode, flags", [("ddp", ["--multi_gpu"]), ("fsdp", ["--use_fsdp", "--fsdp_version", "2"])])

@@ -58,7 +58,7 @@ def test_a_second_run_into_a_live_runs_out_dir_is_refused_and_the_lock_dies_with
         # The launch scripts refuse before torchrun starts: the message once, last, and no traceback.
         scripted = subprocess.run(["bash", "launch/torchrun.sh", f"run.out_dir={tmp_path}", *TINY], cwd=REPO,
                                   env=clean_env(), capture_output=True, text=True, timeout=120)  # fmt: skip
-        assert scripted.returncode == 2 and "+ torchrun" not in scripted.stderr
+        assert scripted.returncode == 2 and "+ python" not in scripted.stderr
         assert scripted.stderr.strip().splitlines()[-1].startswith(f"error: run.out_dir={tmp_path} is in use by")
         # Two ranks started by torchrun directly: rank 0 refuses before its rendezvous, says so once.
         ranks = torchrun(2, str(TRAIN), f"run.out_dir={tmp_path}", *TINY, "run.timeout_s=30", timeout=120)

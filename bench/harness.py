@@ -8,6 +8,7 @@ Timing: warm-up calls first, the device synchronised around each timed window, m
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import resource
@@ -287,7 +288,7 @@ def _ddp_worker(
 ) -> None:
     """Seconds per DDP step on rank 0; at world size 1 also the bare model's, in the same process with
     the same threads, measured alternately (bare, DDP, bare, DDP) so that drift hits both alike; the
-    per-step stop agreement (distributed.any_rank) alone; and with (name, batch) in
+    per-step stop agreement (distributed.StopAgreement, the loop's) alone; and with (name, batch) in
     sizes["ddp_compiled"], DDP over the compiled model: its first two steps (the compile), then its
     step, alternating with the others."""
     torch.set_num_threads(threads)
@@ -343,7 +344,7 @@ def _time_ddp(world: World, name: str, global_batch: int, timing: tuple, out: An
             variant: compiled_variant(world, name, global_batch, how, steps["ddp"], fixed, timing)
             for variant, how in COMPILED_DDP.items()
         }
-    agree = lambda: distributed.any_rank(False, world)  # noqa: E731 (timed right here)
+    agree = functools.partial(distributed.StopAgreement(world).after_step, False)  # as the loop calls it
     result["stop_agreement_s"] = seconds_per_call(agree, world.device, 10, 100, timing[3])
     if world.is_main:
         out.put(result)

@@ -102,7 +102,7 @@ class _Watcher:
         stop = _loop_stop
         asked_at = self.stop_asked[0]
         slowest = stop.longest_step_s if stop else 0.0
-        return asked_at + GRACE_S + 2 * slowest
+        return asked_at + GRACE_S + 3 * slowest  # the step it came in, the one its agreement takes, one spare
 
 
 _watcher: _Watcher | None = None

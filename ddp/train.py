@@ -178,8 +178,7 @@ def build(cfg: Config, world: World, data: datasets.Data, plan: Plan) -> tuple[J
         cfg=cfg, world=world, data=data, plan=plan, trained=trained, wrapped=wrapped, checkpoints=checkpoints,
         stats=stats, train_loader=train_loader, sampler=train_loader.sampler,
         eval_loader=loaders.eval_loader(data.test, eval_batch, world, d.workers, d.loader),
-        to_input=to_input,
-        criterion=nn.CrossEntropyLoss(label_smoothing=cfg.train.label_smoothing),
+        to_input=to_input, criterion=nn.CrossEntropyLoss(label_smoothing=cfg.train.label_smoothing),
     )  # fmt: skip
     return job, resumed
 
@@ -249,12 +248,12 @@ def train_epoch(
     profile: profiling.Profile,
     last_metrics: dict[str, Any] | None,
 ) -> Position:
-    """The steps of `epoch` from `position` on, each followed by the step boundary: a checkpoint
-    when one is due (never of diverged weights), and leaving when a stop was requested. Returns
-    the position after the epoch's last step."""
+    """The steps of `epoch` from `position` on, each followed by the step boundary: a checkpoint when one is due
+    (never of diverged weights), and leaving when a stop was agreed. Returns the position after its last step."""
     cfg, world = job.cfg, job.world
     job.wrapped.train()
     progress = logs.Progress(job.train_loader, world.is_main and cfg.run.progress, f"epoch {epoch}", world.world_size)
+    agreement = distributed.StopAgreement(world)
     for images, labels in progress:
         mix = mixing.draw(cfg.data, cfg.run.seed, epoch, position.step_in_epoch, world.rank)
         profile.before_step(position.global_step + 1)
@@ -264,8 +263,8 @@ def train_epoch(
         profile.after_step(position.global_step)
         job.stats.add(loss, len(labels), position.global_step)
         job.startup_s = job.startup_s or metrics.seconds_since_process_start()
-        with record_function("stop agreement"):  # a CPU flag on the control group: no wait for the device
-            stopping = distributed.any_rank(stop.at_step_boundary(), world)  # one flag per step: all stop together
+        with record_function("stop agreement"):  # CPU flags on the control group, a step late: no wait
+            stopping = agreement.after_step(stop.at_step_boundary())  # the step before's: all stop together
         if job.checkpoints.due(position, job.plan.steps_per_epoch, stopping):
             stop_if_diverged(job, position)  # a checkpoint is never written with NaN weights
             if job.trained.ema:  # the average's BatchNorm statistics, as at an epoch's end (exact resume)
@@ -274,6 +273,7 @@ def train_epoch(
             if stopping:
                 preemption.finish_stop(stop.received, saved, world)
         progress.update(loss, job.trained.scheduler.get_last_lr()[0], len(labels))
+    agreement.wait()  # the last step's: the epoch's end asks again
     return position
 
 

@@ -1,5 +1,9 @@
 """Device and launcher resolution, as pure functions: any GPU count can be asked about on a CPU box."""
 
+import threading
+from dataclasses import replace
+from datetime import timedelta
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -178,3 +182,30 @@ def test_the_stop_agreement_of_a_group_of_one_calls_no_collective(monkeypatch):
     monkeypatch.setattr(dist, "all_reduce", all_reduce)
     world = devices.World(0, 0, 1, torch.device("cpu"), "ddp")
     assert world.grouped and distributed.any_rank(True, world) and not distributed.any_rank(False, world)
+    agreement = distributed.StopAgreement(world)  # the training loop's: at once, not a step late
+    assert [agreement.after_step(flag) for flag in (False, True)] == [False, True] and not agreement.wait()
+
+
+def test_the_stop_agreement_takes_a_flag_of_any_rank_one_step_late_on_every_rank_and_leaves_nothing_unread():
+    """Two gloo ranks (threads, each its own group object over one store). Rank 1's flag after step 3:
+    both stop after step 4, and send nothing on. Rank 0's after an epoch's last step (2): wait() has it."""
+    from ddp import distributed
+
+    store, seen = dist.HashStore(), {}
+
+    def rank(r: int) -> None:
+        group = dist.ProcessGroupGloo(dist.PrefixStore("agree", store), r, 2, timedelta(seconds=30))
+        world = replace(devices.World(r, r, 2, torch.device("cpu"), "ddp"), control=group)
+        agreement = distributed.StopAgreement(world)
+        stops = [agreement.after_step(step == 3 and r == 1) for step in range(1, 5)]
+        unread = agreement.pending
+        epoch = distributed.StopAgreement(world)
+        late = [epoch.after_step(step == 2 and r == 0) for step in (1, 2)]
+        seen[r] = stops, unread, late, epoch.wait(), epoch.pending
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert seen == {r: ([False, False, False, True], None, [False, False], True, None) for r in (0, 1)}

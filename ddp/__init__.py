@@ -3,8 +3,9 @@
 Its modules in layers, top to bottom. A module imports only modules after it in this list, never one
 before it (tests/test_layers.py), so each can be read knowing only what is below it:
 
+    the launcher        torchrun
     the loop            train
-    commands            evaluate, doctor, plot, torchrun
+    commands            evaluate, doctor, plot
     a run's state       warmup, profiling, preemption, logs, checkpoint, faults, rundir, metrics
     data and the step   checks, loaders, datasets, mixing, optim
     the process group   distributed, fsdp, lifeline, lost_rank

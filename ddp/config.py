@@ -68,10 +68,9 @@ class DataConfig:
         "even ones (airbench) | none", ("random", "alternate", "none"),
     )  # fmt: skip
     loader: str = opt(
-        "device",
-        "device = the split on the training device, batched augmentation there | torch = DataLoader workers",
+        "device", "device = the split on the training device, batched augmentation there | torch = DataLoader workers",
         ("device", "torch"),
-    )
+    )  # fmt: skip
     workers: int = opt(
         2, "DataLoader worker processes per rank for loader=torch (0 = load in the main process)", valid=NATURAL
     )
@@ -194,8 +193,9 @@ class DdpConfig:
         True, "rank 0's buffers to all ranks before each forward, where it matters: train.dist_bn=reduce, no sync_bn"
     )
     comm_hook: str = opt(
-        "none", "compress gradients for the all-reduce: fp16 or bf16 halves the bytes sent", ("none", "fp16", "bf16")
-    )
+        "allreduce", "allreduce: each bucket divided once (none: torch's own, each gradient) | fp16 / bf16: half "
+        "the bytes sent", ("allreduce", "none", "fp16", "bf16"),
+    )  # fmt: skip
 
 
 @dataclass

@@ -129,7 +129,10 @@ def wrap(model: nn.Module, world: World, knobs: DdpConfig) -> nn.Module:
             find_unused_parameters=knobs.find_unused_parameters, gradient_as_bucket_view=knobs.gradient_as_bucket_view,
             **({} if knobs.broadcast_buffers else _NO_FORWARD_BUFFER_SYNC),
         )  # fmt: skip
-        if knobs.comm_hook != "none":
+        if knobs.comm_hook == "allreduce":  # copy each gradient into its bucket, divide the bucket, all-reduce;
+            # torch's own divides each gradient on its way in: 5 operators a parameter, 1 so (bench/host_cost.py)
+            wrapped._register_builtin_comm_hook(dist.BuiltinCommHookType.ALLREDUCE)
+        elif knobs.comm_hook != "none":
             wrapped.register_comm_hook(None, _compress_hook(knobs.comm_hook, world))
         return wrapped
     if world.parallel == "dp":

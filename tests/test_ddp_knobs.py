@@ -19,6 +19,7 @@ WORKER = str(REPO / "tests" / "knob_worker.py")
 # Every probe in one torchrun job (tests/knob_worker.py): each builds and wraps its own net.
 PROBES = {
     "default": [],
+    "torch's reducer": ["ddp.comm_hook=none"],
     "small buckets": ["ddp.bucket_cap_mb=0.05", "ddp.gradient_as_bucket_view=false", "ddp.broadcast_buffers=false"],
     "accum 2": ["train.grad_accum_steps=2"],
     "accum 4": ["train.grad_accum_steps=4"],
@@ -40,6 +41,16 @@ def test_defaults_one_bucket_per_step_buffers_from_rank_0_float32_gradients(prob
     assert default["running_means"][0] == default["running_means"][1]  # rank 1's buffer was replaced
     assert default["grads_are_bucket_views"] and not default["grads_fp16_exact"]  # no copy out of the bucket
     assert not default["static_graph"]
+
+
+def test_the_default_hook_divides_each_bucket_once_and_averages_as_torchs_own_reducer_does(probes):
+    """ddp.comm_hook=allreduce (torch's C++ all-reduce hook) against none (torch's reducer, which divides
+    each gradient on its way into the bucket): one all-reduce a step each, the same gradients to the bit
+    (a division by 2 is exact either way)."""
+    default, torchs = probes["default"], probes["torch's reducer"]
+    assert default["comm_hook"].endswith("ALLREDUCE") and not torchs["comm_hook"].endswith("ALLREDUCE")
+    assert torchs["allreduces_per_step"] == default["allreduces_per_step"] == [1, 1]
+    assert default["grads_sha256"] == torchs["grads_sha256"]
 
 
 def test_small_buckets_gradients_of_their_own_and_no_buffer_broadcast(probes):

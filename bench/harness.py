@@ -286,8 +286,9 @@ def data_path(sizes: dict, devices: list[torch.device]) -> list[dict]:
 def _ddp_worker(
     rank: int, world_size: int, port: int, name: str, global_batch: int, sizes: dict, threads: int, out: Any
 ) -> None:
-    """Seconds per DDP step on rank 0; at world size 1 also the bare model's, in the same process with
-    the same threads, measured alternately (bare, DDP, bare, DDP) so that drift hits both alike; the
+    """Seconds per DDP step on rank 0; at world size 1 also the bare model's and DDP's with torch's own
+    reduction (ddp.comm_hook=none), in the same process with the same threads, measured alternately
+    (bare, DDP, none, bare, ...) so that drift hits them alike; the
     per-step stop agreement (distributed.StopAgreement, the loop's) alone; and with (name, batch) in
     sizes["ddp_compiled"], DDP over the compiled model: its first two steps (the compile), then its
     step, alternating with the others."""
@@ -338,6 +339,8 @@ def _time_ddp(world: World, name: str, global_batch: int, timing: tuple, out: An
     if world.world_size == 1:
         bare = job(name, global_batch, global_batch, World(0, 0, 1, world.device, "none"))
         steps["bare"] = stepping(bare, lambda: fixed)
+        own = job(name, global_batch, global_batch, world, "ddp.comm_hook=none")  # torch's own reduction
+        steps["ddp_torch_reduction"] = stepping(own, lambda: fixed)
     result.update(alternating(steps, *timing))
     if compiled:
         result["variants"] = {
@@ -392,7 +395,7 @@ def free_port() -> int:
 
 def ddp_step_seconds(world_size: int, name: str, global_batch: int, sizes: dict) -> dict[str, float | None]:
     """Seconds per step of `world_size` DDP processes on this machine (each with its share of the
-    cores): {"ddp": s, "bare": s at world size 1, else None}."""
+    cores): {"ddp": s, and at world size 1 "bare": s and "ddp_torch_reduction": s (ddp.comm_hook=none)}."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     threads = max(1, (os.cpu_count() or 1) // world_size) if not torch.cuda.is_available() else 1
@@ -431,6 +434,8 @@ def ddp_overhead(sizes: dict) -> list[dict]:
             "bare_step_s": bare_s,
             "ddp1_step_s": one_s,
             "ddp1_overhead": one_s / bare_s - 1,
+            "ddp1_torch_reduction_step_s": one["ddp_torch_reduction"],  # ddp.comm_hook=none
+            "ddp1_torch_reduction_overhead": one["ddp_torch_reduction"] / bare_s - 1,
             "stop_agreement_s": one["stop_agreement_s"],
         }
         if "variants" in one:

@@ -95,20 +95,24 @@ def ddp(rows: list[dict]) -> list[str]:
         "",
         "## DDP overhead (one pre-made batch, same global batch)",
         "",
-        "| device | model | global batch | bare step ms | DDP world size 1 ms | overhead | N processes | step ms "
-        "| speed-up N vs 1 | stop agreement ms (all-reduce alone) | compiled: first two steps s, DDP step ms |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| device | model | global batch | bare step ms | DDP world size 1 ms | overhead | ddp.comm_hook=none ms, "
+        "overhead | N processes | step ms | speed-up N vs 1 | stop agreement ms | compiled: first two steps s, DDP "
+        "step ms |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         n = "n/a | | "
         if "processes" in r:
             n = f"{r['processes']} | {r['ddpN_step_s'] * 1e3:.1f} | {r['speedup_N_vs_1']:.2f}x"
+        torchs = "-"  # (rows of a bench before 2026-11-26 have no such figure)
+        if "ddp1_torch_reduction_step_s" in r:
+            torchs = f"{r['ddp1_torch_reduction_step_s'] * 1e3:.1f}, {r['ddp1_torch_reduction_overhead']:+.1%}"
         c = "not measured"
         if "ddp1_compiled_step_s" in r:
             c = f"{r['compiled_first_two_steps_s']:.1f} s, {r['ddp1_compiled_step_s'] * 1e3:.1f} ms"
         lines.append(
             f"| {r['device']} | {r['model']} | {r['global_batch']} | {r['bare_step_s'] * 1e3:.1f} | "
-            f"{r['ddp1_step_s'] * 1e3:.1f} | {r['ddp1_overhead']:+.1%} | {n} | "
+            f"{r['ddp1_step_s'] * 1e3:.1f} | {r['ddp1_overhead']:+.1%} | {torchs} | {n} | "
             f"{r['stop_agreement_s'] * 1e3:.3f} | {c} |"
         )
     compiled_rows = [r for r in rows if "compiled_variants" in r]

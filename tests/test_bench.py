@@ -128,12 +128,13 @@ def test_a_compiled_ddp_variant_torch_cannot_run_is_reported_and_the_bench_goes_
     assert graphed["cudagraph_skips"] == 0  # counted where CUDA graphs are asked for (none compiled here)
 
     variants = {"ddp_compiled": ran, "cuda_graphs": failed}
-    one = {"bare": 0.01, "ddp": 0.012, "stop_agreement_s": 1e-4, "variants": variants}
+    one = {"bare": 0.01, "ddp": 0.012, "ddp_torch_reduction": 0.0115, "stop_agreement_s": 1e-4, "variants": variants}
     monkeypatch.setattr(harness, "ddp_step_seconds", lambda world_size, name, batch, sizes: one)
     [row] = harness.ddp_overhead({"ddp": [("fast", 1024)]})
     assert row["compiled_variants"]["cuda_graphs"] == failed and row["ddp1_compiled_step_s"] == ran["step_s"]
     assert row["compiled_variants"]["ddp_compiled"]["vs_bare"] == pytest.approx(0.01 / ran["step_s"])
     table = "\n".join(ddp_table([row]))
+    assert "| 10.0 | 12.0 | +20.0% | 11.5, +15.0% |" in table  # ddp.comm_hook=none beside the default
     assert "| fast | 1024 | cuda_graphs | failed: AttributeError: torch._dynamo.config.no_such_setting" in table
     assert f"| fast | 1024 | ddp_compiled | {ran['first_two_steps_s']:.1f} |" in table and table.count(" - |") == 1
 

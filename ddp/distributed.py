@@ -241,9 +241,9 @@ class StopAgreement:
     """any_rank of each step's stop flag, without waiting for it: after step n, the flags of step n - 1,
     whose all-reduce (started after that step, asynchronous) has long arrived, and this step's sent on.
     Every rank stops after the same step, one after the flag's. A blocking all-reduce would cost the
-    control group's round trip every step: 2-3 ms of 105 with 2 ranks on the 2-core CPU (gloo), a
-    network's between hosts. At an epoch's end wait() takes the last step's (the epoch's stop check
-    repeats it)."""
+    control group's round trip every step, a network's between hosts, and hold every rank to the slowest
+    each step (bench/stop_agreement.py). At an epoch's end wait() takes the last step's (the epoch's stop
+    check repeats it)."""
 
     def __init__(self, world: World) -> None:
         self.world = world

@@ -230,11 +230,21 @@ def sync_buffers(model: nn.Module, world: World, how: str = "broadcast") -> None
 def any_rank(flag: bool, world: World) -> bool:
     """True on every rank if it is True on any: one all-reduce of a CPU tensor (no GPU sync); none for a
     group of one (DDP at world size 1), whose flag is already everyone's."""
-    if not world.grouped or world.world_size == 1:
+    if _alone(world):
         return flag
-    t = torch.tensor([int(flag)])
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=world.control)
+    t, _ = _send_flag(flag, world, async_op=False)
     return bool(t.item())
+
+
+def _alone(world: World) -> bool:
+    """No other rank to agree with: no process group, or a group of one."""
+    return not world.grouped or world.world_size == 1
+
+
+def _send_flag(flag: bool, world: World, async_op: bool) -> tuple[torch.Tensor, dist.Work | None]:
+    """The all-reduce (max) of `flag` over the control group, in place in the tensor returned."""
+    t = torch.tensor([int(flag)])
+    return t, dist.all_reduce(t, op=dist.ReduceOp.MAX, group=world.control, async_op=async_op)
 
 
 class StopAgreement:
@@ -247,16 +257,15 @@ class StopAgreement:
 
     def __init__(self, world: World) -> None:
         self.world = world
-        self.pending: tuple[torch.Tensor, dist.Work] | None = None
+        self.pending: tuple[torch.Tensor, dist.Work | None] | None = None
 
     def after_step(self, flag: bool) -> bool:
         """Whether every rank stops now: a flag of the step before, on any rank (this one's, in a group of one)."""
-        if not self.world.grouped or self.world.world_size == 1:
+        if _alone(self.world):
             return flag
         agreed = self.wait()
         if not agreed:  # a stop sends nothing on: no all-reduce is left unread
-            t = torch.tensor([int(flag)])
-            self.pending = t, dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.world.control, async_op=True)
+            self.pending = _send_flag(flag, self.world, async_op=True)
         return agreed
 
     def wait(self) -> bool:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, NoReturn
 
 from ddp import config, launchers
-from ddp.errors import EXIT_OK, Diverged, PeerLost, Stopped, UsageError, WriteFailed, exit_code
+from ddp.errors import EXIT_INTERRUPTED, EXIT_OK, Diverged, PeerLost, Stopped, UsageError, WriteFailed, exit_code
 
 
 def _text(value: str | None) -> str | None:
@@ -123,7 +123,8 @@ def command(main: Callable[[list[str]], Any], argv: list[str] | None = None, pro
     1 for problems found) or anything else for done. A UsageError, a divergence, a failed write or a
     lost rank is one line, `<prog: >error: ...`, never a traceback unless run.debug asks for it; a stop prints its
     reason. Every rank stops alike on the first three: one process per machine says it
-    (local rank 0), the others exit with the same code silently. Each rank names the rank it lost."""
+    (local rank 0), the others exit with the same code silently. Each rank names the rank it lost.
+    A Ctrl-C that no stop handles (before training, or the second one in it) is one line too, exit 130."""
     argv = sys.argv[1:] if argv is None else argv
     try:
         code = main(argv)
@@ -143,6 +144,15 @@ def command(main: Callable[[list[str]], Any], argv: list[str] | None = None, pro
             time.sleep(SILENT_RANK_GRACE_S)  # then its error file: the report's root cause is the earliest
         launchers.record_error(line)  # torchrun's report names it (its own box, after this line)
         return exit_code(e)
+    except KeyboardInterrupt:  # Ctrl-C where no stop is handled (preemption's and lifeline's are not installed)
+        if debug_requested(argv):
+            raise
+        if launchers.speaks_for_its_machine():
+            print(
+                f"{prog + ': ' if prog else ''}stopped at once on SIGINT (Ctrl-C), without a checkpoint",
+                file=sys.stderr,
+            )
+        return EXIT_INTERRUPTED
     return code if isinstance(code, int) else EXIT_OK
 
 

@@ -6,6 +6,8 @@
     2   EXIT_USAGE    a mistake the user can fix (UsageError): a bad config, device, path, file or launch
     3   EXIT_DIVERGED the loss or the weights stopped being finite (Diverged); the finite checkpoints are kept
     75  EXIT_STOPPED  stopped on a signal after a checkpoint (Stopped): run the same command to resume
+    130 EXIT_INTERRUPTED  Ctrl-C where no checkpoint is made: before training (a preflight waiting for
+                      MASTER_ADDR, a download), or a second Ctrl-C in training (128 + SIGINT, as a shell says)
 
 cli.command turns them into one line on stderr and the exit code; nothing else defines an exit code.
 """
@@ -15,6 +17,7 @@ EXIT_FAILURE = 1
 EXIT_USAGE = 2  # as argparse and most Unix tools use
 EXIT_DIVERGED = 3
 EXIT_STOPPED = 75  # EX_TEMPFAIL (sysexits.h): try again later, and it continues
+EXIT_INTERRUPTED = 130  # 128 + SIGINT: what a shell reports of a command that Ctrl-C ended
 
 
 class UsageError(Exception):

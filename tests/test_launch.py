@@ -148,6 +148,22 @@ def test_a_master_port_held_by_another_program_is_one_line_on_node_0_and_on_the_
     assert seconds < 2 + 10 + 20, seconds
 
 
+def test_ctrl_c_while_a_node_waits_for_its_master_is_one_line_and_130():
+    """Node 1's preflight (in torchrun's process) waits for MASTER_ADDR's store up to run.timeout_s; Ctrl-C
+    there, as a terminal sends it to the whole group: one line, no traceback, 128 + SIGINT, no rank started."""
+    with socket.socket() as held:  # the master's port: it accepts, so the test knows when node 1 is waiting
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        held.settimeout(120)
+        env = clean_env(NNODES="2", NODE_RANK="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(held.getsockname()[1]))
+        proc = subprocess.Popen(["bash", "launch/multinode.sh", *ONE_EPOCH, "run.timeout_s=120"], cwd=REPO, env=env,
+                                text=True, stderr=subprocess.PIPE, start_new_session=True)  # fmt: skip
+        held.accept()[0].close()
+        os.killpg(proc.pid, signal.SIGINT)
+        err = proc.communicate(timeout=60)[1]
+    assert proc.returncode == 130 and err == "stopped at once on SIGINT (Ctrl-C), without a checkpoint\n", err
+
+
 def test_accelerate_launch_on_cpu_runs_2_processes_through_mpi(tmp_path):
     require("mpirun", "apt-get install openmpi-bin")
     hostfile = tmp_path / "hostfile"

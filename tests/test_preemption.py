@@ -7,7 +7,8 @@ import signal
 import pytest
 
 from ddp import preemption
-from ddp.errors import Stopped, UsageError
+from ddp.cli import command
+from ddp.errors import EXIT_INTERRUPTED, Stopped, UsageError
 
 
 @pytest.fixture(autouse=True)
@@ -32,6 +33,25 @@ def test_leaving_with_the_stop_checkpoint_ignores_late_signals():
     with pytest.raises(Stopped), preemption.StopRequest([signal.SIGUSR1]):
         raise Stopped("stopped")
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN and signal.getsignal(signal.SIGUSR1) is signal.SIG_IGN
+
+
+def test_a_second_ctrl_c_stops_at_once_in_one_line_and_130(capsys):
+    """The first SIGINT asks for the stop checkpoint; a second before the boundary stops now, without it:
+    through cli.command, one line (no traceback) and 128 + SIGINT; the handlers before it are back."""
+    steps = []
+
+    def main(argv):
+        with preemption.StopRequest([signal.SIGINT]) as stop:
+            os.kill(os.getpid(), signal.SIGINT)
+            steps.append(stop.requested)
+            os.kill(os.getpid(), signal.SIGINT)
+            steps.append("not reached")
+
+    before = signal.getsignal(signal.SIGINT)
+    assert command(main, ["run.out_dir=unused"]) == EXIT_INTERRUPTED == 130 and steps == [True]
+    err = capsys.readouterr().err
+    assert err == "stopped at once on SIGINT (Ctrl-C), without a checkpoint\n", err
+    assert signal.getsignal(signal.SIGINT) is before
 
 
 @pytest.mark.parametrize("names", ["SIGKILL", "FOO", "TERM,STOP"])

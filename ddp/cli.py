@@ -13,7 +13,17 @@ from dataclasses import dataclass
 from typing import Any, NoReturn
 
 from ddp import config, launchers
-from ddp.errors import EXIT_INTERRUPTED, EXIT_OK, Diverged, PeerLost, Stopped, UsageError, WriteFailed, exit_code
+from ddp.errors import (
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    INTERRUPTED,
+    Diverged,
+    PeerLost,
+    Stopped,
+    UsageError,
+    WriteFailed,
+    exit_code,
+)
 
 
 def _text(value: str | None) -> str | None:
@@ -146,12 +156,10 @@ def command(main: Callable[[list[str]], Any], argv: list[str] | None = None, pro
         return exit_code(e)
     except KeyboardInterrupt:  # Ctrl-C where no stop is handled (preemption's and lifeline's are not installed)
         if debug_requested(argv):
+            sys.excepthook = sys.__excepthook__  # where it was: the traceback (errors.quiet_interrupt's hook would not)
             raise
         if launchers.speaks_for_its_machine():
-            print(
-                f"{prog + ': ' if prog else ''}stopped at once on SIGINT (Ctrl-C), without a checkpoint",
-                file=sys.stderr,
-            )
+            print(f"{prog + ': ' if prog else ''}{INTERRUPTED}", file=sys.stderr)
         return EXIT_INTERRUPTED
     return code if isinstance(code, int) else EXIT_OK
 

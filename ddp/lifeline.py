@@ -8,8 +8,9 @@ deadline. One watcher thread does the three, because the main thread may be bloc
   every rank leaves, exit 75) and, when no boundary comes within the grace, leaves at once (exit 1).
 - A stop signal: Python runs a signal handler only when the main thread is back in Python. The
   signal also wakes the watcher (signal.set_wakeup_fd): before training it ends the process at once
-  (exit 1, nothing to save); in training the loop takes it at its next step boundary (exit 75), and
-  when none comes within the grace (a wait in a collective), the watcher ends the process (exit 1).
+  (exit 1, nothing to save; Ctrl-C: errors.INTERRUPTED's line, exit 130); in training the loop takes it
+  at its next step boundary (exit 75), and when none comes within the grace (a wait in a collective),
+  the watcher ends the process (exit 1).
 - Deadlines: a wait that torch would let run past run.timeout_s (the store and the rendezvous) is
   ended by the watcher with one line that names what it waited for (exit 1).
 """
@@ -28,7 +29,7 @@ from typing import Protocol
 
 from ddp import launchers
 from ddp.devices import World
-from ddp.errors import EXIT_FAILURE
+from ddp.errors import EXIT_FAILURE, EXIT_INTERRUPTED, INTERRUPTED
 
 GRACE_S = 5.0  # after a stop is asked for: how long past the slowest step the loop has to take it
 SLACK_S = 5.0  # how long a wait with a deadline of run.timeout_s may overrun it, torch's own timeout first
@@ -84,6 +85,8 @@ class _Watcher:
         return next((pid for pid in self.launchers[1:] if not launchers.alive(pid)), None)
 
     def signalled(self, name: str) -> None:
+        if _loop_stop is None and not _loop_ended and name == "SIGINT":  # Ctrl-C before training (torchrun's too)
+            _leave(INTERRUPTED, code=EXIT_INTERRUPTED)
         if _loop_stop is None and self.launched:  # the launcher stops its workers: it reports
             os._exit(EXIT_FAILURE)
         self.ask_to_stop(name, tell_the_loop=False)  # in training the loop's own handler has it already
@@ -116,13 +119,13 @@ def set_loop_stop(stop: LoopStop | None) -> None:
     _loop_stop, _loop_ended = stop, _loop_ended or stop is None
 
 
-def _leave(line: str, every_rank: bool = False) -> None:
+def _leave(line: str, every_rank: bool = False, code: int = EXIT_FAILURE) -> None:
     """One line (local rank 0's unless `every_rank`), then the process ends: no handler runs, no
     file is half written (every write is a rename), the lock dies with the process."""
     if every_rank or launchers.speaks_for_its_machine():
         print(line, file=sys.stderr, flush=True)
     launchers.record_error(line)  # torchrun's report shows it
-    os._exit(EXIT_FAILURE)
+    os._exit(code)
 
 
 def _noted(signum: int, frame: object) -> None:

@@ -19,6 +19,9 @@ from typing import Any
 if __package__ in (None, ""):  # run as a file (python/torchrun ddp/train.py): import ddp from the repo
     sys.path[0] = str(Path(__file__).resolve().parent.parent)
 PARENT = os.getppid()  # the launcher that started this process, read before the seconds of imports (lifeline)
+from ddp.errors import quiet_interrupt
+
+quiet_interrupt()  # a Ctrl-C in the imports below: one line, not their traceback
 
 import torch
 from torch import nn
@@ -195,8 +198,7 @@ def fit(cfg: Config, world: World, data: datasets.Data, plan: Plan) -> dict[str,
         params = sum(p.numel() for p in job.trained.model.parameters())
         logs.say(logs.start_line(cfg, world, data, params, resumed))
         if cfg.run.profile and profile_steps is None:
-            done = position.global_step
-            logs.say(f"run.profile={cfg.run.profile}: resumed after global step {done}, nothing to profile")
+            logs.say(f"run.profile={cfg.run.profile}: resumed after step {position.global_step}, nothing to profile")
     faults.arm(cfg.run.out_dir, world.rank, position.global_step)  # the kill-and-resume tests' only; none unless set
     board = logs.Board(cfg.run.out_dir) if cfg.run.tensorboard and world.is_main else None
     first_epoch = position.epochs_done + 1
@@ -335,11 +337,10 @@ def bn_agreement(cfg: Config) -> str:
 def epoch_metrics(
     job: Job, epoch: int, started: float, speed: dict[str, float], startup_s: float | None, evaluate: bool
 ) -> dict[str, Any]:
-    """The epoch's record: the ranks' BatchNorm statistics made one (every epoch, so that the checkpoint
-    is the same whether the epoch evaluates or not); if `evaluate`, the whole test set evaluated once
-    over the ranks, by the moving average if there is one (the trained weights' accuracy beside it as
-    raw_test_acc); the mean training loss over the ranks, the gradients' norm, lr, `speed` (images_per_s
-    over all ranks and train_s, the training's seconds) and seconds since `started` (training and evaluation)."""
+    """The epoch's record: the ranks' BatchNorm statistics made one (every epoch: the checkpoint is the same whether
+    the epoch evaluates or not); if `evaluate`, the whole test set evaluated once over the ranks, by the moving average
+    if there is one (the trained weights' accuracy as raw_test_acc); the mean training loss over the ranks, the
+    gradients' norm, lr, `speed` (images_per_s over all ranks, train_s) and the seconds since `started`."""
     how, world = bn_agreement(job.cfg), job.world
     distributed.sync_buffers(job.trained.model, world, how)
     confusion = test_confusion(job, distributed.for_eval(job.wrapped)) if evaluate else None
@@ -374,8 +375,7 @@ def stop_if_diverged(job: Job, position: Position) -> None:
     loss and unchanged weights: not a divergence."""
     state = [distributed.local(t) for t in job.trained.model.state_dict().values() if t.is_floating_point()]
     weights_finite = bool(torch.stack([t.isfinite().all() for t in state]).all())
-    stats = job.stats
-    mine = (stats.first_non_finite(), float(stats.last_finite), weights_finite)
+    mine = (job.stats.first_non_finite(), float(job.stats.last_finite), weights_finite)
     if not distributed.any_rank(mine[0] >= 0 or not weights_finite, job.world):
         return
     ranks = distributed.gather_objects(mine, job.world)

@@ -4,12 +4,16 @@ Run as real processes (`python ddp/train.py ...`), the way users meet them, wher
 what is tested (the launcher variables, CUDA hidden, torchrun's report); the long list of bad values
 runs through train.cli in this process (the same code, without the interpreter around it)."""
 
+import signal
 import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 from conftest import REPO, TINY, TRAIN, clean_env, python, torchrun
 
-from ddp import rundir, train
+from ddp import errors, rundir, train
 
 
 def assert_usage_error(proc, *fragments: str) -> None:
@@ -235,3 +239,34 @@ def test_a_command_leaves_with_its_code_after_its_exit_handlers_and_all_its_outp
     )
     proc = python("-c", code, env=clean_env(PYTHONUNBUFFERED=""))  # a pipe: stdout is block-buffered
     assert (proc.returncode, proc.stdout, proc.stderr) == (3, "buffered, no newline", "handler ran\n")
+
+
+def test_ctrl_c_while_the_entry_scripts_import_torch_is_one_line():
+    """Ctrl-C in the seconds of `import torch` (ddp/train.py and ddp/torchrun.py, as a terminal sends it to
+    the process): the one line, no traceback, and the process ends as Ctrl-C ends it (128 + SIGINT)."""
+    procs = [subprocess.Popen([sys.executable, str(script)], cwd=REPO, env=clean_env(), stderr=subprocess.PIPE,
+                              text=True) for script in (TRAIN, REPO / "ddp" / "torchrun.py")]  # fmt: skip
+    for proc in procs:
+        maps = Path(f"/proc/{proc.pid}/maps")
+        deadline = time.monotonic() + 60
+        while proc.poll() is None and "libtorch" not in maps.read_text() and time.monotonic() < deadline:
+            time.sleep(0.01)  # then torch's import goes on for another second or more, in Python
+        proc.send_signal(signal.SIGINT)
+    for proc in procs:
+        err = proc.communicate(timeout=60)[1]
+        assert proc.returncode == -signal.SIGINT and err == f"{errors.INTERRUPTED}\n", err
+
+
+@pytest.mark.parametrize(
+    "raised, local_rank, said",
+    [
+        ("KeyboardInterrupt", "0", f"{errors.INTERRUPTED}\n"),
+        ("KeyboardInterrupt", "1", ""),  # its machine's local rank 0 says it
+        ("ValueError('x')", "0", "Traceback"),  # any other exception: its traceback, as before
+    ],
+)
+def test_the_quiet_interrupt_hook_speaks_for_local_rank_0_and_keeps_other_tracebacks(raised, local_rank, said):
+    code = f"from ddp.errors import quiet_interrupt; quiet_interrupt(); raise {raised}"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=clean_env(LOCAL_RANK=local_rank),
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert proc.stderr.startswith(said) and (said == "Traceback" or proc.stderr == said), proc.stderr

@@ -435,34 +435,44 @@ def test_accelerate_killed_leaves_no_process_and_the_same_command_resumes_bitwis
 def test_a_store_that_never_answers_ends_at_its_deadline_and_a_signal_ends_the_wait_at_once(tmp_path):
     """A worker of a torchrun whose store accepts the connection and then says nothing (torch's own
     timeout does not end that wait): one line naming it, exit 1, at run.timeout_s + 5 s. SIGTERM in
-    that wait: exit 1 within seconds, not at the deadline."""
+    that wait: exit 1 within seconds, not at the deadline. SIGINT there (Ctrl-C, or torchrun's on it):
+    the one line of a Ctrl-C before training, from local rank 0, and 128 + SIGINT."""
 
-    def worker(store: socket.socket, *args: str) -> tuple[subprocess.Popen, str]:
+    def worker(store: socket.socket, *args: str, local_rank: str = "1") -> tuple[subprocess.Popen, str]:
         """Rank 1 of a torchrun whose store is `store`; and the store's address."""
         port = str(store.getsockname()[1])
-        env = clean_env(RANK="1", LOCAL_RANK="1", WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+        env = clean_env(RANK="1", LOCAL_RANK=local_rank, WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
                         MASTER_PORT=port, TORCHELASTIC_USE_AGENT_STORE="True")  # fmt: skip
         cmd = [sys.executable, str(TRAIN), *JOB, f"run.out_dir={tmp_path / port}", *args]
         return subprocess.Popen(cmd, cwd=REPO, env=env, stderr=subprocess.PIPE, text=True), f"127.0.0.1:{port}"
 
-    # Two stores that listen and never answer; the worker of each waits, side by side.
-    with socket.create_server(("127.0.0.1", 0)) as store, socket.create_server(("127.0.0.1", 0)) as other:
+    # Three stores that listen and never answer; the worker of each waits, side by side.
+    with (
+        socket.create_server(("127.0.0.1", 0)) as store,
+        socket.create_server(("127.0.0.1", 0)) as other,
+        socket.create_server(("127.0.0.1", 0)) as third,
+    ):
         started = time.monotonic()
         timed, where = worker(store, "run.timeout_s=2")
-        waiting, _ = worker(other)  # its wait ended by a signal
+        waiting, _ = worker(other)  # its wait ended by SIGTERM
+        interrupted, _ = worker(third, local_rank="0")  # by SIGINT
         try:
-            other.settimeout(60)
-            other.accept()[0].close()  # it is in the wait (torch connects again and waits for an answer)
-            time.sleep(0.5)
-            waiting.send_signal(signal.SIGTERM)
+            for server, proc, sig in ((other, waiting, signal.SIGTERM), (third, interrupted, signal.SIGINT)):
+                server.settimeout(60)
+                server.accept()[0].close()  # it is in the wait (torch connects again and waits for an answer)
+                time.sleep(0.5)
+                proc.send_signal(sig)
             signalled = time.monotonic()
             assert waiting.wait(timeout=10) == 1
             ended = time.monotonic() - signalled
+            assert interrupted.wait(timeout=10) == 130
+            said = interrupted.stderr.read()  # after torch's warning of the connection this test closed
+            assert said.endswith("\nstopped at once on SIGINT (Ctrl-C), without a checkpoint\n"), said
             err = timed.communicate(timeout=60)[1]
             waited = time.monotonic() - started
         finally:
-            waiting.kill()
-            timed.kill()
+            for proc in (waiting, timed, interrupted):
+                proc.kill()
     assert timed.returncode == 1
     line = f"error: rank 1 of 2: the rendezvous (torchrun's store at {where}): no answer within run.timeout_s=2 s (+5)"
     assert line in err, err

@@ -21,7 +21,8 @@ set; the ranks get the environment as it was.
 
 The launch files put `--preflight=N` first: ddp/train.py --preflight N with the ranks' arguments, here, before
 torchrun starts a rank (one Python and torch start fewer than a process of its own: 2.2 s on the 2-core test
-machine); a mistake ends it with that one line and exit 2, else it prints the command it goes on with.
+machine); a mistake ends it with that one line and exit 2, else it prints the command it goes on with. --help and
+--print-config are answered there, once, and no rank starts.
 """
 
 from __future__ import annotations
@@ -89,7 +90,7 @@ RACE_LOGGERS = ("torch.distributed.elastic.agent.server.api", "torch.distributed
 def main(argv: list[str]) -> int:
     if argv and argv[0].startswith("--preflight="):
         code = preflight(argv[0].partition("=")[2], argv[1:])
-        if code != 0:
+        if code is not None:
             return code
         argv = argv[1:]
         print(f"+ {shlex.join(['python', str(Path(__file__).resolve()), *argv])}", file=sys.stderr, flush=True)
@@ -113,9 +114,10 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def preflight(processes: str, argv: list[str]) -> int:
-    """--preflight=`processes`: ddp/train.py --preflight with the ranks' arguments from torchrun's `argv`,
-    in this process; its exit code. Not for --help or --print-config, which the ranks answer at once."""
+def preflight(processes: str, argv: list[str]) -> int | None:
+    """--preflight=`processes`: ddp/train.py --preflight with the ranks' arguments from torchrun's `argv`, in
+    this process. None when the ranks may start; else the exit code to end with: a mistake's, or that of
+    --help or --print-config, answered here once (every rank would print it) without starting a rank."""
     if not processes.isdigit() or int(processes) < 1:
         print(f"error: --preflight=N needs the number of processes to be started, e.g. 2, not {processes!r}",
               file=sys.stderr)  # fmt: skip
@@ -124,11 +126,11 @@ def preflight(processes: str, argv: list[str]) -> int:
     if Path(args.training_script).resolve() != TRAIN:
         print(f"error: --preflight checks ddp/train.py's arguments, not {args.training_script}'s", file=sys.stderr)
         return EXIT_USAGE
-    if {"--help", "-h", "--print-config"} & set(args.training_script_args):
-        return 0
     from ddp import train  # only here: a plain torchrun does not pay for its imports
 
-    return train.cli(["--preflight", processes, *args.training_script_args])
+    if {"--help", "-h", "--print-config"} & set(args.training_script_args):
+        return train.cli(args.training_script_args)
+    return train.cli(["--preflight", processes, *args.training_script_args]) or None  # 0: the ranks may start
 
 
 def failed(error: ChildFailedError) -> int:

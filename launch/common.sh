@@ -27,6 +27,9 @@ gpu_count_or_2() {
 preflight() {
   local n=$1
   shift
-  case " $* " in *" --help "* | *" -h "* | *" --print-config "*) return 0 ;; esac
+  case " $* " in *" --help "* | *" -h "* | *" --print-config "*) # answered here once, not by every rank
+    python "$root/ddp/train.py" "$@"
+    exit $? ;;
+  esac
   python "$root/ddp/train.py" --preflight "$n" "$@" || exit $?
 }

@@ -110,6 +110,21 @@ def test_the_launchers_preflight_in_torchruns_process_refuses_in_one_line(argv, 
     assert err.count("\n") == 1 and err.startswith("error: ") and message in err and "+ python" not in err, err
 
 
+def test_help_and_print_config_through_a_launch_file_are_answered_once_and_start_no_rank(capsys):
+    """`bash launch/torchrun.sh --print-config` (or --help): printed once, by ddp/torchrun.py's preflight, not by
+    every rank, and torchrun never starts; the launch files' shared preflight (accelerate, SLURM) does the same."""
+    assert launcher.main(["--preflight=2", "--standalone", str(TRAIN), "optim.lr=0.25", "--print-config"]) == 0
+    out, err = capsys.readouterr()
+    assert out.count("optim:\n") == 1 and "  lr: 0.25\n" in out and err == "", (out, err)
+    with pytest.raises(SystemExit) as done:
+        launcher.main(["--preflight=2", "--standalone", str(TRAIN), "--help"])
+    out, err = capsys.readouterr()
+    assert done.value.code == 0 and out.count("usage: ") == 1 and err == "", (out, err)
+    shell = f'root={REPO}; source launch/common.sh; preflight 2 optim.lr=0.25 --print-config; echo "a rank starts"'
+    proc = subprocess.run(["bash", "-c", shell], cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.count("optim:\n") == 1 and "a rank starts" not in proc.stdout, proc
+
+
 @pytest.mark.parametrize("mode, flags", [("ddp", ["--multi_gpu"]), ("fsdp", ["--use_fsdp", "--fsdp_version", "2"])])
 def test_accelerate_multi_gpu_runs_2_processes_on_a_machine_without_gpus(tmp_path, mode, flags):
     """--multi_gpu (or --use_fsdp: run.parallel=fsdp) starts torchrun, which needs no GPU and no MPI: the

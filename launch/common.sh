@@ -1,9 +1,11 @@
 # Sourced by the launch scripts in launch/ and slurm/: what they share. Needs $root (the repository).
 
-# omp_threads N [CORES]: OMP_NUM_THREADS for N processes on this machine, unless it is set: its
-# cores (or CORES) / N, at least 1. Gives CPU runs the right thread count, and silences torchrun's
-# warning that it set it to 1.
+# omp_threads N [CORES]: OMP_NUM_THREADS for N processes on this machine (NPROC, checked here), unless
+# it is set: its cores (or CORES) / N, at least 1. Gives CPU runs the right thread count, and silences
+# torchrun's warning that it set it to 1.
 omp_threads() {
+  [[ $1 =~ ^[1-9][0-9]*$ ]] ||
+    { echo "error: NPROC=$1 must be a whole number, 1 or more (processes on this machine)" >&2; exit 2; }
   local cores=${2:-$(getconf _NPROCESSORS_ONLN 2>/dev/null || echo 1)}
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$((cores / $1 > 0 ? cores / $1 : 1))}
 }

@@ -231,6 +231,17 @@ def test_multinode_settings_that_cannot_work_are_one_line_and_exit_2(setting, me
     assert proc.returncode == 2 and proc.stderr.strip() == f"error: {message}", proc.stderr
 
 
+@pytest.mark.parametrize("script", ["launch/torchrun.sh", "launch/multinode.sh"])
+@pytest.mark.parametrize("nproc", ["0", "two", "-1", "08"])
+def test_a_process_count_that_cannot_work_is_one_line_and_exit_2(script, nproc):
+    """NPROC, every launch file's (launch/common.sh checks it): one line naming it, before any Python starts
+    (bash's arithmetic said "division by 0" or "two: unbound variable", or the preflight named --preflight=N)."""
+    env = clean_env(NPROC=nproc, NNODES="2", NODE_RANK="0", MASTER_ADDR="h0")
+    proc = run_script(script, *TINY, env=env)
+    message = f"error: NPROC={nproc} must be a whole number, 1 or more (processes on this machine)"
+    assert proc.returncode == 2 and proc.stderr.strip() == message, proc.stderr
+
+
 def test_torchruns_exit_barrier_race_is_one_line_and_a_barrier_timeout_is_left_as_it_was(caplog, capsys):
     """Seen at the end of a 2-node sbatch job that succeeded: the agent hosting the store left first,
     the other logged a traceback and C++ stack traces (pytorch/pytorch#69520). A connection closed at

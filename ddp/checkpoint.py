@@ -316,7 +316,12 @@ def load(path: str | Path) -> dict[str, Any]:
 def export(path: str | Path, out: str | Path, raw: bool = False, state_dict: bool = False) -> dict[str, Any]:
     """The model alone, for inference: with what rebuilding it needs (name, classes, normalisation),
     or with `state_dict` the bare state dict of the tutorial's `net.load_state_dict(torch.load(PATH))`.
-    The moving average's weights when the run kept one, unless `raw`. Returns the checkpoint."""
+    The moving average's weights when the run kept one, unless `raw`. Never replaces a file (a typo
+    could name the checkpoint itself, or another run's). Returns the checkpoint."""
+    if Path(out).is_dir():
+        raise UsageError(f"OUT={out} is a directory: name the file to write, e.g. {Path(out) / 'model.pt'}")
+    if Path(out).exists():
+        raise UsageError(f"OUT={out} exists, and export never replaces a file: name a new one, or remove it first")
     state = load(path)
     exported = weights(state, raw)
     if not state_dict:

@@ -14,6 +14,7 @@ from typing import Any, NoReturn
 
 from ddp import config, launchers
 from ddp.errors import (
+    EXIT_FAILURE,
     EXIT_INTERRUPTED,
     EXIT_OK,
     INTERRUPTED,
@@ -154,6 +155,9 @@ def command(main: Callable[[list[str]], Any], argv: list[str] | None = None, pro
             time.sleep(SILENT_RANK_GRACE_S)  # then its error file: the report's root cause is the earliest
         launchers.record_error(line)  # torchrun's report names it (its own box, after this line)
         return exit_code(e)
+    except BrokenPipeError:  # its reader has gone (`... | head`): the rest has no one to read it
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # and the exit's flush does not fail again
+        return EXIT_FAILURE
     except KeyboardInterrupt:  # Ctrl-C where no stop is handled (preemption's and lifeline's are not installed)
         if debug_requested(argv):
             sys.excepthook = sys.__excepthook__  # where it was: the traceback (errors.quiet_interrupt's hook would not)

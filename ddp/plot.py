@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ddp import cli, rundir
+from ddp import cli, files, rundir
 from ddp.errors import UsageError
 from ddp.metrics import shown_classes
 
@@ -46,7 +46,8 @@ def plot(run_dirs: list[Path], out: Path) -> list[Path]:
     runs = [(d, read_run(d)) for d in run_dirs]
     tested = [(d, [r for r in rows if "test_acc" in r]) for d, rows in runs]  # the epochs that evaluated
     tested = [(d, rows) for d, rows in tested if rows]
-    out.mkdir(parents=True, exist_ok=True)
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out={out} is a file: name a directory for the charts (made if missing)")
     written = []
 
     fig, (loss_ax, acc_ax) = plt.subplots(1, 2, figsize=(10, 4), dpi=DPI)
@@ -97,7 +98,8 @@ def plot(run_dirs: list[Path], out: Path) -> list[Path]:
 
 def _save(fig: Any, path: Path, plt: Any) -> Path:
     fig.tight_layout()
-    fig.savefig(path, dpi=DPI)  # no bbox_inches="tight": the PNG keeps the figure's size
+    with files.atomic(path) as png:  # whole or not at all (a full disk: one line, the old chart kept)
+        fig.savefig(png, format="png", dpi=DPI)  # no bbox_inches="tight": the PNG keeps the figure's size
     plt.close(fig)
     return path
 

@@ -246,3 +246,37 @@ def test_bad_export_options_are_one_line_and_exit_2(run_dir, tmp_path, capsys):
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and "export PATH OUT [--raw] [--state-dict]" in err, err
     assert not list(tmp_path.glob("*.pt"))
+
+
+def test_export_never_replaces_a_file_a_typo_named(run_dir, tmp_path, capsys):
+    """OUT the checkpoint itself (or last.pt's other name, a step file), a file of the user's, a directory:
+    one line, exit 2, every file as it was. Before, `export last.pt last.pt --state-dict` put a bare
+    state dict where the run's resume point was."""
+    from ddp.cli import command
+
+    last, older = rundir.last_path(run_dir), rundir.step_files(run_dir)[1]
+    notes = tmp_path / "notes.txt"
+    notes.write_text("mine")
+    before = {p: p.read_bytes() for p in (last, older, notes)}
+    refused = ": name a new one, or remove it first"
+    for out, said in [
+        (last, f"exists, and export never replaces a file{refused}"),
+        (older, f"exists, and export never replaces a file{refused}"),
+        (notes, f"exists, and export never replaces a file{refused}"),
+        (tmp_path, f"is a directory: name the file to write, e.g. {tmp_path / 'model.pt'}"),
+    ]:
+        assert command(checkpoint.main, ["export", str(last), str(out), "--state-dict"]) == 2, out
+        assert capsys.readouterr().err == f"error: OUT={out} {said}\n"
+    assert {p: p.read_bytes() for p in before} == before
+
+
+def test_inspect_into_a_closed_pipe_ends_without_a_traceback(run_dir):
+    """`python -m ddp.checkpoint inspect PATH | head -1`: head leaves, the rest of the text has no reader.
+    Exit 1 and nothing on stderr (it was a BrokenPipeError traceback). The pipe's reader is closed before
+    the process starts, so its first write fails every time."""
+    read, write = os.pipe()
+    os.close(read)
+    cmd = [sys.executable, "-m", "ddp.checkpoint", "inspect", str(rundir.last_path(run_dir))]
+    proc = subprocess.run(cmd, cwd=REPO, env=clean_env(), stdout=write, stderr=subprocess.PIPE, text=True, timeout=120)
+    os.close(write)
+    assert proc.returncode == 1 and proc.stderr == "", proc.stderr

@@ -10,6 +10,7 @@ from conftest import REPO, TINY, TORCHRUN, TRAIN, clean_env, metrics, ok, python
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from ddp import checkpoint, plot, rundir, train
+from ddp.cli import command
 
 
 def test_tensorboard_scalars_match_metrics_jsonl(tmp_path):
@@ -58,6 +59,13 @@ def test_plots_of_a_real_subset_run_and_of_several_runs_on_one_chart(subset, tmp
     capsys.readouterr()
     plot.main([str(real)])  # default: into the run's own directory
     assert png_size(real / "curves.png") == (1000, 400) and "confusion-subset-1proc.png" in capsys.readouterr().out
+    # --out a file (a typo), or where nothing can be written: one line each, no traceback, nothing half written
+    jsonl = real / "metrics.jsonl"
+    assert command(plot.main, [str(real), "--out", str(jsonl)]) == 2 and capsys.readouterr().err == (
+        f"error: --out={jsonl} is a file: name a directory for the charts (made if missing)\n"
+    )
+    assert command(plot.main, [str(real), "--out", "/proc/charts"]) == 1
+    assert capsys.readouterr().err.startswith("error: cannot write /proc/charts/curves.png: ")
 
 
 def test_plotting_a_directory_without_metrics_is_a_clear_error(tmp_path):

@@ -253,6 +253,10 @@ def _reading(path: Path, skipped: list[str] | None = None) -> Iterator[None]:
             yield
         except FileNotFoundError:
             raise UsageError(f"checkpoint not found: {path}") from None
+        except IsADirectoryError:
+            found = rundir.last_path(path)
+            hint = f"its newest checkpoint is {found}" if found.is_file() else "name a checkpoint file"
+            raise UsageError(f"{path} is a directory: {hint}") from None
         except UsageError:  # CorruptCheckpoint is one: the file's own checks said what is wrong
             raise
         except Exception as e:  # truncated, not a checkpoint, or a pickle that wants to run code
@@ -366,7 +370,7 @@ USAGE = "usage: python -m ddp.checkpoint inspect PATH | export PATH OUT [--raw] 
 def main(argv: list[str]) -> int:
     options, words = cli.parse(argv, USAGE, [cli.Option("--raw"), cli.Option("--state-dict")])
     if len(words) == 2 and words[0] == "inspect" and not any(options.values()):
-        if not Path(words[1]).is_file():
+        if not Path(words[1]).exists():  # a directory: load says which file in it to name
             raise UsageError(f"checkpoint not found: {words[1]}")
         text, whole = describe(words[1])
         print(text)

@@ -251,7 +251,7 @@ def test_bad_export_options_are_one_line_and_exit_2(run_dir, tmp_path, capsys):
 def test_export_never_replaces_a_file_a_typo_named(run_dir, tmp_path, capsys):
     """OUT the checkpoint itself (or last.pt's other name, a step file), a file of the user's, a directory:
     one line, exit 2, every file as it was. Before, `export last.pt last.pt --state-dict` put a bare
-    state dict where the run's resume point was."""
+    state dict where the run's resume point was. A run's directory as PATH: the line names its newest file."""
     from ddp.cli import command
 
     last, older = rundir.last_path(run_dir), rundir.step_files(run_dir)[1]
@@ -268,6 +268,9 @@ def test_export_never_replaces_a_file_a_typo_named(run_dir, tmp_path, capsys):
         assert command(checkpoint.main, ["export", str(last), str(out), "--state-dict"]) == 2, out
         assert capsys.readouterr().err == f"error: OUT={out} {said}\n"
     assert {p: p.read_bytes() for p in before} == before
+    for argv in (["inspect", str(run_dir)], ["export", str(run_dir), str(tmp_path / "model.pt")]):  # PATH: a run
+        assert command(checkpoint.main, argv) == 2, argv
+        assert capsys.readouterr().err == f"error: {run_dir} is a directory: its newest checkpoint is {last}\n"
 
 
 def test_inspect_into_a_closed_pipe_ends_without_a_traceback(run_dir):

@@ -100,6 +100,10 @@ LIES = {
         r"y_test\[4\] = 10, but no training image has class 10",
     ),
     "negative-no-names": ({"y_train": set_at(Y, 0, -2), "classes": None}, r"y_train\[0\] = -2, but there are"),
+    "all-negative-no-names": (  # said as itself, not as classes no training image has (the count's check)
+        {"y_train": np.full(60, -1), "classes": None},
+        r"y_train\[0\] = -1, but there are 10 classes: labels are 0..9",
+    ),
     "labels-too-few": ({"y_train": Y[:-1]}, r"y_train has shape \(59,\) but x_train holds 60 images"),
     "labels-2d": ({"y_test": YT[:, None]}, r"y_test has shape \(25, 1\) but x_test holds 25 images"),
     "empty-train": (

@@ -253,7 +253,14 @@ class Config:
 
 
 class _Yaml12Loader(yaml.SafeLoader):
-    """SafeLoader where only true/false are booleans, so `amp: off` stays the string "off"."""
+    """SafeLoader where only true/false are booleans (`amp: off` stays "off"), and a key given twice is an error."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        keys = [(k, self.construct_object(k, deep=deep)) for k, _ in node.value if k.tag != "tag:yaml.org,2002:merge"]
+        for i, (key, name) in enumerate(keys):  # PyYAML would keep the last silently: a section written twice
+            if name in [n for _, n in keys[:i]]:
+                raise yaml.constructor.ConstructorError(None, None, f"{name!r} is given twice", key.start_mark)
+        return super().construct_mapping(node, deep)
 
 
 _Yaml12Loader.yaml_implicit_resolvers = {
@@ -279,19 +286,17 @@ def _coerce(key: str, value: Any, f: dataclasses.Field) -> Any:
     kind = type(f.default)
     try:
         if kind is bool:
-            if isinstance(value, bool):
-                return value
-            parsed = parse_bool(str(value))
+            parsed = value if isinstance(value, bool) else parse_bool(str(value))
             if parsed is None:
                 raise ValueError
             return parsed
+        if kind in (int, float) and isinstance(value, bool):
+            raise ValueError  # YAML's true is no number
         if kind is int:
-            if isinstance(value, bool) or isinstance(value, float):
+            if isinstance(value, float):
                 raise ValueError
             return _in_range(key, int(str(value).strip()), f)
         if kind is float:
-            if isinstance(value, bool):
-                raise ValueError
             number = float(str(value).strip())
             if not math.isfinite(number):
                 raise UsageError(f"{key}: expected a finite float, got {value!r}")
@@ -341,10 +346,10 @@ def _read_yaml(path: str) -> dict[str, Any]:
         raise UsageError(f"config file not found: {path}")
     try:
         doc = yaml.load(p.read_text(), Loader=_Yaml12Loader)
-    except yaml.YAMLError as e:
+    except (yaml.YAMLError, UnicodeDecodeError) as e:  # the second: not a text file
         mark = getattr(e, "problem_mark", None)
-        where = f" line {mark.line + 1}" if mark else ""
-        raise UsageError(f"{path}:{where}: invalid YAML: {getattr(e, 'problem', e)}") from None
+        where = f" line {mark.line + 1}:" if mark else ""
+        raise UsageError(f"{path}:{where} invalid YAML: {getattr(e, 'problem', e)}") from None
     if doc is None:
         return {}
     if not isinstance(doc, dict) or not all(isinstance(v, dict) for v in doc.values()):
@@ -354,12 +359,7 @@ def _read_yaml(path: str) -> dict[str, Any]:
 
 def load(path: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Defaults < YAML file at `path` < `section.key=value` overrides."""
-    cfg = Config()
-    if path:
-        for section, values in _read_yaml(path).items():
-            for key, value in values.items():
-                _set(cfg, f"{section}.{key}", value)
-    return override(cfg, overrides)
+    return override(from_dict(_read_yaml(path)) if path else Config(), overrides)
 
 
 def override(cfg: Config, overrides: list[str] | tuple[str, ...]) -> Config:

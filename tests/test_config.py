@@ -119,6 +119,30 @@ def test_bad_yaml_names_the_line(tmp_path):
         config.load(str(tmp_path / "missing.yaml"))
 
 
+@pytest.mark.parametrize(
+    "text, said",
+    [
+        (
+            "optim:\n  lr: 0.1\ntrain:\n  epochs: 3\noptim:\n  momentum: 0.5\n",
+            "line 5: invalid YAML: 'optim' is given twice",
+        ),
+        ("optim:\n  lr: 0.1\n  lr: 0.2\n", "line 3: invalid YAML: 'lr' is given twice"),
+        (b"\xa3\x00 binary", "invalid YAML: 'utf-8' codec can't decode byte 0xa3 in position 0"),
+    ],
+    ids=["a-section-twice", "a-key-twice", "not-text"],
+)
+def test_a_config_that_says_a_thing_twice_or_is_no_text_is_refused(text, said, tmp_path):
+    """PyYAML keeps the last of a key given twice: the first optim section's lr was dropped without a word.
+    A binary file was a UnicodeDecodeError traceback. (A YAML merge key still merges.)"""
+    path = tmp_path / "c.yaml"
+    path.write_bytes(text) if isinstance(text, bytes) else path.write_text(text)
+    with pytest.raises(UsageError) as refused:
+        config.load(str(path))
+    assert str(refused.value).startswith(f"{path}: {said}"), refused.value
+    merged = write(tmp_path, "run:\n  <<: {seed: 5, progress: false}\n  seed: 7\n")
+    assert (config.load(merged).run.seed, config.load(merged).run.progress) == (7, False)
+
+
 def test_round_trip_through_a_dict():
     cfg = config.load(None, ["optim.lr=0.3", "model.name=tutorial"])
     assert config.from_dict(config.to_dict(cfg)) == cfg

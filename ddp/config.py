@@ -377,7 +377,7 @@ def to_dict(cfg: Config) -> dict[str, dict[str, Any]]:
 
 
 def from_dict(d: dict[str, dict[str, Any]]) -> Config:
-    """A Config from to_dict's output (e.g. a checkpoint's); keys unknown to this version are errors."""
+    """A Config from sections of keys (a YAML file's, to_dict's output in a checkpoint); unknown keys are errors."""
     cfg = Config()
     for section, values in d.items():
         for key, value in values.items():

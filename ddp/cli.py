@@ -35,7 +35,8 @@ def _text(value: str | None) -> str | None:
 class Option:
     """A command-line option: a flag (no metavar: True when given), or `--name VALUE` / `--name=VALUE`,
     whose value `convert` turns into what the command gets (it gets None for a value that is missing,
-    and raises UsageError for a bad one). `default` when the option is not given."""
+    and raises UsageError for a bad one; without a `convert`, a missing or empty value is that error).
+    `default` when the option is not given."""
 
     name: str
     metavar: str = ""
@@ -60,7 +61,10 @@ def parse(argv: list[str], usage: str, options: list[Option]) -> tuple[dict[str,
             raise SystemExit(EXIT_OK)
         if name in by_name and by_name[name].metavar:
             option = by_name[name]
-            values[option.key] = option.convert(inline if eq else next(args, None))
+            value = inline if eq else next(args, None)
+            if not value and option.convert is _text:  # `--out` last, or `--out=`: not the default, not "."
+                raise UsageError(f"{name} needs a value: {name} {option.metavar}; {usage.splitlines()[0]}")
+            values[option.key] = option.convert(value)
         elif arg in by_name:
             values[by_name[arg].key] = True
         elif arg.startswith("-"):

@@ -87,6 +87,8 @@ def test_a_cpu_checkpoint_evaluates_on_the_gpu(ddp_run):
         (["--checkpoint", "x.pt", "--batch-size=many"], "--batch-size needs a number of images, e.g. 1024, not 'many'"),
         (["--checkpoint", "x.pt", "--batch-size"], "--batch-size needs a number of images, e.g. 1024, not ''"),
         (["--checkpoint", "x.pt", "--bogus"], "unknown option --bogus; options are --checkpoint PATH, --device DEVICE"),
+        (["--checkpoint", "x.pt", "--device"], "--device needs a value: --device DEVICE; usage: "),  # was a TypeError
+        (["--checkpoint", "x.pt", "--device="], "--device needs a value: --device DEVICE; usage: "),
     ],
 )
 def test_bad_options_are_one_line_and_exit_2(argv, message, capsys):
@@ -105,3 +107,6 @@ def test_plot_without_a_run_is_one_line_and_exit_2(capsys):
 
     assert command(plot.main, ["--out", "charts"]) == 2
     assert "name at least one run: usage: python -m ddp.plot RUN_DIR" in capsys.readouterr().err
+    for argv in (["runs/x", "--out"], ["runs/x", "--out="]):  # they wrote into the run (or "."), not refused
+        assert command(plot.main, argv) == 2, argv
+        assert capsys.readouterr().err.startswith("error: --out needs a value: --out DIR; usage: ")

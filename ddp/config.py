@@ -59,9 +59,8 @@ class DataConfig:
     path: str = opt("", "the .npz file for dataset=npz (x_train, y_train, x_test, y_test)")
     download: bool = opt(True, "download cifar10/cifar100 into data.root when missing")
     augment: bool = opt(True, "random translation (data.translate, data.pad) and flip (data.flip) while training")
-    translate: int = opt(
-        4, "augment: crop 32x32 of the image padded by this many px (shifts up to it)", valid=Range(0, 16)
-    )
+    translate: int = opt(4, "augment: crop 32x32 of the image padded by this many px (shifts up to it)",
+                         valid=Range(0, 16))  # fmt: skip
     pad: str = opt("zeros", "augment: the crop's padding: zeros | reflect = the image mirrored", ("zeros", "reflect"))
     flip: str = opt(
         "random", "augment: flip a random half each epoch | alternate = a random half in odd epochs, the other in "
@@ -71,18 +70,15 @@ class DataConfig:
         "device", "device = the split on the training device, batched augmentation there | torch = DataLoader workers",
         ("device", "torch"),
     )  # fmt: skip
-    workers: int = opt(
-        2, "DataLoader worker processes per rank for loader=torch (0 = load in the main process)", valid=NATURAL
-    )
+    workers: int = opt(2, "DataLoader worker processes per rank for loader=torch (0 = load in the main process)",
+                       valid=NATURAL)  # fmt: skip
     mixup_alpha: float = opt(
         0.0, "MixUp: blend each training image with another, weight ~ Beta(alpha, alpha) (0 = off)", valid=Range(0)
     )
-    cutmix_alpha: float = opt(
-        0.0, "CutMix: paste a box of another training image, area ~ Beta(alpha, alpha) (0 = off)", valid=Range(0)
-    )
-    mix_prob: float = opt(
-        1.0, "the share of training batches mixed when MixUp/CutMix is on (both on: each is half)", valid=Range(0, 1)
-    )
+    cutmix_alpha: float = opt(0.0, "CutMix: paste a box of another training image, area ~ Beta(alpha, alpha) (0 = off)",
+                              valid=Range(0))  # fmt: skip
+    mix_prob: float = opt(1.0, "the share of training batches mixed when MixUp/CutMix is on (both on: each is half)",
+                          valid=Range(0, 1))  # fmt: skip
     mix_off_epoch: int = opt(0, "no MixUp/CutMix from this epoch on (0 = mix to the end)", valid=NATURAL)
     synthetic_train: int = opt(2048, "train images for dataset=synthetic", valid=POSITIVE)
     synthetic_test: int = opt(512, "test images for dataset=synthetic", valid=POSITIVE)
@@ -92,9 +88,8 @@ class DataConfig:
 @dataclass
 class ModelConfig:
     name: str = opt("resnet18", models.described(), tuple(models.MODELS))
-    dropout: float = opt(
-        0.0, "dropout probability inside each residual block (Wide ResNet's; wrn*, preact_resnet18)", valid=FRACTION
-    )
+    dropout: float = opt(0.0, "dropout probability inside each residual block (Wide ResNet's; wrn*, preact_resnet18)",
+                         valid=FRACTION)  # fmt: skip
     width: float = opt(
         1.0,
         "channel counts x this, for small and fast (parameters grow as its square)",
@@ -105,9 +100,8 @@ class ModelConfig:
 
 @dataclass
 class TrainConfig:
-    epochs: int = opt(
-        30, "epochs to train; the LR schedule spans them (a resumed run continues to this count)", valid=POSITIVE
-    )
+    epochs: int = opt(30, "epochs to train; the LR schedule spans them (a resumed run continues to this count)",
+                      valid=POSITIVE)  # fmt: skip
     batch_size: int = opt(256, "GLOBAL batch in images per step, split evenly across ranks", valid=POSITIVE)
     eval_batch_size: int = opt(1024, "GLOBAL evaluation batch, split across ranks", valid=POSITIVE)
     label_smoothing: float = opt(0.0, "label smoothing of the cross-entropy loss (0 = off)", valid=FRACTION)
@@ -125,12 +119,10 @@ class TrainConfig:
         10, "update n of the average decays by min(ema_decay, (1+n)/(ema_warmup+n)) (0 = ema_decay from the start)",
         valid=NATURAL,
     )  # fmt: skip
-    lookahead_every: int = opt(
-        0, "every N steps: slow weights -> towards the weights, weights = them (0 = off)", valid=NATURAL
-    )
-    lookahead_decay: float = opt(
-        0.95, "lookahead: slow weights keep decay**N x (step/steps)**3 of themselves", valid=FRACTION
-    )
+    lookahead_every: int = opt(0, "every N steps: slow weights -> towards the weights, weights = them (0 = off)",
+                               valid=NATURAL)  # fmt: skip
+    lookahead_decay: float = opt(0.95, "lookahead: slow weights keep decay**N x (step/steps)**3 of themselves",
+                                 valid=FRACTION)  # fmt: skip
     grad_accum_steps: int = opt(
         1,
         "K micro-batches per optimizer step: each rank runs K x batch_size/(world_size x K) images, "
@@ -161,17 +153,15 @@ class OptimConfig:
     weight_decay: float = opt(5e-4, "L2 weight decay", valid=Range(0))
     schedule: str = opt("cosine", "LR after warm-up, stepped per step", ("cosine", "linear", "constant"))
     final_lr: float = opt(0.0, "cosine and linear: the LR at the last step, as a fraction of optim.lr", valid=FRACTION)
-    norm_bias_lr_scale: float = opt(
-        1.0, "BatchNorm biases: LR x this, weight decay / this", valid=Range(0, low_open=True)
-    )
+    norm_bias_lr_scale: float = opt(1.0, "BatchNorm biases: LR x this, weight decay / this",
+                                    valid=Range(0, low_open=True))  # fmt: skip
     norm_weight_decay: bool = opt(True, "weight decay on BatchNorm's weights and biases too (false: none on them)")
     freeze_norm_weights: bool = opt(False, "BatchNorm's weights (scales) stay 1: only its biases learn (airbench)")
     whiten_bias_epochs: int = opt(3, "model.whiten: the stem's bias learns in the first N epochs only", valid=NATURAL)
     warmup_epochs: float = opt(1.0, "linear LR warm-up from 0, in epochs (may be fractional)", valid=Range(0))
     warmup_from: float = opt(0.0, "the first warm-up step's fraction of optim.lr (airbench: 0.2)", valid=FRACTION)
-    clip_grad_norm: float = opt(
-        0.0, "clip the gradients' total L2 norm to this before each step (0 = off)", valid=Range(0)
-    )
+    clip_grad_norm: float = opt(0.0, "clip the gradients' total L2 norm to this before each step (0 = off)",
+                                valid=Range(0))  # fmt: skip
 
 
 @dataclass
@@ -221,9 +211,8 @@ class RunConfig:
                             valid=NATURAL)  # fmt: skip
     channels_last: bool = opt(False, "NHWC memory format for model and inputs (faster convs on GPU)")
     resume: str = opt("auto", "auto = from the newest valid checkpoint in out_dir | never | PATH")
-    save_every_steps: int = opt(
-        200, "also checkpoint every N optimizer steps (0 = only at epoch ends and stops)", valid=NATURAL
-    )
+    save_every_steps: int = opt(200, "also checkpoint every N optimizer steps (0 = only at epoch ends and stops)",
+                                valid=NATURAL)  # fmt: skip
     keep_last: int = opt(3, "numbered checkpoints kept in out_dir/checkpoints (the newest N)", valid=POSITIVE)
     stop_signal: str = opt(
         "SIGTERM,SIGUSR1,SIGINT", "signals that stop at the next step with a checkpoint, exit 75 (none = off)"
@@ -358,8 +347,16 @@ def _read_yaml(path: str) -> dict[str, Any]:
 
 
 def load(path: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Defaults < YAML file at `path` < `section.key=value` overrides."""
-    return override(from_dict(_read_yaml(path)) if path else Config(), overrides)
+    """Defaults < YAML file at `path` < `section.key=value` overrides. A key whose default is not empty is
+    never set empty: `run.out_dir=$DIR` with DIR unset would put the run in the current directory."""
+    cfg = override(from_dict(_read_yaml(path)) if path else Config(), overrides)
+    defaults = to_dict(Config())
+    empty = [(s, k) for s, keys in to_dict(cfg).items() for k, value in keys.items() if value == "" != defaults[s][k]]
+    if empty:
+        section, key = empty[0]
+        default = defaults[section][key]
+        raise UsageError(f"{section}.{key} is empty: give it a value, or leave it out for its default {default!r}")
+    return cfg
 
 
 def override(cfg: Config, overrides: list[str] | tuple[str, ...]) -> Config:

@@ -143,6 +143,20 @@ def test_a_config_that_says_a_thing_twice_or_is_no_text_is_refused(text, said, t
     assert (config.load(merged).run.seed, config.load(merged).run.progress) == (7, False)
 
 
+@pytest.mark.parametrize("given", ["run.out_dir=", "data.root=", "run.stop_signal=", "run.device="])
+def test_a_key_set_empty_is_refused_where_empty_is_not_a_value(given, tmp_path):
+    """`run.out_dir=$DIR` with DIR unset trained into the current directory (checkpoints/, metrics.jsonl,
+    config.yaml and .lock among the user's files). Keys whose default is empty take it (data.path, run.profile);
+    in a YAML file, an empty value is refused alike."""
+    section, name = given.rstrip("=").split(".")
+    said = f"{section}.{name} is empty: give it a value, or leave it out for its default "
+    said += repr(config.to_dict(config.Config())[section][name])
+    for text, overrides in (None, [given]), (f"{section}:\n  {name}: ''\n", []):  # the command line, a file
+        with pytest.raises(UsageError, match=f"^{re.escape(said)}$"):
+            config.load(write(tmp_path, text) if text else None, overrides)
+    assert config.load(None, ["data.path=", "run.profile="]).data.path == ""
+
+
 def test_round_trip_through_a_dict():
     cfg = config.load(None, ["optim.lr=0.3", "model.name=tutorial"])
     assert config.from_dict(config.to_dict(cfg)) == cfg

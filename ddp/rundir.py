@@ -129,7 +129,8 @@ def check_resume_setting(resume: str, out_dir: str) -> None:
     if resume == "auto":
         return
     if resume != "never" and not Path(resume).is_file():
-        raise UsageError(f"run.resume={resume}: no such checkpoint file (use auto, never or a path)")
+        newest = f"; its newest checkpoint is {last_path(resume)}" if last_path(resume).is_file() else ""
+        raise UsageError(f"run.resume={resume}: no such checkpoint file (use auto, never or a path){newest}")
     existing = step_files(out_dir)
     if not existing:
         return

@@ -82,10 +82,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="small sizes: under a minute on a CPU")
     parser.add_argument("--out", default=str(harness.REPO / "bench" / "results"), help="where the JSON and .md go")
     parser.add_argument("--data", help="the real CIFAR-10 subset (.npz) for the time-to-accuracy check")
-    parser.add_argument("--tutorial-epochs", type=int, default=10)
+    parser.add_argument("--tutorial-epochs", type=int, default=10, help="epochs of the tutorial net's run (--data)")
     parser.add_argument("--gpu-only", action="store_true", help="no CPU rows (make gpu-check)")
     parser.add_argument("--host-cost", action="store_true", help="only the host's cost of a step (CPU, ~1 min)")
     args = parser.parse_args(argv)
+    check(parser, args)
     if args.host_cost and (args.quick or args.gpu_only):
         parser.error("--host-cost runs alone, on the CPU: without --quick and --gpu-only")
     if args.host_cost:
@@ -138,6 +139,18 @@ def main(argv: list[str] | None = None) -> int:
     (out / f"{stem}.md").write_text(markdown(result))
     print(f"wrote {out / stem}.md and .json")
     return 0
+
+
+def check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The values minutes of measuring would fail on (or ignore), refused before any: one line, exit 2."""
+    if not args.out or (Path(args.out).exists() and not Path(args.out).is_dir()):
+        parser.error(f"--out={args.out!r}: name a directory for the results (made if missing)")
+    if args.data is not None and (args.quick or args.host_cost):
+        parser.error("--data is the full bench's time-to-accuracy check: without --quick and --host-cost")
+    if args.data is not None and not Path(args.data).is_file():
+        parser.error(f"--data={args.data}: no such file (the CIFAR-10 subset, .npz)")
+    if args.tutorial_epochs < 1:
+        parser.error(f"--tutorial-epochs={args.tutorial_epochs}: 1 or more")
 
 
 def write_host_cost(out: Path, argv: list[str] | None) -> int:

@@ -30,6 +30,28 @@ def test_bad_values_of_the_gpu_bench_options_end_in_one_line():
         assert not (REPO / "r.json").exists()
 
 
+@pytest.mark.parametrize(
+    "argv, reason",
+    [
+        (["--host-cost", "--out", "README.md"], "--out='README.md': name a directory for the results"),
+        (["--host-cost", "--out="], "--out='': name a directory"),  # it wrote into the current directory
+        (["--quick", "--data", "README.md"], "--data is the full bench's time-to-accuracy check: without --quick"),
+        (["--data", "no/such.npz"], "--data=no/such.npz: no such file"),
+        (["--tutorial-epochs", "0"], "--tutorial-epochs=0: 1 or more"),
+    ],
+)
+def test_bench_values_that_would_fail_or_be_ignored_after_minutes_are_refused_first(argv, reason, capsys):
+    """In this process: python -m bench's check runs before any section (a file as --out was a traceback
+    after the whole run; --data with --quick was ignored without a word)."""
+    from bench.__main__ import main
+
+    with pytest.raises(SystemExit) as refused:
+        main(argv)
+    err = capsys.readouterr().err
+    assert refused.value.code == 2 and err.splitlines()[-1].startswith("python -m bench: error: "), err
+    assert reason in err.splitlines()[-1], err
+
+
 def test_host_cost_counts_top_level_operators_per_thread_and_tells_the_stop_flag_from_device_reads(tmp_path):
     """A made-up trace of 2 steps: nesting on one thread, an operator of another thread, a read inside
     the stop agreement's label and one outside it, a gloo all-reduce."""

@@ -26,10 +26,13 @@ EXIT_INTERRUPTED = 130  # 128 + SIGINT: what a shell reports of a command that C
 INTERRUPTED = "stopped at once on SIGINT (Ctrl-C), without a checkpoint"  # the line of an exit 130
 
 
-def quiet_interrupt() -> None:
-    """From an entry script, before its seconds of imports (torch's): a Ctrl-C that nothing handles, as in
-    those imports, prints INTERRUPTED (local rank 0 alone) instead of a traceback, and the interpreter ends
-    as Ctrl-C ends it (128 + SIGINT). Any other exception keeps its traceback."""
+def quiet_interrupt(module: str) -> None:
+    """From an entry script run as one (`module`: its __name__ is "__main__"; an import changes nothing), before
+    its seconds of imports (torch's): a Ctrl-C that nothing handles, as in those imports, prints INTERRUPTED
+    (local rank 0 alone) instead of a traceback, and the interpreter ends as Ctrl-C ends it (128 + SIGINT).
+    Any other exception keeps its traceback."""
+    if module != "__main__":
+        return
     previous = sys.excepthook
 
     def hook(kind: type[BaseException], value: BaseException, tb: object) -> None:

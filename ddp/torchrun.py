@@ -41,7 +41,7 @@ if __package__ in (None, ""):  # run as a file: import ddp from the repository, 
 
 from ddp.errors import quiet_interrupt  # noqa: E402
 
-quiet_interrupt()  # a Ctrl-C in torch's import: one line, not its traceback
+quiet_interrupt(__name__)  # a Ctrl-C in torch's import: one line, not its traceback
 _QUIET_CPP = "TORCH_CPP_LOG_LEVEL" not in os.environ
 if _QUIET_CPP:
     os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"  # read once, as torch's libraries load

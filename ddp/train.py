@@ -21,7 +21,7 @@ if __package__ in (None, ""):  # run as a file (python/torchrun ddp/train.py): i
 PARENT = os.getppid()  # the launcher that started this process, read before the seconds of imports (lifeline)
 from ddp.errors import quiet_interrupt
 
-quiet_interrupt()  # a Ctrl-C in the imports below: one line, not their traceback
+quiet_interrupt(__name__)  # a Ctrl-C in the imports below: one line, not their traceback
 
 import torch
 from torch import nn

@@ -12,9 +12,6 @@
 cli.command turns them into one line on stderr and the exit code; nothing else defines an exit code.
 """
 
-import os
-import sys
-
 EXIT_OK = 0
 EXIT_FAILURE = 1
 EXIT_USAGE = 2  # as argparse and most Unix tools use
@@ -24,24 +21,6 @@ EXIT_INTERRUPTED = 130  # 128 + SIGINT: what a shell reports of a command that C
 
 
 INTERRUPTED = "stopped at once on SIGINT (Ctrl-C), without a checkpoint"  # the line of an exit 130
-
-
-def quiet_interrupt(module: str) -> None:
-    """From an entry script run as one (`module`: its __name__ is "__main__"; an import changes nothing), before
-    its seconds of imports (torch's): a Ctrl-C that nothing handles, as in those imports, prints INTERRUPTED
-    (local rank 0 alone) instead of a traceback, and the interpreter ends as Ctrl-C ends it (128 + SIGINT).
-    Any other exception keeps its traceback."""
-    if module != "__main__":
-        return
-    previous = sys.excepthook
-
-    def hook(kind: type[BaseException], value: BaseException, tb: object) -> None:
-        if not issubclass(kind, KeyboardInterrupt):
-            return previous(kind, value, tb)
-        if os.environ.get("LOCAL_RANK", "0") == "0":
-            print(INTERRUPTED, file=sys.stderr, flush=True)
-
-    sys.excepthook = hook
 
 
 class UsageError(Exception):

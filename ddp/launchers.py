@@ -21,13 +21,17 @@ import contextlib
 import json
 import os
 import re
+import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from ddp.config import RunConfig
-from ddp.errors import UsageError
+from ddp.errors import INTERRUPTED, UsageError
+
+if TYPE_CHECKING:  # a type alone: importing this module imports no torch (quiet_interrupt runs before it)
+    from ddp.config import RunConfig
 
 Env = Mapping[str, str]
 TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -191,6 +195,24 @@ def speaks_for_its_machine(env: Env = os.environ) -> bool:
         return detect_launch(env).local_rank == 0
     except UsageError:
         return True
+
+
+def quiet_interrupt(module: str) -> None:
+    """From an entry script run as one (`module`: its __name__ is "__main__"; an import changes nothing), before
+    its seconds of imports (torch's): a Ctrl-C that nothing handles, as in those imports, prints INTERRUPTED
+    (one process per machine: speaks_for_its_machine) instead of a traceback, and the interpreter ends as
+    Ctrl-C ends it (128 + SIGINT). Any other exception keeps its traceback."""
+    if module != "__main__":
+        return
+    previous = sys.excepthook
+
+    def hook(kind: type[BaseException], value: BaseException, tb: object) -> None:
+        if not issubclass(kind, KeyboardInterrupt):
+            return previous(kind, value, tb)
+        if speaks_for_its_machine():
+            print(INTERRUPTED, file=sys.stderr, flush=True)
+
+    sys.excepthook = hook
 
 
 def has_peers(env: Env = os.environ) -> bool:

@@ -268,7 +268,8 @@ def test_ctrl_c_while_the_entry_scripts_import_torch_is_one_line():
     ],
 )
 def test_the_quiet_interrupt_hook_speaks_for_local_rank_0_and_keeps_other_tracebacks(raised, local_rank, said):
-    code = f"from ddp.errors import quiet_interrupt; quiet_interrupt(__name__); raise {raised}"
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=clean_env(LOCAL_RANK=local_rank),
+    code = f"from ddp.launchers import quiet_interrupt; quiet_interrupt(__name__); raise {raised}"
+    torchrun = {"RANK": local_rank, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=clean_env(LOCAL_RANK=local_rank, **torchrun),
                           capture_output=True, text=True, timeout=60)  # fmt: skip
     assert proc.stderr.startswith(said) and (said == "Traceback" or proc.stderr == said), proc.stderr

@@ -17,6 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ddp.launchers import quiet_startup
+
+quiet_startup(__name__)  # run as a command: a Ctrl-C or a missing package in the imports below is one line
+
 import torch
 from torch import nn
 from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present

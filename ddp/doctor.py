@@ -20,6 +20,10 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from ddp.launchers import quiet_startup
+
+quiet_startup(__name__)  # run as a command: a Ctrl-C or a missing package in the imports below is one line
+
 import torch
 import torch.distributed as dist
 

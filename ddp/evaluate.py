@@ -16,6 +16,10 @@ import json
 import time
 from typing import Any
 
+from ddp.launchers import quiet_startup
+
+quiet_startup(__name__)  # run as a command: a Ctrl-C or a missing package in the imports below is one line
+
 from ddp import checkpoint, cli, config, datasets, devices, loaders, metrics, models
 from ddp.config import RunConfig
 from ddp.errors import UsageError

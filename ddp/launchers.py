@@ -28,9 +28,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ddp.errors import INTERRUPTED, UsageError
+from ddp.errors import EXIT_USAGE, INTERRUPTED, UsageError
 
-if TYPE_CHECKING:  # a type alone: importing this module imports no torch (quiet_interrupt runs before it)
+if TYPE_CHECKING:  # a type alone: importing this module imports no torch (quiet_startup runs before it)
     from ddp.config import RunConfig
 
 Env = Mapping[str, str]
@@ -197,22 +197,36 @@ def speaks_for_its_machine(env: Env = os.environ) -> bool:
         return True
 
 
-def quiet_interrupt(module: str) -> None:
-    """From an entry script run as one (`module`: its __name__ is "__main__"; an import changes nothing), before
-    its seconds of imports (torch's): a Ctrl-C that nothing handles, as in those imports, prints INTERRUPTED
-    (one process per machine: speaks_for_its_machine) instead of a traceback, and the interpreter ends as
-    Ctrl-C ends it (128 + SIGINT). Any other exception keeps its traceback."""
+def quiet_startup(module: str) -> None:
+    """From a command's module run as one (`module`: its __name__ is "__main__"; an import changes nothing),
+    before its seconds of imports (torch's), two things that nothing else handles become one line, said by
+    one process per machine (speaks_for_its_machine), instead of a traceback:
+    - a Ctrl-C, as in those imports: INTERRUPTED, and the interpreter ends as Ctrl-C ends it (128 + SIGINT);
+    - a package this Python lacks (python without the venv, a torch that lacks one of its own): which
+      one, this interpreter, and how to install them; exit 2.
+    Any other exception keeps its traceback (a module of ddp's own missing is a bug)."""
     if module != "__main__":
         return
     previous = sys.excepthook
 
     def hook(kind: type[BaseException], value: BaseException, tb: object) -> None:
-        if not issubclass(kind, KeyboardInterrupt):
+        missing = getattr(value, "name", None) if issubclass(kind, ModuleNotFoundError) else None
+        if not issubclass(kind, KeyboardInterrupt) and (not missing or missing.split(".")[0] == "ddp"):
             return previous(kind, value, tb)
         if speaks_for_its_machine():
-            print(INTERRUPTED, file=sys.stderr, flush=True)
+            print(INTERRUPTED if missing is None else missing_package(missing), file=sys.stderr, flush=True)
+        if missing is not None:
+            os._exit(EXIT_USAGE)
 
     sys.excepthook = hook
+
+
+def missing_package(name: str) -> str:
+    """The line for `import name` failing in this Python: it lacks the packages that pyproject.toml lists."""
+    return (
+        f"error: no module named {name!r} in {sys.executable}: install ddp-cifar's packages with `make install` "
+        "and run with .venv/bin/python (or `source .venv/bin/activate`), or `pip install -e .` into this Python"
+    )
 
 
 def has_peers(env: Env = os.environ) -> bool:

@@ -14,6 +14,10 @@ import json
 from pathlib import Path
 from typing import Any
 
+from ddp.launchers import quiet_startup
+
+quiet_startup(__name__)  # run as a command: a Ctrl-C or a missing package in the imports below is one line
+
 from ddp import cli, files, rundir
 from ddp.errors import UsageError
 from ddp.metrics import shown_classes

@@ -39,9 +39,9 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a file: import ddp from the repository, not ddp/'s modules as top-level ones
     sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
-from ddp.launchers import quiet_interrupt  # noqa: E402
+from ddp.launchers import quiet_startup  # noqa: E402
 
-quiet_interrupt(__name__)  # a Ctrl-C in torch's import: one line, not its traceback
+quiet_startup(__name__)  # a Ctrl-C or a missing package in torch's import: one line, not its traceback
 _QUIET_CPP = "TORCH_CPP_LOG_LEVEL" not in os.environ
 if _QUIET_CPP:
     os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"  # read once, as torch's libraries load

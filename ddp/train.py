@@ -19,9 +19,9 @@ from typing import Any
 if __package__ in (None, ""):  # run as a file (python/torchrun ddp/train.py): import ddp from the repo
     sys.path[0] = str(Path(__file__).resolve().parent.parent)
 PARENT = os.getppid()  # the launcher that started this process, read before the seconds of imports (lifeline)
-from ddp.launchers import quiet_interrupt
+from ddp.launchers import quiet_startup
 
-quiet_interrupt(__name__)  # a Ctrl-C in the imports below: one line, not their traceback
+quiet_startup(__name__)  # a Ctrl-C or a missing package in the imports below: one line, not their traceback
 
 import torch
 from torch import nn

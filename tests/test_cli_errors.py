@@ -243,20 +243,35 @@ def test_a_command_leaves_with_its_code_after_its_exit_handlers_and_all_its_outp
     assert (proc.returncode, proc.stdout, proc.stderr) == (3, "buffered, no newline", "handler ran\n")
 
 
-def test_ctrl_c_while_the_entry_scripts_import_torch_is_one_line():
-    """Ctrl-C in the seconds of `import torch` (ddp/train.py and ddp/torchrun.py, as a terminal sends it to
-    the process): the one line, no traceback, and the process ends as Ctrl-C ends it (128 + SIGINT)."""
-    procs = [subprocess.Popen([sys.executable, str(script)], cwd=REPO, env=clean_env(), stderr=subprocess.PIPE,
-                              text=True) for script in (TRAIN, REPO / "ddp" / "torchrun.py")]  # fmt: skip
+# Each command as a user starts it; each installs launchers.quiet_startup before its imports.
+COMMANDS = [[str(TRAIN)], [str(REPO / "ddp" / "torchrun.py")]] + [
+    ["-m", f"ddp.{name}"] for name in ("evaluate", "checkpoint", "doctor", "plot")
+]
+
+
+def test_ctrl_c_while_a_command_imports_torch_is_one_line():
+    """Ctrl-C in the seconds of `import torch` (as a terminal sends it to the process), in each command:
+    the one line, no traceback, and the process ends as Ctrl-C ends it (128 + SIGINT)."""
+    procs = [subprocess.Popen([sys.executable, *command], cwd=REPO, env=clean_env(), stderr=subprocess.PIPE,
+                              text=True) for command in COMMANDS]  # fmt: skip
     for proc in procs:
         maps = Path(f"/proc/{proc.pid}/maps")
         deadline = time.monotonic() + 60
         while proc.poll() is None and "libtorch" not in maps.read_text() and time.monotonic() < deadline:
             time.sleep(0.01)  # then torch's import goes on for another second or more, in Python
         proc.send_signal(signal.SIGINT)
-    for proc in procs:
+    for command, proc in zip(COMMANDS, procs):
         err = proc.communicate(timeout=60)[1]
-        assert proc.returncode == -signal.SIGINT and err == f"{errors.INTERRUPTED}\n", err
+        assert proc.returncode == -signal.SIGINT and err == f"{errors.INTERRUPTED}\n", (command, err)
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=lambda c: c[-1].rpartition("/")[2])
+def test_a_python_without_the_packages_is_one_line_naming_the_fix(command):
+    """`python` that is not the venv's (python -S: no site-packages, so no torch, yaml or numpy): the package
+    it lacks, this interpreter and how to install, exit 2; not a ModuleNotFoundError traceback."""
+    proc = subprocess.run([sys.executable, "-S", *command, "--help"], cwd=REPO, env=clean_env(),
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert_usage_error(proc, "no module named ", f"in {sys.executable}", "make install", "pip install -e .")
 
 
 @pytest.mark.parametrize(
@@ -264,12 +279,17 @@ def test_ctrl_c_while_the_entry_scripts_import_torch_is_one_line():
     [
         ("KeyboardInterrupt", "0", f"{errors.INTERRUPTED}\n"),
         ("KeyboardInterrupt", "1", ""),  # its machine's local rank 0 says it
+        ("ModuleNotFoundError(name='tqdm')", "0", "error: no module named 'tqdm' in "),
+        ("ModuleNotFoundError(name='tqdm')", "1", ""),
+        ("ModuleNotFoundError(name='ddp.gone')", "0", "Traceback"),  # ddp's own module missing: a bug
         ("ValueError('x')", "0", "Traceback"),  # any other exception: its traceback, as before
     ],
 )
-def test_the_quiet_interrupt_hook_speaks_for_local_rank_0_and_keeps_other_tracebacks(raised, local_rank, said):
-    code = f"from ddp.launchers import quiet_interrupt; quiet_interrupt(__name__); raise {raised}"
+def test_the_startup_hook_speaks_for_local_rank_0_and_keeps_other_tracebacks(raised, local_rank, said):
+    code = f"from ddp.launchers import quiet_startup; quiet_startup(__name__); raise {raised}"
     torchrun = {"RANK": local_rank, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=clean_env(LOCAL_RANK=local_rank, **torchrun),
                           capture_output=True, text=True, timeout=60)  # fmt: skip
-    assert proc.stderr.startswith(said) and (said == "Traceback" or proc.stderr == said), proc.stderr
+    assert proc.stderr.startswith(said) and (said in ("Traceback", "error: no module named 'tqdm' in ")
+                                             or proc.stderr == said), proc.stderr  # fmt: skip
+    assert proc.returncode == (2 if "tqdm" in raised else 1 if "Error" in raised else -signal.SIGINT)

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ddp import models
 from ddp.config import DataConfig
 from ddp.devices import World
 from ddp.errors import UsageError
@@ -140,8 +141,7 @@ DOWNLOAD_WAIT_S = 3600  # how long the other ranks of a node wait for local rank
 def _torchvision(cfg: DataConfig, world: World) -> tuple[Split, Split, list[str]]:
     """CIFAR-10/100 from data.root; local rank 0 downloads if allowed, the others of its node wait
     for the files to appear (no process group is needed: the data is read before joining one)."""
-    from torchvision import datasets as torchvision_datasets
-
+    torchvision_datasets = models.torchvision(f"data.dataset={cfg.dataset}").datasets
     cls = torchvision_datasets.CIFAR10 if cfg.dataset == "cifar10" else torchvision_datasets.CIFAR100
     name = "CIFAR-10" if cfg.dataset == "cifar10" else "CIFAR-100"
     folder = cls.base_folder

@@ -6,6 +6,7 @@ list of models (model.name's choices and their parameter counts in --help come f
 from __future__ import annotations
 
 from collections.abc import Callable
+from types import ModuleType
 
 import torch
 from torch import nn
@@ -148,12 +149,26 @@ def whiten(conv: nn.Conv2d, images: torch.Tensor, eps: float = 5e-4) -> None:
     conv.weight.requires_grad_(False)
 
 
+def torchvision(needed_for: str) -> ModuleType:
+    """torchvision, imported here, not at the top (1-2 s of every start that does not use it); a
+    UsageError naming `needed_for` when it is missing or not built for this torch (PyPI's CUDA build
+    of torchvision against a CPU build of torch: "operator torchvision::nms does not exist")."""
+    try:
+        import torchvision
+    except (ImportError, RuntimeError) as e:
+        why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UsageError(
+            f"{needed_for} needs torchvision, and it does not import ({type(e).__name__}: {why}): install the "
+            f"torchvision built for this torch {torch.__version__} (pytorch.org's install table; constraints.txt "
+            "pins a pair that works)"
+        ) from None
+    return torchvision
+
+
 def resnet18(num_classes: int = 10, dropout: float = 0.0) -> nn.Module:
     """torchvision's ResNet-18 adapted to 32x32: a 3x3 stride-1 stem and no max-pool, so the
     first stage sees 32x32 instead of ImageNet's 8x8 (the usual CIFAR variant, ~11M parameters)."""
-    import torchvision  # here, not at the top: 1-2 s of every start that does not build a ResNet
-
-    net = torchvision.models.resnet18(num_classes=num_classes)
+    net = torchvision("model.name=resnet18").models.resnet18(num_classes=num_classes)
     net.conv1 = nn.Conv2d(3, 64, 3, stride=1, padding=1, bias=False)
     net.maxpool = nn.Identity()
     return net

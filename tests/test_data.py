@@ -2,6 +2,8 @@
 
 import hashlib
 import pickle
+import re
+import sys
 import urllib.error
 
 import numpy as np
@@ -9,7 +11,7 @@ import pytest
 import torch
 from torchvision import datasets as tv_datasets
 
-from ddp import datasets
+from ddp import datasets, models
 from ddp.config import DataConfig
 from ddp.devices import World
 from ddp.errors import UsageError
@@ -197,6 +199,29 @@ def test_torchvision_cifar_from_a_local_copy(kind, tmp_path, monkeypatch):
     assert_same_images(d.train, x, y)
     assert_same_images(d.test, xt, yt)
     assert d.classes == names and d.num_classes == num_classes
+
+
+@pytest.mark.parametrize("broken", ["missing", "built for another torch"])
+def test_a_torchvision_that_does_not_import_is_one_line_for_cifar_and_resnet18(broken, tmp_path, monkeypatch):
+    """PyPI's CUDA torchvision against a CPU torch fails in its import ("operator torchvision::nms does not
+    exist"), and a venv may lack it: CIFAR and ResNet-18 (the default model) say so and what to install."""
+    monkeypatch.delitem(sys.modules, "torchvision")
+    if broken == "missing":
+        monkeypatch.setitem(sys.modules, "torchvision", None)  # `import torchvision`: ModuleNotFoundError
+    else:
+        (tmp_path / "torchvision").mkdir()
+        (tmp_path / "torchvision" / "__init__.py").write_text(
+            'raise RuntimeError("operator torchvision::nms does not exist")'
+        )
+        monkeypatch.syspath_prepend(str(tmp_path))
+    why = "ModuleNotFoundError: import of torchvision halted" if broken == "missing" else "RuntimeError: operator"
+    for what, needs in [
+        (lambda: datasets.read(DataConfig(dataset="cifar100", root=str(tmp_path)), CPU), "data.dataset=cifar100"),
+        (lambda: models.build("resnet18", 10), "model.name=resnet18"),
+    ]:
+        with pytest.raises(UsageError, match=f"^{needs} needs torchvision, and it does not import \\({why}.*"
+                           f"install the torchvision built for this torch {re.escape(torch.__version__)}"):  # fmt: skip
+            what()
 
 
 def test_cifar_download_failure_is_a_clear_error(tmp_path, monkeypatch):

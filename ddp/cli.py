@@ -53,7 +53,7 @@ def parse(argv: list[str], usage: str, options: list[Option]) -> tuple[dict[str,
     unknown option is a UsageError listing the known ones, and usage's first line."""
     by_name = {o.name: o for o in options}
     values: dict[str, Any] = {o.key: False if not o.metavar else o.default for o in options}
-    words, args = [], iter(argv)
+    words, args, given = [], iter(argv), {}
     for arg in args:
         name, eq, inline = arg.partition("=")
         if arg in ("-h", "--help"):
@@ -64,6 +64,9 @@ def parse(argv: list[str], usage: str, options: list[Option]) -> tuple[dict[str,
             value = inline if eq else next(args, None)
             if not value and option.convert is _text:  # `--out` last, or `--out=`: not the default, not "."
                 raise UsageError(f"{name} needs a value: {name} {option.metavar}; {usage.splitlines()[0]}")
+            if name in given:  # which one was meant? (a second --config is no merge of the two)
+                raise UsageError(f"{name} is given twice ({given[name]} and {value}): give it once")
+            given[name] = value
             values[option.key] = option.convert(value)
         elif arg in by_name:
             values[by_name[arg].key] = True

@@ -330,11 +330,12 @@ def _set(cfg: Config, dotted: str, value: Any) -> None:
 
 
 def _read_yaml(path: str) -> dict[str, Any]:
-    p = Path(path)
-    if not p.is_file():
-        raise UsageError(f"config file not found: {path}")
     try:
-        doc = yaml.load(p.read_text(), Loader=_Yaml12Loader)
+        doc = yaml.load(Path(path).read_text(), Loader=_Yaml12Loader)
+    except FileNotFoundError:
+        raise UsageError(f"config file not found: {path}") from None
+    except OSError as e:  # a directory, no permission to read it
+        raise UsageError(f"--config {path}: {e.strerror}; name a YAML file, e.g. configs/quick.yaml") from None
     except (yaml.YAMLError, UnicodeDecodeError) as e:  # the second: not a text file
         mark = getattr(e, "problem_mark", None)
         where = f" line {mark.line + 1}:" if mark else ""

@@ -55,6 +55,11 @@ def test_bad_input_for_want_of_a_gpu_exits_2_with_one_line(args, fragments, tmp_
         (["run.parallel=ddp"], ["torchrun --standalone --nproc_per_node=N"]),
         (["optim.lrr=1"], ["unknown key 'optim.lrr'", "valid keys in optim"]),
         (["--config", "nope.yaml"], ["config file not found: nope.yaml"]),
+        (["--config", "configs"], ["--config configs: Is a directory; name a YAML file, e.g. configs/quick.yaml"]),
+        (
+            ["--config", "configs/quick.yaml", "--config=configs/fast.yaml"],
+            ["--config is given twice (configs/quick.yaml and configs/fast.yaml): give it once"],
+        ),
         (["data.dataset=npz"], ["data.dataset=npz needs data.path"]),
         (["data.dataset=npz", "data.path=/no/such.npz"], ["data.path=/no/such.npz: no such file"]),
         (["--bogus"], ["unknown option --bogus"]),

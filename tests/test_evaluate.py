@@ -89,6 +89,7 @@ def test_a_cpu_checkpoint_evaluates_on_the_gpu(ddp_run):
         (["--checkpoint", "x.pt", "--bogus"], "unknown option --bogus; options are --checkpoint PATH, --device DEVICE"),
         (["--checkpoint", "x.pt", "--device"], "--device needs a value: --device DEVICE; usage: "),  # was a TypeError
         (["--checkpoint", "x.pt", "--device="], "--device needs a value: --device DEVICE; usage: "),
+        (["--checkpoint", "a.pt", "--checkpoint=b.pt"], "--checkpoint is given twice (a.pt and b.pt): give it once"),
     ],
 )
 def test_bad_options_are_one_line_and_exit_2(argv, message, capsys):

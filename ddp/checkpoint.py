@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import contextlib
+import re
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -30,7 +31,7 @@ from ddp import cli, config, distributed, files, rng, rundir
 from ddp.config import RunConfig
 from ddp.devices import World
 from ddp.ema import EMA, Lookahead
-from ddp.errors import EXIT_FAILURE, EXIT_OK, CorruptCheckpoint, UsageError, WriteFailed
+from ddp.errors import EXIT_FAILURE, EXIT_OK, CorruptCheckpoint, UsageError, WriteFailed, first_line
 from ddp.metrics import StepStats
 
 FORMAT = 2
@@ -104,11 +105,10 @@ def build_state(
 
 def rank_state(device: torch.device, stats: StepStats | None) -> dict[str, Any]:
     """This rank's part: its RNG states, an unfinished epoch's loss sums and gradient norms (or None)."""
-    unfinished = stats is not None
     return {
         "rng": rng.get_state(device),
-        "partial": stats.sums.cpu() if unfinished else None,
-        "grad_norms": stats.grad_norms.cpu() if unfinished else None,
+        "partial": stats.sums.cpu() if stats is not None else None,
+        "grad_norms": stats.grad_norms.cpu() if stats is not None else None,
     }
 
 
@@ -264,8 +264,10 @@ def _reading(path: Path, skipped: list[str] | None = None) -> Iterator[None]:
         except UsageError:  # CorruptCheckpoint is one: the file's own checks said what is wrong
             raise
         except Exception as e:  # truncated, not a checkpoint, or a pickle that wants to run code
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise CorruptCheckpoint(f"{path} is not a loadable checkpoint ({type(e).__name__}: {first})") from None
+            why = first_line(e, typed=True)
+            if code := re.search(r"Unsupported global: GLOBAL (\S+)", str(e)):  # torch.save(model): a class, pickled
+                why = f"it holds Python objects ({code[1]}), as torch.save(model) writes, not only tensors"
+            raise CorruptCheckpoint(f"{path} is not a loadable checkpoint ({why})") from None
     except CorruptCheckpoint as e:
         if skipped is None:
             raise

@@ -12,6 +12,8 @@
 cli.command turns them into one line on stderr and the exit code; nothing else defines an exit code.
 """
 
+import re
+
 EXIT_OK = 0
 EXIT_FAILURE = 1
 EXIT_USAGE = 2  # as argparse and most Unix tools use
@@ -47,6 +49,14 @@ class PeerLost(Exception):
 
 class Stopped(Exception):
     """The loop stopped on a signal after writing its checkpoint; the message (rank 0's) says so."""
+
+
+def first_line(error: BaseException, typed: bool = False) -> str:
+    """An exception's message as one line for ours: its first line, without terminal colour codes
+    (torch.load's has some); its type's name when it has no message, and before the line if `typed`."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(error)).strip()
+    line, kind = text.splitlines()[0] if text else "", type(error).__name__
+    return (f"{kind}: {line}" if typed else line) if line else kind
 
 
 def exit_code(error: BaseException) -> int:

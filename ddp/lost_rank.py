@@ -15,7 +15,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from ddp.devices import World
-from ddp.errors import PeerLost
+from ddp.errors import PeerLost, first_line
 
 # Failures of a collective that say nothing more specific than their text (gloo and nccl raise
 # RuntimeError or DistError with these words). gloo's "Application timeout caused pair closure" comes
@@ -39,8 +39,7 @@ def naming(world: World, what: str) -> Iterator[None]:
     except Exception as e:
         if not is_comm_failure(e):
             raise
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise PeerLost(f"rank {world.rank} of {world.world_size}: {what} failed [{first}]") from e
+        raise PeerLost(f"rank {world.rank} of {world.world_size}: {what} failed [{first_line(e)}]") from e
 
 
 def _check_in(world: World, store: dist.Store, wait_s: float) -> dict[int, str]:
@@ -83,7 +82,7 @@ def register_host(world: World, store: dist.Store) -> None:
 def explain(world: World, error: BaseException, timeout_s: float, store: dist.Store | None) -> PeerLost:
     """The one line for a failed collective: this rank, the rank(s) it lost and their hosts, and the
     first line of torch's error."""
-    first = str(error).strip().splitlines()[0]
+    first = first_line(error)
     hung = "imed out" in first or "imeout" in first
     what = f"no answer within run.timeout_s={timeout_s:g}: hung" if hung else "its connection closed: it died"
     silent = silent_ranks(world, store)

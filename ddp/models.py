@@ -11,7 +11,7 @@ from types import ModuleType
 import torch
 from torch import nn
 
-from ddp.errors import UsageError
+from ddp.errors import UsageError, first_line
 
 
 class TutorialNet(nn.Module):
@@ -156,11 +156,10 @@ def torchvision(needed_for: str) -> ModuleType:
     try:
         import torchvision
     except (ImportError, RuntimeError) as e:
-        why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UsageError(
-            f"{needed_for} needs torchvision, and it does not import ({type(e).__name__}: {why}): install the "
-            f"torchvision built for this torch {torch.__version__} (pytorch.org's install table; constraints.txt "
-            "pins a pair that works)"
+            f"{needed_for} needs torchvision, and it does not import ({first_line(e, typed=True)}): "
+            f"install the torchvision built for this torch {torch.__version__} (pytorch.org's install table; "
+            "constraints.txt pins a pair that works)"
         ) from None
     return torchvision
 

@@ -101,6 +101,24 @@ def test_a_checkpoint_that_would_run_code_is_refused_not_executed(tmp_path):
     assert not marker.exists()
 
 
+@pytest.mark.parametrize(
+    "write, why",
+    [
+        (lambda f: torch.save(torch.nn.Linear(2, 2), f),  # the tutorial's other way: torch.save(model, PATH)
+         "(it holds Python objects (torch.nn.modules.linear.Linear), as torch.save(model) writes, not only tensors)"),
+        (lambda f: f.write_bytes(b""), "(EOFError)"),  # was "(EOFError: EOFError)"
+    ],
+)  # fmt: skip
+def test_a_file_that_is_no_checkpoint_says_what_it_holds_in_one_plain_line(write, why, tmp_path):
+    """torch.load's refusal of a pickled model is many lines with terminal colours, and its advice is to
+    load with weights_only=False (which runs the file's code): the line says what the file holds instead."""
+    path = tmp_path / "model.pt"
+    write(path)
+    with pytest.raises(checkpoint.CorruptCheckpoint) as raised:
+        checkpoint.load(path)
+    assert str(raised.value) == f"{path} is not a loadable checkpoint {why}"
+
+
 def test_inspect_and_export(run_dir, tmp_path):
     shown = ok(python("-m", "ddp.checkpoint", "inspect", str(rundir.last_path(run_dir)))).stdout
     assert "checksum ok" in shown and "epoch 2 done, step 0" in shown and "world_size 1" in shown

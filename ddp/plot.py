@@ -10,7 +10,7 @@ matplotlib is an optional extra: pip install 'ddp-cifar[plot]'.
 
 from __future__ import annotations
 
-import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -26,17 +26,51 @@ DPI = 100  # figure sizes below are in inches: PNG pixels = inches x DPI
 
 
 def read_run(run_dir: Path) -> list[dict[str, Any]]:
+    """A run's epochs from its metrics.jsonl; a line that is no whole record of one (a run killed while
+    writing it, an edit) is left out, with a note on stderr."""
     path = rundir.metrics_path(run_dir)
     if not path.is_file():
         raise UsageError(f"{run_dir}: no metrics.jsonl (is it a run.out_dir of ddp/train.py?)")
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows, left_out = [], []
+    for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+        row = rundir.metrics_record(line) if line.strip() else {}
+        if row is None or row and not _plottable(row):
+            left_out.append(str(number))
+        elif row:
+            rows.append(row)
+    bad = f"line {', '.join(left_out)}: not an epoch's whole record"
     if not rows:
-        raise UsageError(f"{path} is empty: the run has not finished an epoch yet")
+        raise UsageError(f"{path}: {bad}" if left_out else f"{path} is empty: the run has not finished an epoch yet")
+    if left_out:
+        print(f"note: {path}: {bad}, left out", file=sys.stderr)
     return rows
 
 
-def label(run_dir: Path, rows: list[dict[str, Any]]) -> str:
-    return f"{run_dir.name} ({rows[-1].get('world_size', 1)} proc)"
+def _plottable(row: dict[str, Any]) -> bool:
+    """A record with what the charts draw: a loss, and where the epoch evaluated, its accuracies and classes."""
+    number = (int, float)
+    tested = "test_acc" not in row or (
+        isinstance(row["test_acc"], number)
+        and isinstance(row.get("classes"), list)
+        and isinstance(row.get("per_class_acc"), list)
+        and len(row["classes"]) == len(row["per_class_acc"])
+    )
+    return isinstance(row.get("train_loss"), number) and tested
+
+
+def names(run_dirs: list[Path]) -> list[str]:
+    """Each run's name on the charts and in its confusion chart's file: its directory's name, or the least
+    of its path that tells it from the others (runs/a/quick and runs/b/quick: a-quick and b-quick)."""
+    parts = [d.resolve().parts for d in run_dirs]
+    for n in range(1, max(map(len, parts)) + 1):
+        found = ["-".join(p[-n:]) for p in parts]
+        if len(set(found)) == len(found):
+            return found
+    return found
+
+
+def label(name: str, rows: list[dict[str, Any]]) -> str:
+    return f"{name} ({rows[-1].get('world_size', 1)} proc)"
 
 
 def plot(run_dirs: list[Path], out: Path) -> list[Path]:
@@ -47,7 +81,11 @@ def plot(run_dirs: list[Path], out: Path) -> list[Path]:
         import matplotlib.pyplot as plt
     except ImportError:
         raise UsageError("ddp.plot needs matplotlib: pip install 'ddp-cifar[plot]'") from None
-    runs = [(d, read_run(d)) for d in run_dirs]
+    unique: dict[Path, Path] = {}
+    for d in run_dirs:
+        unique.setdefault(d.resolve(), d)  # a run named twice is drawn once
+    run_dirs = list(unique.values())
+    runs = list(zip(names(run_dirs), [read_run(d) for d in run_dirs]))
     tested = [(d, [r for r in rows if "test_acc" in r]) for d, rows in runs]  # the epochs that evaluated
     tested = [(d, rows) for d, rows in tested if rows]
     if out.exists() and not out.is_dir():
@@ -83,7 +121,7 @@ def plot(run_dirs: list[Path], out: Path) -> list[Path]:
 
     for d, rows in tested:
         last = rows[-1]
-        if "confusion" not in last:
+        if not isinstance(last.get("confusion"), list):
             continue  # metrics from before ddp-cifar kept the confusion matrix
         fig, ax = plt.subplots(figsize=(7, 6), dpi=DPI)
         image = ax.imshow(last["confusion"], cmap="Blues")
@@ -95,8 +133,8 @@ def plot(run_dirs: list[Path], out: Path) -> list[Path]:
             for t in range(n):
                 for p in range(n):
                     ax.text(p, t, last["confusion"][t][p], ha="center", va="center", fontsize="x-small")
-        ax.set(title=f"confusion, epoch {last['epoch']} ({d.name})", xlabel="predicted", ylabel="true")
-        written.append(_save(fig, out / f"confusion-{d.name}.png", plt))
+        ax.set(title=f"confusion, epoch {last['epoch']} ({d})", xlabel="predicted", ylabel="true")
+        written.append(_save(fig, out / f"confusion-{d}.png", plt))
     return written
 
 

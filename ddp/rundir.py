@@ -14,6 +14,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from ddp import distributed, files
 from ddp.devices import World
@@ -166,7 +167,15 @@ def prepare(out_dir: str, config_yaml: str, epochs_done: int, world: World) -> N
 
 def _epoch(line: str) -> float:
     """A metrics line's epoch; infinity for a line a kill left half-written (so it is dropped)."""
+    record = metrics_record(line)
+    return float("inf") if record is None else record["epoch"]
+
+
+def metrics_record(line: str) -> dict[str, Any] | None:
+    """One line of metrics.jsonl as its epoch's record; None for a line that is not one (a kill left it
+    half-written, or an edit)."""
     try:
-        return json.loads(line)["epoch"]
-    except (ValueError, KeyError, TypeError):
-        return float("inf")
+        record = json.loads(line)
+    except ValueError:
+        return None
+    return record if isinstance(record, dict) and isinstance(record.get("epoch"), int) else None

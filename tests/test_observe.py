@@ -73,6 +73,34 @@ def test_plotting_a_directory_without_metrics_is_a_clear_error(tmp_path):
     assert proc.returncode == 2 and "no metrics.jsonl" in proc.stderr and "Traceback" not in proc.stderr
 
 
+def write_metrics(run_dir, *lines: str) -> None:
+    run_dir.mkdir(parents=True)
+    rundir.metrics_path(run_dir).write_text("".join(line + "\n" for line in lines))
+
+
+EPOCH = (
+    '{"epoch": %d, "train_loss": 2.0, "test_acc": 0.5, "per_class_acc": [0.5, 0.5], "classes": ["cat", "dog"], '
+    '"confusion": [[1, 1], [1, 1]], "world_size": 1}'
+)
+
+
+def test_plot_leaves_out_the_lines_of_a_metrics_file_that_lies_and_tells_runs_of_one_name_apart(tmp_path, capsys):
+    """A line a kill left half-written, or an edit, was a JSONDecodeError, TypeError or KeyError traceback; two
+    runs named alike (runs/a/quick, runs/b/quick) shared one confusion chart's file, the second replacing the first."""
+    a, b = tmp_path / "a" / "quick", tmp_path / "b" / "quick"
+    write_metrics(a, EPOCH % 1, "[1, 2]", '{"epoch": 2, "train_loss": "low"}', EPOCH % 3, '{"epoch": 4, "train')
+    write_metrics(b, EPOCH % 1, '{"epoch": 2, "train_loss": 1.0, "test_acc": "high"}')
+    charts = plot.plot([a, b, tmp_path / "a" / ".." / "a" / "quick"], tmp_path / "charts")  # a twice: drawn once
+    assert [p.name for p in charts] == ["curves.png", "per_class.png", "confusion-a-quick.png", "confusion-b-quick.png"]
+    assert capsys.readouterr().err == (
+        f"note: {a}/metrics.jsonl: line 2, 3, 5: not an epoch's whole record, left out\n"
+        f"note: {b}/metrics.jsonl: line 2: not an epoch's whole record, left out\n"
+    )
+    write_metrics(tmp_path / "bad", "garbage", "")
+    assert command(plot.main, [str(tmp_path / "bad")]) == 2
+    assert capsys.readouterr().err == f"error: {tmp_path}/bad/metrics.jsonl: line 1: not an epoch's whole record\n"
+
+
 def test_eval_every_evaluates_every_nth_and_the_last_epoch_and_trains_the_same(tmp_path, capsys):
     """train.eval_every=2 over 3 epochs: epochs 2 and 3 evaluate, epoch 1 has its loss and speed only,
     in the epoch line, metrics.jsonl, TensorBoard, the checkpoint's summary and the plots; and the

@@ -17,6 +17,7 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 # train.micro_batch_size so that the global batch stays the same on the smaller world.
 whole() { [[ $2 =~ ^[0-9]+$ ]] || { echo "error: $1=$2 must be a whole number${3:+ ($3)}" >&2; exit 2; }; }
 whole NNODES "$NNODES" && whole NODE_RANK "$NODE_RANK" "0 to NNODES-1"
+((NNODES >= 1)) || { echo "error: NNODES=$NNODES must be 1 or more (how many machines)" >&2; exit 2; }
 ((NODE_RANK < NNODES)) || { echo "error: NODE_RANK=$NODE_RANK must be 0 to NNODES-1=$((NNODES - 1))" >&2; exit 2; }
 nodes=$NNODES restarts=${MAX_RESTARTS:-0}
 if [ -n "${MIN_NODES:-}" ]; then
@@ -25,6 +26,18 @@ if [ -n "${MIN_NODES:-}" ]; then
   nodes="$MIN_NODES:$NNODES" restarts=${MAX_RESTARTS:-3}
 fi
 whole MAX_RESTARTS "$restarts"
+# RDZV_CONF's pairs, checked here: torchrun would end in a traceback (is_host is this script's: from NODE_RANK)
+if [ -n "${RDZV_CONF:-}" ]; then
+  [[ $RDZV_CONF =~ ^[a-z_]+=[^,=]+(,[a-z_]+=[^,=]+)*$ ]] ||
+    { echo "error: RDZV_CONF=$RDZV_CONF must be key=value pairs joined by commas, e.g. last_call_timeout=5" >&2; exit 2; }
+  IFS=, read -ra pairs <<<"$RDZV_CONF"
+  for pair in "${pairs[@]}"; do
+    [ "${pair%%=*}" != is_host ] ||
+      { echo "error: RDZV_CONF may not set is_host: this script does (node 0, NODE_RANK=0, hosts the store)" >&2; exit 2; }
+    [[ ! ${pair%%=*} =~ (timeout|interval|attempt)$ || ${pair#*=} =~ ^[0-9]+$ ]] ||
+      { echo "error: RDZV_CONF's $pair must be a whole number (seconds, or attempts)" >&2; exit 2; }
+  done
+fi
 source "$root/launch/common.sh"
 nproc=${NPROC:-$(gpu_count_or_2)}
 omp_threads "$nproc"

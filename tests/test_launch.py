@@ -220,15 +220,23 @@ def test_accelerate_script_on_cpu(tmp_path):
         ("MAX_RESTARTS=-1", "MAX_RESTARTS=-1 must be a whole number"),
         ("NODE_RANK=2", "NODE_RANK=2 must be 0 to NNODES-1=1"),
         ("NNODES=two", "NNODES=two must be a whole number"),
+        ("NNODES=0", "NNODES=0 must be 1 or more (how many machines)"),  # was "NODE_RANK=0 must be 0 to NNODES-1=-1"
+        ("RDZV_CONF=zzz", "RDZV_CONF=zzz must be key=value pairs joined by commas, e.g. last_call_timeout=5"),
+        ("RDZV_CONF=a=1,", "RDZV_CONF=a=1, must be key=value pairs joined by commas, e.g. last_call_timeout=5"),
+        ("RDZV_CONF=join_timeout=9,is_host=false", "RDZV_CONF may not set is_host: this script does (node 0, "),
+        ("RDZV_CONF=last_call_timeout=abc", "RDZV_CONF's last_call_timeout=abc must be a whole number (seconds, or"),
+        ("RDZV_CONF=keep_alive_max_attempt=1.5", "RDZV_CONF's keep_alive_max_attempt=1.5 must be a whole number"),
     ],
 )
 def test_multinode_settings_that_cannot_work_are_one_line_and_exit_2(setting, message):
     """launch/multinode.sh's elastic settings (MIN_NODES, MAX_RESTARTS) and node numbers, checked before
     anything starts."""
-    name, value = setting.split("=")
+    name, value = setting.split("=", 1)
     env = clean_env(**{"NNODES": "2", "NODE_RANK": "0", "MASTER_ADDR": "h0", name: value})
     proc = run_script("launch/multinode.sh", *TINY, env=env)
-    assert proc.returncode == 2 and proc.stderr.strip() == f"error: {message}", proc.stderr
+    assert proc.returncode == 2 and proc.stderr.startswith(f"error: {message}") and proc.stderr.count("\n") == 1, (
+        proc.stderr
+    )
 
 
 @pytest.mark.parametrize("script", ["launch/torchrun.sh", "launch/multinode.sh"])

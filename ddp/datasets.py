@@ -6,6 +6,7 @@ lies is a UsageError naming the array, the value and its index. Local rank 0 dow
 from __future__ import annotations
 
 import time
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,7 +16,7 @@ import torch
 from ddp import models
 from ddp.config import DataConfig
 from ddp.devices import World
-from ddp.errors import UsageError
+from ddp.errors import UsageError, first_line
 
 
 @dataclass
@@ -49,11 +50,13 @@ def _npz(cfg: DataConfig, parts: tuple[str, ...]) -> dict[str, Split | list[str]
     path = Path(cfg.path)
     if not path.is_file():
         raise UsageError(f"data.path={cfg.path}: no such file")
+    if not zipfile.is_zipfile(path):  # np.load would take a .npy, and a zip cut short is a BadZipFile traceback
+        raise UsageError(f"data.path={cfg.path}: not an .npz file (np.savez's zip of arrays): a .npy, or cut short?")
     try:
         with np.load(path, allow_pickle=False) as z:
             arrays = {k: z[k] for k in z.files}
-    except (OSError, ValueError) as e:
-        raise UsageError(f"data.path={cfg.path}: not a readable .npz file ({e})") from None
+    except Exception as e:  # a damaged array in it, or Python objects: whatever it holds, it is not readable data
+        raise UsageError(f"data.path={cfg.path}: not a readable .npz file ({first_line(e, typed=True)})") from None
     missing = [f"{xy}_{part}" for part in parts for xy in "xy" if f"{xy}_{part}" not in arrays]
     if missing:
         raise UsageError(f"data.path={cfg.path}: missing arrays {', '.join(missing)}")

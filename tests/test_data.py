@@ -59,9 +59,20 @@ def test_npz_mistakes_name_data_path(tmp_path):
     np.savez(path, x_train=np.zeros((2, 32, 32, 3), np.uint8), y_train=np.zeros(2))
     with pytest.raises(UsageError, match=f"data.path={path}: missing arrays x_test, y_test"):
         datasets.read(DataConfig(dataset="npz", path=str(path)), CPU)
-    (tmp_path / "junk.npz").write_text("not a zip")
-    with pytest.raises(UsageError, match="not a readable .npz file"):
-        datasets.read(DataConfig(dataset="npz", path=str(tmp_path / "junk.npz")), CPU)
+    whole = (tmp_path / "d.npz").read_bytes()
+    np.save(tmp_path / "a.npy", np.zeros(3))
+    np.savez_compressed(tmp_path / "damaged.npz", x_train=np.zeros(50_000, np.uint8))
+    damaged = bytearray((tmp_path / "damaged.npz").read_bytes())
+    damaged[100:110] = b"x" * 10  # inside the compressed array; the zip's directory at the end is whole
+    for name, content, why in [
+        ("junk.npz", b"not a zip", "not an .npz file"),
+        ("cut.npz", whole[: len(whole) // 2], "not an .npz file"),  # a copy that stopped: was a BadZipFile traceback
+        ("a.npy", (tmp_path / "a.npy").read_bytes(), "not an .npz file"),  # was a TypeError traceback
+        ("damaged.npz", bytes(damaged), "not a readable .npz file \\(error: Error -3 while decompressing"),
+    ]:
+        (tmp_path / name).write_bytes(content)
+        with pytest.raises(UsageError, match=f"^data.path={tmp_path / name}: {why}"):
+            datasets.read(DataConfig(dataset="npz", path=str(tmp_path / name)), CPU)
 
 
 def test_empty_split_is_an_error():

@@ -129,7 +129,7 @@ def slurm_rendezvous(env: Env = os.environ) -> tuple[str, int]:
             "not inside a SLURM job (no SLURM_JOB_NODELIST / SLURM_JOB_ID): set MASTER_ADDR and MASTER_PORT"
         )
     addr = env.get("MASTER_ADDR") or first_host(nodes)
-    port = int(env["MASTER_PORT"]) if "MASTER_PORT" in env else slurm_port(env["SLURM_JOB_ID"])
+    port = master_port(env) if "MASTER_PORT" in env else slurm_port(env["SLURM_JOB_ID"])
     return addr, port
 
 

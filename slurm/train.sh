@@ -30,7 +30,15 @@ fi
 cd "$root"
 job=${SLURM_ARRAY_JOB_ID:+${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}}
 job=${job:-${SLURM_JOB_ID:?not inside a SLURM job: submit with sbatch slurm/train.sh}}
-read -r addr port < <(python -c 'from ddp.launchers import slurm_rendezvous; print(*slurm_rendezvous())')
+rendezvous=$(python -c '
+import sys
+from ddp import errors, launchers
+try:
+    print(*launchers.slurm_rendezvous())
+except errors.UsageError as e:  # MASTER_PORT that is no port, say: one line, not a traceback
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(errors.EXIT_USAGE)') || exit $?
+read -r addr port <<<"$rendezvous"
 source "$root/launch/common.sh"
 nproc=${NPROC:-${SLURM_GPUS_ON_NODE:-0}}
 if [ "$nproc" = 0 ]; then

@@ -239,6 +239,15 @@ def test_multinode_settings_that_cannot_work_are_one_line_and_exit_2(setting, me
     )
 
 
+def test_slurm_scripts_rendezvous_from_a_master_port_that_is_no_port_is_one_line():
+    """slurm/train.sh asks ddp.launchers for the rendezvous in a python -c before anything: MASTER_PORT=abc was a
+    ValueError traceback, and the script went on to the preflight with no address. (No cluster needed: the
+    job's variables are all the script reads before it.)"""
+    env = clean_env(SLURM_JOB_ID="5", SLURM_JOB_NUM_NODES="1", SLURM_JOB_NODELIST="localhost", MASTER_PORT="abc")
+    proc = run_script("slurm/train.sh", *TINY, env=env)
+    assert (proc.returncode, proc.stderr) == (2, "error: MASTER_PORT='abc' is not a port number (1-65535)\n")
+
+
 @pytest.mark.parametrize("script", ["launch/torchrun.sh", "launch/multinode.sh"])
 @pytest.mark.parametrize("nproc", ["0", "two", "-1", "08"])
 def test_a_process_count_that_cannot_work_is_one_line_and_exit_2(script, nproc):

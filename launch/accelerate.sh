@@ -11,14 +11,22 @@
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 source "$root/launch/common.sh"
-gpus=$(python -c 'import torch; print(torch.cuda.device_count())')
+command -v accelerate >/dev/null ||
+  { echo "error: no accelerate command here: pip install 'ddp-cifar[accelerate]' (or use launch/torchrun.sh)" >&2; exit 2; }
+gpus=$(gpu_count)
 port=${MASTER_PORT:-29500}
+[[ $port =~ ^[1-9][0-9]*$ ]] && ((port <= 65535)) ||
+  { echo "error: MASTER_PORT=$port is not a port number (1-65535)" >&2; exit 2; }
 machines=1
 nproc=${NPROC:-$([ "$gpus" -gt 0 ] && echo "$gpus" || echo 2)}  # per machine
+omp_threads "$nproc"
 if [ -n "${ACCELERATE_CONFIG:-}" ]; then
+  [ -f "$ACCELERATE_CONFIG" ] || { echo "error: ACCELERATE_CONFIG=$ACCELERATE_CONFIG: no such file" \
+    "(launch/accelerate/multi-machine.yaml is one)" >&2; exit 2; }
   machines=${NUM_MACHINES:?set NUM_MACHINES}
+  machines NUM_MACHINES "$machines" MACHINE_RANK "${MACHINE_RANK:?set MACHINE_RANK}"
   cmd=(accelerate launch --config_file "$ACCELERATE_CONFIG" --num_machines "$machines"
-    --machine_rank "${MACHINE_RANK:?set MACHINE_RANK}" --main_process_ip "${MASTER_ADDR:?set MASTER_ADDR}"
+    --machine_rank "$MACHINE_RANK" --main_process_ip "${MASTER_ADDR:?set MASTER_ADDR}"
     --main_process_port "$port" --num_processes $((machines * nproc)))
 elif [ "$gpus" -gt 0 ]; then
   cmd=(accelerate launch --config_file "$root/launch/accelerate/one-machine.yaml"
@@ -39,7 +47,6 @@ else
   cmd=(accelerate launch --cpu --num_processes "$nproc" --num_machines 1 --mixed_precision no
     --dynamo_backend no --mpirun_hostfile "$hostfile" --main_process_port "$port")
 fi
-omp_threads "$nproc"
 if [ "${MACHINE_RANK:-0}" = 0 ]; then  # once, on the first machine; the lock is rank 0's
   preflight $((machines * nproc)) "$@"
 fi

@@ -10,16 +10,34 @@ omp_threads() {
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$((cores / $1 > 0 ? cores / $1 : 1))}
 }
 
-# gpu_count_or_2: the GPUs torch sees here, or 2 (CPU processes) without any. A machine with no GPU
-# driver (no /dev/nvidia*, /dev/kfd, nvidia-smi or rocm-smi) answers 2 at once instead of paying a
-# torch import (2 s on a laptop CPU) to learn that it has none.
-gpu_count_or_2() {
+# whole NAME VALUE [WHAT]: VALUE is a whole number (0, 1, 2, ... as written by hand: no sign, no leading
+# zero, which bash's arithmetic would read as octal), else one line naming NAME, and exit 2.
+whole() { [[ $2 =~ ^(0|[1-9][0-9]*)$ ]] || { echo "error: $1=$2 must be a whole number${3:+ ($3)}" >&2; exit 2; }; }
+
+# machines COUNT_NAME COUNT RANK_NAME RANK: how many machines and which one this is (NNODES and NODE_RANK,
+# NUM_MACHINES and MACHINE_RANK): COUNT >= 1 and RANK 0 to COUNT-1, else one line, and exit 2.
+machines() {
+  whole "$1" "$2" && whole "$3" "$4" "0 to $1-1"
+  (($2 >= 1)) || { echo "error: $1=$2 must be 1 or more (how many machines)" >&2; exit 2; }
+  (($4 < $2)) || { echo "error: $3=$4 must be 0 to $1-1=$(($2 - 1))" >&2; exit 2; }
+}
+
+# gpu_count: the GPUs torch sees here. A machine with no GPU driver (no /dev/nvidia*, /dev/kfd, nvidia-smi
+# or rocm-smi) answers 0 at once instead of paying a torch import (2 s on a laptop CPU) to learn it.
+gpu_count() {
   if compgen -G "/dev/nvidia[0-9]*" >/dev/null || [ -e /dev/kfd ] || command -v nvidia-smi >/dev/null ||
     command -v rocm-smi >/dev/null; then
-    python -c 'import torch; print(torch.cuda.device_count() or 2)'
+    python -c 'import torch; print(torch.cuda.device_count())'
   else
-    echo 2
+    echo 0
   fi
+}
+
+# gpu_count_or_2: the GPUs torch sees here, or 2 (CPU processes) without any.
+gpu_count_or_2() {
+  local n
+  n=$(gpu_count)
+  echo $((n > 0 ? n : 2))
 }
 
 # preflight N ARGS...: ddp/train.py --preflight N ARGS, before the launcher starts N processes. A

@@ -15,10 +15,8 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 # MIN_NODES < NNODES: an elastic job. When a node is lost, torchrun restarts the ranks left (up to
 # MAX_RESTARTS times, default 3) on the nodes still there, from the last checkpoint; set
 # train.micro_batch_size so that the global batch stays the same on the smaller world.
-whole() { [[ $2 =~ ^[0-9]+$ ]] || { echo "error: $1=$2 must be a whole number${3:+ ($3)}" >&2; exit 2; }; }
-whole NNODES "$NNODES" && whole NODE_RANK "$NODE_RANK" "0 to NNODES-1"
-((NNODES >= 1)) || { echo "error: NNODES=$NNODES must be 1 or more (how many machines)" >&2; exit 2; }
-((NODE_RANK < NNODES)) || { echo "error: NODE_RANK=$NODE_RANK must be 0 to NNODES-1=$((NNODES - 1))" >&2; exit 2; }
+source "$root/launch/common.sh"
+machines NNODES "$NNODES" NODE_RANK "$NODE_RANK"
 nodes=$NNODES restarts=${MAX_RESTARTS:-0}
 if [ -n "${MIN_NODES:-}" ]; then
   whole MIN_NODES "$MIN_NODES" "1 to NNODES=$NNODES"
@@ -38,7 +36,6 @@ if [ -n "${RDZV_CONF:-}" ]; then
       { echo "error: RDZV_CONF's $pair must be a whole number (seconds, or attempts)" >&2; exit 2; }
   done
 fi
-source "$root/launch/common.sh"
 nproc=${NPROC:-$(gpu_count_or_2)}
 omp_threads "$nproc"
 # --preflight, on every node in torchrun's process first: the config, the data, MASTER_ADDR resolving (and, from

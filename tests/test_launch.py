@@ -7,6 +7,7 @@ import re
 import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -234,6 +235,31 @@ def test_multinode_settings_that_cannot_work_are_one_line_and_exit_2(setting, me
     name, value = setting.split("=", 1)
     env = clean_env(**{"NNODES": "2", "NODE_RANK": "0", "MASTER_ADDR": "h0", name: value})
     proc = run_script("launch/multinode.sh", *TINY, env=env)
+    assert proc.returncode == 2 and proc.stderr.startswith(f"error: {message}") and proc.stderr.count("\n") == 1, (
+        proc.stderr
+    )
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        ({"NPROC": "two"}, "NPROC=two must be a whole number, 1 or more (processes on this machine)"),  # "unbound"
+        ({"NUM_MACHINES": "x"}, "NUM_MACHINES=x must be a whole number"),  # was "x: unbound variable"
+        ({"MACHINE_RANK": "2"}, "MACHINE_RANK=2 must be 0 to NUM_MACHINES-1=1"),  # accelerate waited for ever
+        ({"ACCELERATE_CONFIG": "/no/such.yaml"}, "ACCELERATE_CONFIG=/no/such.yaml: no such file"),  # a traceback
+        ({"MASTER_PORT": "x"}, "MASTER_PORT=x is not a port number (1-65535)"),  # accelerate's 60-line usage
+        ({"MASTER_PORT": "65536"}, "MASTER_PORT=65536 is not a port number (1-65535)"),
+        ({"PATH": "{bin}:/usr/bin:/bin"}, "no accelerate command here: pip install 'ddp-cifar[accelerate]'"),
+    ],
+)
+def test_accelerate_settings_that_cannot_work_are_one_line_and_exit_2(settings, message, tmp_path):
+    """launch/accelerate.sh's machines, ranks, port and config file, checked before accelerate starts; and a
+    machine without accelerate (a PATH with python alone)."""
+    (tmp_path / "python").symlink_to(sys.executable)
+    env = clean_env(NPROC="1", ACCELERATE_CONFIG=str(REPO / "launch/accelerate/multi-machine.yaml"),
+                    NUM_MACHINES="2", MACHINE_RANK="0", MASTER_ADDR="127.0.0.1")  # fmt: skip
+    env.update({k: v.format(bin=tmp_path) for k, v in settings.items()})
+    proc = run_script("launch/accelerate.sh", *TINY, env=env)
     assert proc.returncode == 2 and proc.stderr.startswith(f"error: {message}") and proc.stderr.count("\n") == 1, (
         proc.stderr
     )

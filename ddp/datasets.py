@@ -215,11 +215,20 @@ def read(cfg: DataConfig, world: World) -> Data:
     return Data(train, test, classes, mean, std)
 
 
+def _some(names: list[str]) -> str:
+    return ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
+
+
 def read_test(cfg: DataConfig, world: World, classes: list[str]) -> Split:
     """The test split alone, its labels checked against a trained model's classes: evaluating a
     checkpoint needs no training images (their statistics are in the checkpoint)."""
-    _, test, _ = _read_parts(cfg, world, ("test",))
+    _, test, named = _read_parts(cfg, world, ("test",))
     if len(test.labels) == 0:
         raise UsageError(f"{_where(cfg)}: the test split is empty")
+    if named and classes != named and classes != [str(i) for i in range(len(classes))]:  # both have names
+        raise UsageError(
+            f"{_where(cfg)} names its classes {_some(named)}, the model {_some(classes)}: a label would mean "
+            "another class; evaluate on data of the model's classes, in its order"
+        )
     check_labels(_where(cfg), "y_test", test.labels, classes, named=True)
     return test

@@ -75,6 +75,17 @@ def test_npz_mistakes_name_data_path(tmp_path):
             datasets.read(DataConfig(dataset="npz", path=str(tmp_path / name)), CPU)
 
 
+def test_evaluating_on_data_whose_class_names_are_not_the_models_is_refused():
+    """A model's class 3 is not "cat" of data that names its classes in another order: the accuracy would be
+    of nothing (was computed without a word). Names made up from indices (data without names) are no names."""
+    cfg = DataConfig(dataset="synthetic", synthetic_test=20)  # classes named class0 .. class9
+    with pytest.raises(UsageError, match="^data.dataset=synthetic names its classes class0, class1, class2, class3, "
+                       "..., the model a, b, c, d, ...: a label would mean another class"):  # fmt: skip
+        datasets.read_test(cfg, CPU, list("abcdefghij"))
+    for classes in ([f"class{i}" for i in range(10)], [str(i) for i in range(10)]):
+        assert len(datasets.read_test(cfg, CPU, classes).labels) == 20
+
+
 def test_empty_split_is_an_error():
     with pytest.raises(UsageError, match="the test split is empty"):
         datasets.read(DataConfig(dataset="synthetic", synthetic_test=0), CPU)

@@ -6,6 +6,7 @@ failed addition off. A failure is one WriteFailed: the file, the bytes it needed
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import io
 import os
@@ -24,12 +25,16 @@ TEMPORARY = ".*.tmp"  # what a writer killed before its rename leaves beside the
 
 
 def failure(path: Path, needed: int, error: OSError) -> WriteFailed:
-    """WriteFailed for `path`: the OS's reason, the bytes needed, the space free where it goes."""
+    """WriteFailed for `path`: the OS's reason, and for a full disk or quota the bytes needed and the space
+    free where it goes (for any other reason, "0 bytes free" of a read-only or missing place would mislead)."""
+    reason = f"cannot write {path}: {error.strerror or error}"
+    if error.errno not in (errno.ENOSPC, errno.EDQUOT):
+        return WriteFailed(reason)
     try:
         free = f"{shutil.disk_usage(path.parent).free:,} bytes free"
     except OSError:
         free = "free space unknown"
-    return WriteFailed(f"cannot write {path}: {error.strerror or error} ({needed:,} bytes needed, {free})")
+    return WriteFailed(f"{reason} ({needed:,} bytes needed, {free})")
 
 
 def _umask() -> int:

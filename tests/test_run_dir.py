@@ -165,3 +165,14 @@ def test_an_append_that_does_not_fit_leaves_the_file_as_it_was(small_disk):
     with pytest.raises(WriteFailed, match=f"cannot write {log}: No space left on device"):
         files.append(log, "x" * 4_000_000 + "\n")  # larger than the whole disk
     assert log.read_bytes() == before
+
+
+def test_a_write_that_fails_for_another_reason_than_space_names_no_free_space(tmp_path):
+    """A read-only or missing place: its reason alone ("0 bytes free" of /proc said "a full disk" where none was)."""
+    (tmp_path / "a-file").write_text("")
+    target = tmp_path / "a-file" / "model.pt"
+    with pytest.raises(WriteFailed) as raised:
+        files.replace(target, b"x")  # its directory is a file
+    assert str(raised.value) == f"cannot write {target}: File exists"
+    full = files.failure(target, 1234, OSError(errno.ENOSPC, "No space left on device"))
+    assert str(full).startswith(f"cannot write {target}: No space left on device (1,234 bytes needed, ")

@@ -277,7 +277,9 @@ def _reading(path: Path, skipped: list[str] | None = None) -> Iterator[None]:
 def _verified(state: Any, path: Path) -> dict[str, Any]:
     """A loaded checkpoint whose checksum holds, of the format this version reads."""
     if not isinstance(state, dict) or not {"model", "epoch", "checksum"} <= state.keys():
-        raise CorruptCheckpoint(f"{path} is not a ddp-cifar checkpoint (no model/epoch/checksum entries)")
+        export = isinstance(state, dict) and "model_name" in state  # python -m ddp.checkpoint export's
+        what = "an export: the weights alone" if export else "no model/epoch/checksum entries"
+        raise CorruptCheckpoint(f"{path} is not a ddp-cifar checkpoint ({what}); a run's are RUN/checkpoints/*.pt")
     stored = state.pop("checksum")
     if files.digest(state) != stored:
         raise CorruptCheckpoint(f"{path} fails its checksum (the file was altered or damaged)")
@@ -305,16 +307,12 @@ def check_compatible(state: dict[str, Any], info: RunInfo, path: str | Path) -> 
                 f"{path} was trained with {section}.{key}={old} but this run has {section}.{key}={new}; "
                 "set it back to continue, or start a new run.out_dir"
             )
-    if len(state["classes"]) != len(info.classes):
-        raise UsageError(
-            f"{path} has a model of {len(state['classes'])} classes, this data has {len(info.classes)}; "
-            "use the same data, or start a new run.out_dir"
-        )
-    if state["train_images"] != info.train_images:
-        raise UsageError(
-            f"{path} was trained on {state['train_images']} training images, this data has {info.train_images}; "
-            "the data order cannot continue: use the same data, or start a new run.out_dir"
-        )
+    data = [("classes", len(state["classes"]), len(info.classes)), ("training images", state["train_images"],
+            info.train_images)]  # fmt: skip
+    for what, old, new in data:  # another number of training images: the data order cannot continue
+        if old != new:
+            raise UsageError(f"{path} was trained on {old} {what}, this data has {new}: use the same data, or start "
+                             "a new run.out_dir")  # fmt: skip
 
 
 def load(path: str | Path) -> dict[str, Any]:
@@ -335,13 +333,10 @@ def export(path: str | Path, out: str | Path, raw: bool = False, state_dict: boo
     state = load(path)
     exported = weights(state, raw)
     if not state_dict:
-        exported = {
-            "format": "ddp-cifar-weights/1",
-            "model_name": state["config"]["model"]["name"],
-            "classes": state["classes"],
-            "normalize": state["normalize"],
-            "model": exported,
-        }
+        model = state["config"]["model"]  # models.build(model_name, len(classes), dropout, width) rebuilds it
+        exported = {"format": "ddp-cifar-weights/1", "model_name": model["name"], "width": model.get("width", 1.0),
+                    "dropout": model.get("dropout", 0.0), "classes": state["classes"], "normalize": state["normalize"],
+                    "model": exported}  # fmt: skip
     with files.atomic(Path(out)) as f:
         torch.save(exported, f)
     return state

@@ -128,8 +128,31 @@ def test_inspect_and_export(run_dir, tmp_path):
     weights = torch.load(out, map_location="cpu", weights_only=True)
     assert weights["model_name"] == "small" and len(weights["classes"]) == 10
     models.build(weights["model_name"], len(weights["classes"])).load_state_dict(weights["model"])
-    assert set(weights) == {"format", "model_name", "classes", "normalize", "model"}  # no optimizer
+    assert set(weights) == {"format", "model_name", "width", "dropout", "classes", "normalize", "model"}
     assert python("-m", "ddp.checkpoint", "frobnicate").returncode == 2
+
+
+def readme_python(containing: str) -> str:
+    """The README's python block that contains `containing`."""
+    blocks = (REPO / "README.md").read_text().split("```python\n")[1:]
+    return next(block.split("```")[0] for block in blocks if containing in block)
+
+
+def test_the_readmes_lines_rebuild_a_model_of_another_width_from_its_checkpoint_and_its_export(tmp_path):
+    """The README's two ways to load a run's model, run as written on a model at model.width=0.5 (make train's
+    is `fast` at 0.25): they built it at width 1 (the export had no width at all), a size mismatch. An export
+    given where a checkpoint goes says that it is one."""
+    run = tmp_path / "run"
+    train.main([f"run.out_dir={run}", *TINY, "train.epochs=1", "model.width=0.5"])
+    last = rundir.last_path(run)
+    checkpoint.export(last, tmp_path / "model.pt")
+    for block, path in [("runs/quick/checkpoints/last.pt", last), ('"model.pt"', tmp_path / "model.pt")]:
+        code = readme_python(block).replace(block.strip('"'), str(path))
+        scope = {"torch": torch}
+        exec(code, scope)  # the README's lines, with this run's file
+        assert sum(p.numel() for p in scope["model"].parameters()) < 0.3 * models.PARAMS["small"]  # ~ width**2
+    with pytest.raises(checkpoint.CorruptCheckpoint, match="not a ddp-cifar checkpoint \\(an export: the weights"):
+        checkpoint.load(tmp_path / "model.pt")
 
 
 def test_resuming_with_other_settings_lists_every_one_that_changed(tmp_path):

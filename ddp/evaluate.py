@@ -32,7 +32,10 @@ def measure(path: str, device: str, batch_size: int, overrides: list[str], raw: 
     if bad := [o for o in overrides if not o.startswith("data.")]:
         raise UsageError(f"{', '.join(bad)}: only data.* settings can change for evaluation (e.g. data.path=FILE)")
     config.override(cfg, overrides)
-    world = devices.resolve(RunConfig(device=device, parallel="none", launcher="none"))
+    try:
+        world = devices.resolve(RunConfig(device=device, parallel="none", launcher="none"))
+    except UsageError as e:  # what the user typed here is --device
+        raise UsageError(str(e).replace("run.device", "--device")) from None
     classes = state["classes"]
     test = datasets.read_test(cfg.data, world, classes)  # no training set needed
     model = models.build(cfg.model.name, len(classes), cfg.model.dropout, cfg.model.width).to(world.device)

@@ -60,7 +60,7 @@ def test_a_file_with_only_a_test_split_is_enough(ddp_run, tmp_path):
     [
         (["--checkpoint", "/no/such.pt"], "error: checkpoint not found: /no/such.pt"),
         (["--checkpoint", "CKPT", "optim.lr=1"], "only data.* settings can change for evaluation"),
-        (["--checkpoint", "CKPT", "--device", "gpu"], "run.device='gpu' is not a device"),
+        (["--checkpoint", "CKPT", "--device", "gpu"], "error: --device='gpu' is not a device; use auto, cpu, cuda or"),
     ],
 )
 def test_mistakes_are_one_line_and_exit_2(ddp_run, args, message):

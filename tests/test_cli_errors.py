@@ -61,6 +61,7 @@ def test_bad_input_for_want_of_a_gpu_exits_2_with_one_line(args, fragments, tmp_
             ["--config is given twice (configs/quick.yaml and configs/fast.yaml): give it once"],
         ),
         (["data.dataset=npz"], ["data.dataset=npz needs data.path"]),
+        (["data.root=README.md", "data.download=false"], ["data.root=README.md is a file, not a directory"]),
         (["data.dataset=npz", "data.path=/no/such.npz"], ["data.path=/no/such.npz: no such file"]),
         (["--bogus"], ["unknown option --bogus"]),
         (["run.stop_signal=SIGFOO"], ["run.stop_signal: 'SIGFOO' is not a signal that can be caught"]),

@@ -61,7 +61,7 @@ def parse(argv: list[str], usage: str, options: list[Option]) -> tuple[dict[str,
             raise SystemExit(EXIT_OK)
         if name in by_name and by_name[name].metavar:
             option = by_name[name]
-            value = inline if eq else next(args, None)
+            value = os.path.expanduser(inline) if eq else next(args, None)  # --out=~/x: bash left the ~
             if not value and option.convert is _text:  # `--out` last, or `--out=`: not the default, not "."
                 raise UsageError(f"{name} needs a value: {name} {option.metavar}; {usage.splitlines()[0]}")
             if name in given:  # which one was meant? (a second --config is no merge of the two)

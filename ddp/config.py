@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,6 +44,7 @@ class Range:
 
 
 POSITIVE, NATURAL = Range(1), Range(0)  # integers from 1, from 0
+PATHS = {"data.root", "data.path", "run.out_dir", "run.resume"}  # ~ expanded: bash leaves run.out_dir=~/x as typed
 FRACTION = Range(0, 1, high_open=True)  # [0, 1)
 
 
@@ -292,7 +294,7 @@ def _coerce(key: str, value: Any, f: dataclasses.Field) -> Any:
             return _in_range(key, number, f)
         if isinstance(value, (dict, list)) or value is None:
             raise ValueError
-        value = str(value)
+        value = os.path.expanduser(str(value)) if key in PATHS else str(value)
     except ValueError:
         raise UsageError(f"{key}: expected {kind.__name__}, got {value!r}") from None
     choices = f.metadata.get("choices")
@@ -331,7 +333,7 @@ def _set(cfg: Config, dotted: str, value: Any) -> None:
 
 def _read_yaml(path: str) -> dict[str, Any]:
     try:
-        doc = yaml.load(Path(path).read_text(), Loader=_Yaml12Loader)
+        doc = yaml.load(Path(path).expanduser().read_text(), Loader=_Yaml12Loader)
     except FileNotFoundError:
         raise UsageError(f"config file not found: {path}") from None
     except OSError as e:  # a directory, no permission to read it

@@ -5,7 +5,7 @@ import pytest
 import yaml
 from conftest import REPO, TRAIN, ok, python
 
-from ddp import config
+from ddp import cli, config
 from ddp.errors import UsageError
 
 
@@ -155,6 +155,20 @@ def test_a_key_set_empty_is_refused_where_empty_is_not_a_value(given, tmp_path):
         with pytest.raises(UsageError, match=f"^{re.escape(said)}$"):
             config.load(write(tmp_path, text) if text else None, overrides)
     assert config.load(None, ["data.path=", "run.profile="]).data.path == ""
+
+
+def test_a_path_that_starts_with_a_tilde_is_in_the_home_directory(tmp_path, monkeypatch):
+    """bash expands ~ in `--config ~/x.yaml` but not in `run.out_dir=~/runs/x` or `--out=~/c` (not an assignment
+    to a shell variable), nor does YAML: the run went into a directory named "~" under the current one, which
+    a later `rm -rf ~` to clean up would mistake for the home directory."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "x.yaml").write_text("run:\n  out_dir: ~/from-yaml\ndata:\n  root: ~/data\n")
+    cfg = config.load("~/x.yaml", ["data.path=~/d.npz", "run.resume=~/last.pt"])
+    assert (cfg.run.out_dir, cfg.data.root) == (f"{tmp_path}/from-yaml", f"{tmp_path}/data")
+    assert (cfg.data.path, cfg.run.resume) == (f"{tmp_path}/d.npz", f"{tmp_path}/last.pt")
+    assert config.load(None, ["run.out_dir=~/runs/x", "run.profile=~"]).run.profile == "~"  # only paths
+    assert config.load(None, ["run.out_dir=~/runs/x"]).run.out_dir == f"{tmp_path}/runs/x"
+    assert cli.parse(["--out=~/c"], "usage", [cli.Option("--out", "DIR")])[0]["out"] == f"{tmp_path}/c"
 
 
 def test_round_trip_through_a_dict():

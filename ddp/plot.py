@@ -33,11 +33,11 @@ def read_run(run_dir: Path) -> list[dict[str, Any]]:
         raise UsageError(f"{run_dir}: no metrics.jsonl (is it a run.out_dir of ddp/train.py?)")
     rows, left_out = [], []
     for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
-        row = rundir.metrics_record(line) if line.strip() else {}
-        if row is None or row and not _plottable(row):
-            left_out.append(str(number))
-        elif row:
+        row = rundir.metrics_record(line) if line.strip() else None
+        if row is not None and _plottable(row):
             rows.append(row)
+        elif line.strip():
+            left_out.append(str(number))
     bad = f"line {', '.join(left_out)}: not an epoch's whole record"
     if not rows:
         raise UsageError(f"{path}: {bad}" if left_out else f"{path} is empty: the run has not finished an epoch yet")
@@ -58,15 +58,21 @@ def _plottable(row: dict[str, Any]) -> bool:
     return isinstance(row.get("train_loss"), number) and tested
 
 
-def names(run_dirs: list[Path]) -> list[str]:
-    """Each run's name on the charts and in its confusion chart's file: its directory's name, or the least
-    of its path that tells it from the others (runs/a/quick and runs/b/quick: a-quick and b-quick)."""
-    parts = [d.resolve().parts for d in run_dirs]
-    for n in range(1, max(map(len, parts)) + 1):
-        found = ["-".join(p[-n:]) for p in parts]
-        if len(set(found)) == len(found):
-            return found
-    return found
+def named(run_dirs: list[Path]) -> list[tuple[str, Path]]:
+    """Each run once (one named twice is drawn once), with its name on the charts and in its confusion chart's
+    file: its directory's name, or the least of its path that tells it from the others (runs/a/quick and
+    runs/b/quick: a-quick and b-quick)."""
+    first: dict[tuple[str, ...], Path] = {}
+    for d in run_dirs:
+        first.setdefault(d.resolve().parts, d)
+    paths, depth = list(first), [1] * len(first)
+    while True:
+        found = ["-".join(parts[-n:]) for parts, n in zip(paths, depth)]
+        clash = [i for i, name in enumerate(found) if found.count(name) > 1 and depth[i] < len(paths[i])]
+        if not clash:
+            return list(zip(found, first.values()))
+        for i in clash:  # more of their paths, for those of one name only
+            depth[i] += 1
 
 
 def label(name: str, rows: list[dict[str, Any]]) -> str:
@@ -81,11 +87,7 @@ def plot(run_dirs: list[Path], out: Path) -> list[Path]:
         import matplotlib.pyplot as plt
     except ImportError:
         raise UsageError("ddp.plot needs matplotlib: pip install 'ddp-cifar[plot]'") from None
-    unique: dict[Path, Path] = {}
-    for d in run_dirs:
-        unique.setdefault(d.resolve(), d)  # a run named twice is drawn once
-    run_dirs = list(unique.values())
-    runs = list(zip(names(run_dirs), [read_run(d) for d in run_dirs]))
+    runs = [(name, read_run(d)) for name, d in named(run_dirs)]
     tested = [(d, [r for r in rows if "test_acc" in r]) for d, rows in runs]  # the epochs that evaluated
     tested = [(d, rows) for d, rows in tested if rows]
     if out.exists() and not out.is_dir():
@@ -105,37 +107,49 @@ def plot(run_dirs: list[Path], out: Path) -> list[Path]:
     if not tested:  # no epoch has evaluated yet (train.eval_every): no accuracy to show per class
         return written
 
+    written.append(_save(_per_class(tested, plt), out / "per_class.png", plt))
+    for d, rows in tested:
+        if isinstance(rows[-1].get("confusion"), list):  # metrics from before ddp-cifar kept it: none
+            written.append(_save(_confusion(d, rows[-1], plt), out / f"confusion-{d}.png", plt))
+    return written
+
+
+def _per_class(tested: list[tuple[str, list[dict[str, Any]]]], plt: Any) -> Any:
+    """Bars of each run's per-class accuracy in its last evaluated epoch, for the runs of the first one's
+    classes (another's would not line up: the rest are left out, with a note)."""
     first = tested[0][1][-1]
+    alike = [(d, rows) for d, rows in tested if rows[-1]["classes"] == first["classes"]]
+    for d, _ in tested[1:]:
+        if d not in dict(alike):
+            print(f"note: {d} has other classes than {tested[0][0]}: left out of per_class.png", file=sys.stderr)
     shown = shown_classes(first["per_class_acc"])
     classes = [first["classes"][c] for c in shown]
     fig, ax = plt.subplots(figsize=(10, 4), dpi=DPI)
-    width = 0.8 / len(tested)
-    for i, (d, rows) in enumerate(tested):
+    width = 0.8 / len(alike)
+    for i, (d, rows) in enumerate(alike):
         accs = [100 * (rows[-1]["per_class_acc"][c] or 0) for c in shown]
-        ax.bar([c + (i - (len(tested) - 1) / 2) * width for c in range(len(accs))], accs, width, label=label(d, rows))
+        ax.bar([c + (i - (len(alike) - 1) / 2) * width for c in range(len(accs))], accs, width, label=label(d, rows))
     ax.set_xticks(range(len(classes)), classes, rotation=45, fontsize="small")
     some = "" if len(shown) == len(first["classes"]) else f": the 10 best and 10 worst of {len(first['classes'])}"
     ax.set(title=f"per-class test accuracy, last evaluated epoch{some}", ylabel="%", ylim=(0, 100))
     ax.legend(fontsize="small")
-    written.append(_save(fig, out / "per_class.png", plt))
+    return fig
 
-    for d, rows in tested:
-        last = rows[-1]
-        if not isinstance(last.get("confusion"), list):
-            continue  # metrics from before ddp-cifar kept the confusion matrix
-        fig, ax = plt.subplots(figsize=(7, 6), dpi=DPI)
-        image = ax.imshow(last["confusion"], cmap="Blues")
-        fig.colorbar(image, ax=ax)
-        n = len(last["classes"])
-        if n <= 20:
-            ax.set_xticks(range(n), last["classes"], rotation=45, fontsize="small")
-            ax.set_yticks(range(n), last["classes"], fontsize="small")
-            for t in range(n):
-                for p in range(n):
-                    ax.text(p, t, last["confusion"][t][p], ha="center", va="center", fontsize="x-small")
-        ax.set(title=f"confusion, epoch {last['epoch']} ({d})", xlabel="predicted", ylabel="true")
-        written.append(_save(fig, out / f"confusion-{d}.png", plt))
-    return written
+
+def _confusion(name: str, last: dict[str, Any], plt: Any) -> Any:
+    """The confusion matrix of a run's last evaluation, with the counts written in it up to 20 classes."""
+    fig, ax = plt.subplots(figsize=(7, 6), dpi=DPI)
+    image = ax.imshow(last["confusion"], cmap="Blues")
+    fig.colorbar(image, ax=ax)
+    n = len(last["classes"])
+    if n <= 20:
+        ax.set_xticks(range(n), last["classes"], rotation=45, fontsize="small")
+        ax.set_yticks(range(n), last["classes"], fontsize="small")
+        for t in range(n):
+            for p in range(n):
+                ax.text(p, t, last["confusion"][t][p], ha="center", va="center", fontsize="x-small")
+    ax.set(title=f"confusion, epoch {last['epoch']} ({name})", xlabel="predicted", ylabel="true")
+    return fig
 
 
 def _save(fig: Any, path: Path, plt: Any) -> Path:

@@ -167,8 +167,9 @@ def test_airbench_per_epoch_table_is_read_and_set_beside_ours(tmp_path):
               "epochs": 9.9, "per_epoch": rows}  # fmt: skip
     (tmp_path / "airbench.json").write_text(json.dumps(result))
     (tmp_path / "fast").mkdir()
-    ours = [{"epoch": 1, "test_acc": 0.25, "train_s": 4.25, "seconds": 4.5},
-            {"epoch": 2, "test_acc": 0.5, "train_s": 0.25, "seconds": 0.5}]  # fmt: skip
+    record = {"train_loss": 2.0, "per_class_acc": [0.5], "classes": ["a"]}  # a run's, as plot.read_run takes them
+    ours = [{**record, "epoch": 1, "test_acc": 0.25, "train_s": 4.25, "seconds": 4.5},
+            {**record, "epoch": 2, "test_acc": 0.5, "train_s": 0.25, "seconds": 0.5}]  # fmt: skip
     (tmp_path / "fast" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ours))
     table = gpu_summary.airbench(tmp_path)
     assert "| 1 | 37.02% | 0.10 | 25.00% | 4.25 | 4.50 |" in table, table

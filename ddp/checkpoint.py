@@ -337,7 +337,7 @@ def export(path: str | Path, out: str | Path, raw: bool = False, state_dict: boo
         exported = {"format": "ddp-cifar-weights/1", "model_name": model["name"], "width": model.get("width", 1.0),
                     "dropout": model.get("dropout", 0.0), "classes": state["classes"], "normalize": state["normalize"],
                     "model": exported}  # fmt: skip
-    with files.atomic(Path(out)) as f:
+    with files.atomic(Path(out), exclusive=True) as f:  # nor one a second export made meanwhile
         torch.save(exported, f)
     return state
 

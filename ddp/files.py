@@ -58,8 +58,9 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def replace(path: Path, data: bytes | memoryview) -> None:
-    """`data` as the new content of `path` (its folder made if missing), all or nothing."""
+def replace(path: Path, data: bytes | memoryview, exclusive: bool = False) -> None:
+    """`data` as the new content of `path` (its folder made if missing), all or nothing. `exclusive`: a
+    file that is there by then stays (an OSError, File exists), as one made meanwhile by a second writer."""
     path, tmp = Path(path), None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -70,7 +71,10 @@ def replace(path: Path, data: bytes | memoryview) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
-        os.replace(tmp, path)
+        if exclusive:
+            _link_new(tmp, path)
+        else:
+            os.replace(tmp, path)
         tmp = None
         _fsync_dir(path.parent)
     except OSError as e:
@@ -83,14 +87,29 @@ def replace(path: Path, data: bytes | memoryview) -> None:
             Path(tmp).unlink(missing_ok=True)
 
 
+def _link_new(tmp: str, path: Path) -> None:
+    """`tmp` renamed to `path` unless `path` exists, in one step: a hard link never replaces a file."""
+    try:
+        os.link(tmp, path)
+    except FileExistsError:
+        raise
+    except OSError:  # a filesystem without hard links (FAT): the caller's look before is all there is
+        if path.exists():
+            raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(path)) from None
+        os.replace(tmp, path)
+    else:
+        os.unlink(tmp)
+
+
 @contextmanager
-def atomic(path: Path) -> Iterator[io.BytesIO]:
+def atomic(path: Path, exclusive: bool = False) -> Iterator[io.BytesIO]:
     """`with atomic(path) as f: write(f)`: what is written to f becomes `path`'s content
-    when the `with` ends without an error, whole (replace); an error inside leaves `path` as it was.
-    The bytes go to memory first, so a full disk is an OSError here, never a half-written zip."""
+    when the `with` ends without an error, whole (replace; with `exclusive` never over a file that is there);
+    an error inside leaves `path` as it was. The bytes go to memory first, so a full disk is an OSError here,
+    never a half-written zip."""
     buffer = io.BytesIO()
     yield buffer
-    replace(path, buffer.getbuffer())
+    replace(path, buffer.getbuffer(), exclusive)
 
 
 def link(target: Path, name: Path) -> None:

@@ -15,6 +15,7 @@ import torch
 from conftest import REPO, TINY, TRAIN, clean_env, metrics, ok, python
 
 from ddp import checkpoint, config, models, optim, rundir, train
+from ddp.errors import WriteFailed
 
 RUN = [*TINY, "train.epochs=2", "run.save_every_steps=3", "run.keep_last=2"]
 
@@ -153,6 +154,23 @@ def test_the_readmes_lines_rebuild_a_model_of_another_width_from_its_checkpoint_
         assert sum(p.numel() for p in scope["model"].parameters()) < 0.3 * models.PARAMS["small"]  # ~ width**2
     with pytest.raises(checkpoint.CorruptCheckpoint, match="not a ddp-cifar checkpoint \\(an export: the weights"):
         checkpoint.load(tmp_path / "model.pt")
+
+
+def test_an_export_never_replaces_a_file_made_by_a_second_export_meanwhile(tmp_path, monkeypatch):
+    """Two exports to one name at once (two terminals, a script run twice): both found no OUT, and the second
+    rename replaced the first's file. The last step is a hard link, which never replaces: the second fails."""
+    out = tmp_path / "model.pt"
+    state = {"model": {"w": torch.zeros(1)}, "ema": None, "classes": ["a"], "normalize": {"mean": [0], "std": [1]},
+             "config": {"model": {"name": "small", "width": 1.0, "dropout": 0.0}}}  # fmt: skip
+
+    def load_while_another_export_finishes(path):
+        out.write_bytes(b"the other export's")
+        return state
+
+    monkeypatch.setattr(checkpoint, "load", load_while_another_export_finishes)
+    with pytest.raises(WriteFailed, match=f"^cannot write {out}: File exists$"):
+        checkpoint.export("last.pt", out)
+    assert out.read_bytes() == b"the other export's" and [p.name for p in tmp_path.iterdir()] == ["model.pt"]
 
 
 def test_resuming_with_other_settings_lists_every_one_that_changed(tmp_path):

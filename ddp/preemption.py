@@ -15,6 +15,15 @@ from ddp import distributed, launchers, lifeline, logs
 from ddp.devices import World
 from ddp.errors import Stopped, UsageError
 
+# Signals the system sends for ordinary events: as a stop signal, each would stop a run that nobody stopped.
+ORDINARY = {
+    "SIGCHLD": "every child process's end (DataLoader workers end with each epoch)",
+    "SIGWINCH": "every resize of the terminal",
+    "SIGCONT": "every job that goes on after a stop (fg after Ctrl-Z)",
+    "SIGURG": "urgent data on a socket",
+    "SIGPIPE": "every write to a pipe whose reader has gone",
+}
+
 
 def parse_signals(names: str) -> list[signal.Signals]:
     """ "SIGTERM,SIGUSR1" (or "TERM,USR1") as signals; "" or "none" for no handlers."""
@@ -27,6 +36,9 @@ def parse_signals(names: str) -> list[signal.Signals]:
             raise UsageError(
                 f"run.stop_signal: {name!r} is not a signal that can be caught; e.g. SIGTERM,SIGUSR1,SIGINT"
             )
+        if full in ORDINARY:
+            raise UsageError(f"run.stop_signal: {full} comes with {ORDINARY[full]}, not to stop a run; stop signals "
+                             "are ones sent for it, e.g. SIGTERM,SIGUSR1,SIGINT")  # fmt: skip
         out.append(signal.Signals[full])
     return out
 

@@ -58,3 +58,11 @@ def test_a_second_ctrl_c_stops_at_once_in_one_line_and_130(capsys):
 def test_signals_that_cannot_be_caught_are_refused(names):
     with pytest.raises(UsageError, match="is not a signal that can be caught"):
         preemption.parse_signals(names)
+
+
+@pytest.mark.parametrize("names", ["SIGCHLD", "TERM,winch", "SIGCONT", "URG", "SIGPIPE"])
+def test_signals_of_ordinary_events_are_refused_as_stop_signals(names):
+    """SIGCHLD would stop a run with loader=torch when its workers end with epoch 1; SIGWINCH, when the terminal
+    is resized."""
+    with pytest.raises(UsageError, match="^run.stop_signal: SIG[A-Z]+ comes with .*, not to stop a run; stop signals"):
+        preemption.parse_signals(names)

@@ -5,8 +5,12 @@ lies is a UsageError naming the array, the value and its index. Local rank 0 dow
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import sys
 import time
 import zipfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -141,6 +145,30 @@ def _synthetic(cfg: DataConfig) -> tuple[Split, Split, list[str]]:
 DOWNLOAD_WAIT_S = 3600  # how long the other ranks of a node wait for local rank 0's download
 
 
+@contextlib.contextmanager
+def _download_lock(root: Path, name: str) -> Iterator[None]:
+    """data.root locked (flock) while this process downloads into it: torchvision writes the archive in place,
+    so two runs downloading at once (the jobs of one sweep) wrote over each other's. The second waits, then
+    finds the data. Where no lock can be had (read-only, NFS without lockd) it goes on without one."""
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        lock = open(root / ".download.lock", "a")  # closed below, after the yield
+    except OSError:
+        yield
+        return
+    try:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"waiting for another run's download of {name} into data.root={root}", file=sys.stderr, flush=True)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        except OSError:
+            pass  # no locks on this filesystem
+        yield
+    finally:
+        lock.close()
+
+
 def _torchvision(cfg: DataConfig, world: World) -> tuple[Split, Split, list[str]]:
     """CIFAR-10/100 from data.root; local rank 0 downloads if allowed, the others of its node wait
     for the files to appear (no process group is needed: the data is read before joining one)."""
@@ -163,15 +191,18 @@ def _torchvision(cfg: DataConfig, world: World) -> tuple[Split, Split, list[str]
     if found is None and not cfg.download:
         raise UsageError(f"{name} not found in data.root={cfg.root} and data.download=false; {offline_fix}")
     if found is None and world.is_local_main:
-        try:
-            for train in (True, False):
-                cls(cfg.root, train=train, download=True)
-        except Exception as e:  # offline, proxy, disk full: all mean "no data here"
-            why = f"{type(e).__name__}: {e}"
-            raise UsageError(
-                f"could not download {name} into data.root={cfg.root} ({why}); offline? {offline_fix}"
-            ) from None
-        found = opened()
+        with _download_lock(Path(cfg.root), name):
+            found = opened()  # another run's download may have brought it meanwhile
+            if found is None:
+                try:
+                    for train in (True, False):
+                        cls(cfg.root, train=train, download=True)
+                except Exception as e:  # offline, proxy, disk full: all mean "no data here"
+                    why = f"{type(e).__name__}: {e}"
+                    raise UsageError(
+                        f"could not download {name} into data.root={cfg.root} ({why}); offline? {offline_fix}"
+                    ) from None
+                found = opened()
         if found is None:
             raise UsageError(f"{name} not found in data.root={cfg.root} after its download")
     deadline = time.monotonic() + DOWNLOAD_WAIT_S

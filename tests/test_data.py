@@ -4,7 +4,10 @@ import hashlib
 import pickle
 import re
 import sys
+import threading
+import time
 import urllib.error
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -244,6 +247,50 @@ def test_a_torchvision_that_does_not_import_is_one_line_for_cifar_and_resnet18(b
         with pytest.raises(UsageError, match=f"^{needs} needs torchvision, and it does not import \\({why}.*"
                            f"install the torchvision built for this torch {re.escape(torch.__version__)}"):  # fmt: skip
             what()
+
+
+def test_two_runs_downloading_into_one_data_root_take_turns(tmp_path, monkeypatch, capsys):
+    """torchvision writes the archive in place: two runs downloading into one data.root at once (the jobs of a
+    sweep) wrote over each other's file. Now the second waits for the first and then finds the data (here two
+    threads, each a run's local rank 0, and a download that takes 0.5 s)."""
+    names = [f"name{i}" for i in range(10)]
+    x, y, xt, yt = arrays()
+    server = tmp_path / "server"
+    server.mkdir()
+    files = {"data_batch_1": (x, y), "test_batch": (xt, yt)}
+    md5 = {f: _pickle(server / f, {"data": a.transpose(0, 3, 1, 2).reshape(len(a), -1), "labels": [int(v) for v in b]})
+           for f, (a, b) in files.items()}  # fmt: skip
+    md5["batches.meta"] = _pickle(server / "batches.meta", {"label_names": names})
+    cls = tv_datasets.CIFAR10
+    monkeypatch.setattr(cls, "train_list", [["data_batch_1", md5["data_batch_1"]]])
+    monkeypatch.setattr(cls, "test_list", [["test_batch", md5["test_batch"]]])
+    monkeypatch.setattr(cls, "meta", {"filename": "batches.meta", "key": "label_names", "md5": md5["batches.meta"]})
+    downloading, most, calls = [0], [0], []
+
+    def download(self):  # as torchvision's: nothing if the files are whole, else written in place, over some time
+        if self._check_integrity():
+            return
+        downloading[0] += 1
+        most[0] = max(most[0], downloading[0])
+        calls.append(1)
+        folder = Path(self.root) / cls.base_folder
+        folder.mkdir(parents=True, exist_ok=True)
+        time.sleep(0.5)
+        for f in md5:
+            (folder / f).write_bytes((server / f).read_bytes())
+        downloading[0] -= 1
+
+    monkeypatch.setattr(cls, "download", download)
+    root, results = tmp_path / "data", []
+    runs = [threading.Thread(target=lambda: results.append(datasets.read(DataConfig(root=str(root)), CPU)))
+            for _ in range(2)]  # fmt: skip
+    for run in runs:
+        run.start()
+    for run in runs:
+        run.join(timeout=60)
+    assert most[0] == 1 and len(calls) == 1, (most, calls)  # one download at a time, and the second not needed
+    assert len(results) == 2 and all(r.classes == names and len(r.train.labels) == len(y) for r in results)
+    assert f"waiting for another run's download of CIFAR-10 into data.root={root}" in capsys.readouterr().err
 
 
 def test_cifar_download_failure_is_a_clear_error(tmp_path, monkeypatch):

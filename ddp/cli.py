@@ -18,12 +18,15 @@ from ddp.errors import (
     EXIT_INTERRUPTED,
     EXIT_OK,
     INTERRUPTED,
+    OUT_OF_MEMORY_FIX,
     Diverged,
     PeerLost,
     Stopped,
     UsageError,
     WriteFailed,
     exit_code,
+    first_line,
+    out_of_memory,
 )
 
 
@@ -164,6 +167,15 @@ def command(main: Callable[[list[str]], Any], argv: list[str] | None = None, pro
         return exit_code(e)
     except BrokenPipeError:  # its reader has gone (`... | head`): the rest has no one to read it
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # and the exit's flush does not fail again
+        return EXIT_FAILURE
+    except Exception as e:  # out of memory: one line with what to try; anything else is a bug, its traceback
+        if not out_of_memory(e) or debug_requested(argv):
+            raise
+        world = launchers.detect_launch() if launchers.has_peers() else None
+        who = f"rank {world.rank} of {world.world_size}: " if world else ""  # the rank whose memory ran out
+        line = f"{prog + ': ' if prog else ''}error: {who}out of memory ({first_line(e)}); {OUT_OF_MEMORY_FIX}"
+        print(line, file=sys.stderr)
+        launchers.record_error(line)
         return EXIT_FAILURE
     except KeyboardInterrupt:  # Ctrl-C where no stop is handled (preemption's and lifeline's are not installed)
         if debug_requested(argv):

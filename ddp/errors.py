@@ -2,7 +2,7 @@
 
     0   EXIT_OK       done
     1   EXIT_FAILURE  a failure: a lost rank (PeerLost), a file that could not be written (WriteFailed: a
-                      full disk, say), or a bug (any other exception, with its traceback)
+                      full disk, say), out of memory, or a bug (any other exception, with its traceback)
     2   EXIT_USAGE    a mistake the user can fix (UsageError): a bad config, device, path, file or launch
     3   EXIT_DIVERGED the loss or the weights stopped being finite (Diverged); the finite checkpoints are kept
     75  EXIT_STOPPED  stopped on a signal after a checkpoint (Stopped): run the same command to resume
@@ -49,6 +49,21 @@ class PeerLost(Exception):
 
 class Stopped(Exception):
     """The loop stopped on a signal after writing its checkpoint; the message (rank 0's) says so."""
+
+
+OUT_OF_MEMORY_FIX = (
+    "try a smaller train.batch_size, or train.micro_batch_size=N (the same global batch in pieces of N per rank), "
+    "run.amp=bf16, or data.loader=torch (the data off the GPU)"
+)
+
+
+def out_of_memory(error: BaseException) -> bool:
+    """Whether `error` is an allocation that failed: torch's CUDA (and MPS) OutOfMemoryError, its CPU
+    allocator's "can't allocate memory" (a RuntimeError both), or Python's MemoryError."""
+    text = str(error)
+    return isinstance(error, MemoryError) or (
+        isinstance(error, RuntimeError) and ("out of memory" in text or "can't allocate memory" in text)
+    )
 
 
 def first_line(error: BaseException, typed: bool = False) -> str:

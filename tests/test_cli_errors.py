@@ -11,9 +11,10 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import REPO, TINY, TRAIN, clean_env, python, torchrun
 
-from ddp import errors, rundir, train
+from ddp import cli, errors, rundir, train
 
 
 def assert_usage_error(proc, *fragments: str) -> None:
@@ -299,3 +300,24 @@ def test_the_startup_hook_speaks_for_local_rank_0_and_keeps_other_tracebacks(rai
     assert proc.stderr.startswith(said) and (said in ("Traceback", "error: no module named 'tqdm' in ")
                                              or proc.stderr == said), proc.stderr  # fmt: skip
     assert proc.returncode == (2 if "tqdm" in raised else 1 if "Error" in raised else -signal.SIGINT)
+
+
+def test_out_of_memory_is_one_line_naming_the_rank_and_what_to_try(tmp_path, capsys, monkeypatch):
+    """A failed allocation was torch's traceback: the CPU's (2.4 TB of images asked for, here in this process)
+    and a GPU's (torch.cuda.OutOfMemoryError, raised on rank 1 of 2 under torchrun's variables)."""
+    monkeypatch.chdir(REPO)
+    code = train.cli([f"run.out_dir={tmp_path}", *TINY, "data.synthetic_train=100000000"])
+    err = capsys.readouterr().err
+    assert code == 1 and err.startswith("error: out of memory (") and err.count("\n") == 1, err
+    assert "can't allocate memory" in err and "try a smaller train.batch_size, or train.micro_batch_size=N" in err
+
+    def step(argv):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 1 has a total ...")
+
+    torchrun = {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1"}
+    for name, value in torchrun.items():
+        monkeypatch.setenv(name, value)
+    assert cli.command(step, []) == 1
+    assert capsys.readouterr().err.startswith("error: rank 1 of 2: out of memory (CUDA out of memory. Tried to")
+    with pytest.raises(torch.cuda.OutOfMemoryError):  # run.debug=true: the traceback, for a bug report
+        cli.command(step, ["run.debug=true"])

@@ -10,6 +10,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, NoReturn
 
 from ddp import config, launchers
@@ -92,6 +93,10 @@ class Args:
 def _config_file(value: str | None) -> str:
     if not value:
         raise UsageError("--config needs a file: --config configs/quick.yaml")
+    beside = Path(__file__).resolve().parent.parent / value  # the repository's, for a command run elsewhere
+    if not Path(value).exists() and not Path(value).is_absolute() and beside.is_file():
+        raise UsageError(f"config file not found: {value} (in {Path.cwd()}); the repository's is {beside}: run "
+                         "from the repository, or give that path")  # fmt: skip
     return value
 
 

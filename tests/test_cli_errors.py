@@ -121,6 +121,16 @@ def test_bad_input_exits_2_with_one_line(args, fragments, tmp_path, capsys, monk
     assert_usage_error(subprocess.CompletedProcess(args, code, *capsys.readouterr()), *fragments)
 
 
+def test_a_recipe_named_from_outside_the_repository_names_the_repositorys_file(tmp_path, capsys, monkeypatch):
+    """`--config configs/quick.yaml` from another directory (python /path/to/ddp/train.py ...): the path it meant."""
+    monkeypatch.chdir(tmp_path)
+    assert train.cli(["--config", "configs/quick.yaml"]) == 2
+    assert capsys.readouterr().err == (
+        f"error: config file not found: configs/quick.yaml (in {tmp_path}); the repository's is "
+        f"{REPO / 'configs/quick.yaml'}: run from the repository, or give that path\n"
+    )
+
+
 def test_batch_not_divisible_by_world_size_fails_before_the_rendezvous(tmp_path):
     # Launcher variables for rank 0 of 3 with nobody else coming: the check must come first, or
     # this process would wait in init_process_group instead of exiting.

@@ -5,6 +5,7 @@ linear warm-up from 0 (or optim.warmup_from), then constant, cosine or linear to
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -50,6 +51,9 @@ def make_optimizer(
         return factor(step) if step < whiten_steps else 0.0
 
     factors = [whiten_bias_factor if is_whiten_bias else factor for (_, _, is_whiten_bias), _ in ordered]
+    # fp16's GradScaler skips a step whose gradients overflow (often the first: its scale starts at 2**16) and
+    # the schedule advances per global step all the same: torch's warning about that order tells a user nothing
+    warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before `optimizer\.step")
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factors)
 
 

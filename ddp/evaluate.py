@@ -20,7 +20,7 @@ from ddp.launchers import quiet_startup
 
 quiet_startup(__name__)  # run as a command: a Ctrl-C or a missing package in the imports below is one line
 
-from ddp import checkpoint, cli, config, datasets, devices, loaders, metrics, models
+from ddp import __version__, checkpoint, cli, config, datasets, devices, loaders, metrics, models
 from ddp.config import RunConfig
 from ddp.errors import UsageError
 
@@ -28,7 +28,11 @@ from ddp.errors import UsageError
 def measure(path: str, device: str, batch_size: int, overrides: list[str], raw: bool = False) -> dict[str, Any]:
     """The checkpoint at `path` evaluated on `device` over the whole test set: accuracy, per class, confusion."""
     state = checkpoint.load(path)
-    cfg = config.from_dict(state["config"])
+    try:
+        cfg = config.from_dict(state["config"])
+    except UsageError as e:  # a key this version does not know: a checkpoint of a newer ddp-cifar
+        written = state.get("versions", {}).get("ddp_cifar", "another version")
+        raise UsageError(f"{path} was written by ddp-cifar {written}, this is {__version__}: {e}") from None
     if bad := [o for o in overrides if not o.startswith("data.")]:
         raise UsageError(f"{', '.join(bad)}: only data.* settings can change for evaluation (e.g. data.path=FILE)")
     config.override(cfg, overrides)

@@ -69,6 +69,25 @@ def test_mistakes_are_one_line_and_exit_2(ddp_run, args, message):
     assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr
 
 
+def test_a_checkpoint_of_a_newer_version_says_so(ddp_run, tmp_path, capsys):
+    """A checkpoint whose config has a key this version does not know (written by a newer ddp-cifar): was
+    "unknown key 'model.new_thing'" alone, as if the user had typed it."""
+    from ddp import __version__, files
+    from ddp import evaluate as ddp_evaluate
+    from ddp.cli import command
+
+    state = torch.load(ddp_run / "checkpoints" / "last.pt", map_location="cpu", weights_only=True)
+    del state["checksum"]
+    state["config"]["model"]["new_thing"], state["versions"]["ddp_cifar"] = 3, "9.0.0"
+    state["checksum"] = files.digest(state)
+    torch.save(state, tmp_path / "newer.pt")
+    assert command(ddp_evaluate.main, ["--checkpoint", str(tmp_path / "newer.pt")]) == 2
+    assert capsys.readouterr().err.startswith(
+        f"error: {tmp_path / 'newer.pt'} was written by ddp-cifar 9.0.0, this is {__version__}: unknown key "
+        "'model.new_thing'"
+    )
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none visible on this machine)")
 def test_a_cpu_checkpoint_evaluates_on_the_gpu(ddp_run):
     env = {k: v for k, v in __import__("os").environ.items() if k != "CUDA_VISIBLE_DEVICES"}

@@ -56,8 +56,9 @@ format: $(STAMP)
 	$(PY) -m ruff format ddp tests bench
 	$(PY) -m ruff check --fix ddp tests bench
 
+# The installed environment and caches only: never runs/ (checkpoints of hours of training) or data/.
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) .pytest_cache
 
 # make gpu-check: every CUDA path run and measured on a GPU machine (bench/gpu_check.sh says what);
 # needs nothing installed but torch (it runs from the checkout). make gpu-carry, here, first: the

@@ -48,3 +48,10 @@ def test_each_module_says_what_it_owns_in_at_most_three_lines():
         doc = ast.get_docstring(ast.parse(path.read_text()))
         assert doc, f"{path.name} has no docstring"
         assert len(doc.split("\n\n")[0].splitlines()) <= 3, f"{path.name}: what it owns, in more than 3 lines"
+
+
+def test_make_clean_removes_the_environment_not_a_users_runs_or_data():
+    """`make clean` removed runs/ with .venv: a user cleaning the install lost every checkpoint of make train."""
+    planned = subprocess.run(["make", "-n", "clean"], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    removed = {word for line in planned.splitlines() if line.startswith("rm ") for word in line.split()[2:]}
+    assert removed == {".venv", ".pytest_cache"}, planned

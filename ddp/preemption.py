@@ -93,6 +93,18 @@ class StopRequest:
             signal.signal(sig, previous)
 
 
+def requeue_outcome(result: subprocess.CompletedProcess) -> str:
+    """What `scontrol requeue` did. The requeue stops the job's processes at once, and scontrol is one of
+    them: ended by a signal (SIGKILL: it ignores SIGTERM) before it exits 0, it did requeue, most likely."""
+    if result.returncode == 0:
+        return "requeued"
+    if result.returncode < 0:
+        return (
+            f"scontrol ended by {signal.Signals(-result.returncode).name} as the job stopped (the requeue, or a cancel)"
+        )
+    return result.stderr.strip() or f"scontrol exited {result.returncode}"
+
+
 def finish_stop(signal_name: str | None, saved: Path | None, world: World) -> None:
     """After the stop checkpoint: rank 0 says why (its own reason, else the first rank's that had
     one), asks SLURM to requeue the job (if in one); all ranks leave."""
@@ -102,8 +114,10 @@ def finish_stop(signal_name: str | None, saved: Path | None, world: World) -> No
         logs.say(f"stopping on {cause}: checkpoint {saved}")
         requeue = launchers.requeue_command()
         if requeue:
-            result = subprocess.run(requeue, capture_output=True, text=True)
-            logs.say(f"{' '.join(requeue)}: " + ("requeued" if result.returncode == 0 else result.stderr.strip()))
+            # SIGTERM ignored (kept across exec): the requeue signals the job's processes, scontrol among them
+            result = subprocess.run(["sh", "-c", 'trap "" TERM; exec "$@"', "sh", *requeue], capture_output=True,
+                                    text=True)  # fmt: skip
+            logs.say(f"{' '.join(requeue)}: {requeue_outcome(result)}")
     distributed.barrier(world)  # leave together, after rank 0's checkpoint is on disk
     why = f"stopped on {cause}; run the same command to resume"
     raise Stopped(why if world.is_main else "")  # other ranks print nothing but errors

@@ -292,7 +292,9 @@ def test_sbatch_on_two_nodes_stopped_requeued_ends_with_the_weights_of_an_uninte
     log = (tmp_path / f"log-{job}.out").read_text()
     assert state == "COMPLETED" and slurm_job_state(h0, env, job, "Restarts") == "1", log[-3000:]
     assert "on 2 node(s)" in log and "stopping on SIGTERM: checkpoint" in log
-    assert f"scontrol requeue {job}: requeued" in log
+    # Restarts 1 above is the requeue. scontrol was once (1 suite in 3) ended by it before it said so: it now
+    # ignores SIGTERM, and a SIGKILL would be said
+    assert f"scontrol requeue {job}: requeued" in log or f"scontrol requeue {job}: scontrol ended by SIG" in log, log
     assert "Traceback" not in log, log  # torchrun's SignalException ends as an exit code (ddp/torchrun.py)
     assert "resumed from" in log and f"job {job} (restart 1)" in log
     assert [m["epoch"] for m in metrics(out)] == [1, 2, 3, 4]  # each epoch once, the right number

@@ -3,6 +3,7 @@ test_resume.py and test_slurm.py."""
 
 import os
 import signal
+import subprocess
 
 import pytest
 
@@ -66,3 +67,16 @@ def test_signals_of_ordinary_events_are_refused_as_stop_signals(names):
     is resized."""
     with pytest.raises(UsageError, match="^run.stop_signal: SIG[A-Z]+ comes with .*, not to stop a run; stop signals"):
         preemption.parse_signals(names)
+
+
+def test_what_scontrol_requeue_did_is_said_also_when_the_requeue_ended_it():
+    """The requeue stops every process of the job, scontrol among them: it printed "scontrol requeue 2: " and
+    nothing more when SIGTERM ended scontrol before it exited 0 (the job was requeued: Restarts=1)."""
+
+    def ran(code: int, err: str = "") -> subprocess.CompletedProcess:
+        return subprocess.CompletedProcess(["scontrol", "requeue", "2"], code, "", err)
+
+    assert preemption.requeue_outcome(ran(0)) == "requeued"
+    assert preemption.requeue_outcome(ran(-15)).startswith("scontrol ended by SIGTERM as the job stopped")
+    assert preemption.requeue_outcome(ran(1, "Invalid job id specified\n")) == "Invalid job id specified"
+    assert preemption.requeue_outcome(ran(1)) == "scontrol exited 1"

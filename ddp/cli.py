@@ -52,6 +52,10 @@ class Option:
         return self.name.lstrip("-").replace("-", "_")
 
 
+TORCHRUN_OPTIONS = {"nproc_per_node", "nnodes", "node_rank", "standalone", "master_addr", "master_port",
+                    "rdzv_endpoint", "rdzv_backend", "rdzv_id", "max_restarts"}  # fmt: skip
+
+
 def parse(argv: list[str], usage: str, options: list[Option]) -> tuple[dict[str, Any], list[str]]:
     """({option key: value}, the other words in order). -h/--help prints `usage` and exits 0; an
     unknown option is a UsageError listing the known ones, and usage's first line."""
@@ -76,7 +80,9 @@ def parse(argv: list[str], usage: str, options: list[Option]) -> tuple[dict[str,
             values[by_name[arg].key] = True
         elif arg.startswith("-"):
             known = ", ".join(f"{o.name} {o.metavar}".strip() for o in options)
-            raise UsageError(f"unknown option {arg}; options are {known}, --help; {usage.splitlines()[0]}")
+            torchrun = name.lstrip("-").replace("-", "_") in TORCHRUN_OPTIONS  # given to a launch file, say
+            hint = " (torchrun's option: it goes before ddp/train.py; launch files take NPROC=N)" if torchrun else ""
+            raise UsageError(f"unknown option {arg}{hint}; options are {known}, --help; {usage.splitlines()[0]}")
         else:
             words.append(arg)
     return values, words

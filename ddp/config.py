@@ -44,8 +44,8 @@ class Range:
 
 
 POSITIVE, NATURAL = Range(1), Range(0)  # integers from 1, from 0
-PATHS = {"data.root", "data.path", "run.out_dir", "run.resume"}  # ~ expanded: bash leaves run.out_dir=~/x as typed
 FRACTION = Range(0, 1, high_open=True)  # [0, 1)
+PATHS = {"data.root", "data.path", "run.out_dir", "run.resume"}  # ~ expanded: bash leaves run.out_dir=~/x as typed
 
 
 def opt(default: Any, help: str, choices: tuple[str, ...] = (), valid: Range | None = None) -> Any:

@@ -4,22 +4,25 @@
 #          through ddp/train.py bare, under torchrun with nccl, and with each DDP knob that could
 #          remove a copy or a broadcast, and a profile of each of the two (top-10 by self time)
 #   tune   fast at batch 8192 compiled, default against TORCHINDUCTOR_MAX_AUTOTUNE=1 (MFU short of 30%)
-#   mfu    the bench's compiled rows at the best batches (fast 8192, resnet18 4096), run.compile_mode
-#          default against max-autotune-no-cudagraphs (2026-11-26: MFU 28.8% and 38.4%, the targets
-#          35% and 45%); mfu.md and .json (max-autotune compiled 113 s for fast alone on 2026-11-23)
+#   mfu    the bench's compiled rows at the best batches (MFU_MODELS, default "fast:8192 resnet18:4096") in
+#          each run.compile_mode of MFU_MODES (default "default max-autotune-no-cudagraphs"), written a row
+#          at a time (2026-11-26: MFU 27.4-30.0% and 37.6-39.2%, the targets 35% and 45%); mfu.md and .json
+#          (max-autotune-no-cudagraphs compiled 160 s for fast alone on 2026-11-26)
 #   graphs the second check (2026-11-25) left DDP at world size 1 +14..18% over the bare model and
 #          compiled DDP slower than eager: the same job eager, compiled, and compiled with CUDA graphs
 #          (run.compile_mode=reduce-overhead), bare and under torchrun with nccl
 #   fast-graphs  configs/fast.yaml on the subset compiled with CUDA graphs: does the whole loop keep
 #          eager's accuracy (2026-11-26: its evaluation read an output that CUDA graphs had overwritten)
 #   fast-seeds   configs/fast.yaml as gpu-check's fast step runs it (seed 0), with seeds 1 and 2
+#   graphs-split bench/graphs_split.py: the bare model and DDP at world size 1 both with CUDA graphs (like for
+#          like), and where a compiled step's GPU time goes at the MFU rows' batches; pair.md, split.md
 #   overhead     the bench's DDP-overhead section alone (DDP at world size 1 against the bare model, each
 #          compiled-DDP variant): a second sample of its figures; ddp-overhead.md and .json
 # Each run's epoch lines (and profile tables) go to $OUT/probe-<step>.log; the fast-* runs' metrics.jsonl
 # to $OUT/<run>/.
 #   fsdp   FSDP2 at one rank took 4.1x DDP's step (resnet18, batch 256, bf16, 2026-11-25): the same with
 #          --amp off (bf16 shards each BatchNorm on its own: 27 FSDP2 units instead of 8)
-#   bash bench/gpu_probe.sh [ddp] [tune] [mfu] [graphs] [fast-graphs] [fast-seeds] [overhead] [fsdp]
+#   bash bench/gpu_probe.sh [ddp] [tune] [mfu] [graphs] [fast-graphs] [fast-seeds] [graphs-split] [overhead] [fsdp]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -60,18 +63,24 @@ for step in "${@:-ddp tune}"; do
         } >"$out/probe-tune.log"
         ;;
       mfu)
-        python3 -c 'import json, sys, torch
+        python3 -c 'import json, sys
 from bench import harness, report
 from bench.__main__ import SIZES
-sizes = dict(SIZES["full"], compiled=[("fast", 8192), ("resnet18", 4096)])
-device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+device = harness.torch.device("cuda", 0) if harness.torch.cuda.is_available() else harness.torch.device("cpu")
 rows = []
-for mode in sys.argv[2:]:
-    rows += harness.compiled_sweep(sizes, device, mode)
-    open(sys.argv[1] + ".json", "w").write(json.dumps(rows, indent=1))  # after each mode: a cut-off call keeps it
-    open(sys.argv[1] + ".md", "w").write("\n".join(report.compiled(rows)) + "\n")' \
-          "$out/mfu" default max-autotune-no-cudagraphs >"$out/probe-mfu.log" 2>&1
+for mode in sys.argv[2].split():
+    for pair in sys.argv[3].split():
+        model, batch = pair.split(":")
+        rows += harness.compiled_sweep(dict(SIZES["full"], compiled=[(model, int(batch))]), device, mode)
+        open(sys.argv[1] + ".json", "w").write(json.dumps(rows, indent=1))  # after each row: a cut-off call keeps it
+        open(sys.argv[1] + ".md", "w").write("\n".join(report.compiled(rows)) + "\n")' \
+          "$out/mfu" "${MFU_MODES:-default max-autotune-no-cudagraphs}" "${MFU_MODELS:-fast:8192 resnet18:4096}" \
+          >"$out/probe-mfu.log" 2>&1
         cat "$out/mfu.md" >>"$out/probe-mfu.log"
+        ;;
+      graphs-split)
+        python3 bench/graphs_split.py "$out" pair split >"$out/probe-graphs-split.log" 2>&1
+        cat "$out/pair.md" "$out/split.md" >>"$out/probe-graphs-split.log"
         ;;
       graphs)
         job=("${common[@]}" data.synthetic_train=32768 train.batch_size=1024 train.epochs=3)

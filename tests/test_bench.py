@@ -188,3 +188,36 @@ def test_bad_values_of_the_airbench_comparison_end_in_one_line(tmp_path, monkeyp
             airbench_steps.main()
         err = capsys.readouterr().err
         assert exit_.value.code == 2 and reason in err and "Traceback" not in err, (args, err)
+
+
+def test_graphs_split_dry_run_writes_both_tables_and_leaves_out_the_steps_labels(tmp_path):
+    """bench/graphs_split.py on the CPU (eager, toy sizes) as the device call runs it; and its kernel
+    sums leave out the step's record_function labels, which a GPU trace lists beside the kernels."""
+    proc = subprocess.run([sys.executable, "bench/graphs_split.py", str(tmp_path), "pair", "split"], cwd=REPO,
+                          env=clean_env(PYTHONPATH=str(REPO)), capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    bare, ddp = json.loads((tmp_path / "pair.json").read_text())
+    assert (bare["launch"], ddp["launch"]) == ("bare", "ddp") and bare["graphs_step_s"] > 0 < ddp["graphs_step_s"]
+    assert "DDP over the bare model, both with CUDA graphs:" in (tmp_path / "pair.md").read_text()
+    (split,) = json.loads((tmp_path / "split.json").read_text())
+    assert split["model"] == "small" and split["kinds_s"]["conv/matmul"] > 0
+    assert "| conv/matmul |" in (tmp_path / "split.md").read_text()
+
+    from bench import graphs_split
+
+    class Event:
+        def __init__(self, key, device_type, us):
+            self.key, self.device_type, self.self_device_time_total = key, device_type, us
+
+    class Profile:
+        def key_averages(self):
+            return [Event("forward", "DeviceType.CPU", 0), Event("aten::convolution", "DeviceType.CPU", 0),
+                    Event("forward", "DeviceType.CUDA", 9000.0),  # the label's span over its kernels
+                    Event("sm90_xmma_fprop_implicit_gemm_bf16", "DeviceType.CUDA", 3000.0),
+                    Event("triton_poi_fused_native_batch_norm", "DeviceType.CUDA", 1000.0)]  # fmt: skip
+
+    times = graphs_split.kernels(Profile(), gpu=True)
+    assert times == {"sm90_xmma_fprop_implicit_gemm_bf16": 0.003, "triton_poi_fused_native_batch_norm": 0.001}
+    assert graphs_split.kind("sm90_xmma_fprop_implicit_gemm_bf16") == "conv/matmul"
+    assert graphs_split.kind("void at::native::nchwToNhwcKernel") == "layout"
+    assert graphs_split.kind("triton_poi_fused_native_batch_norm").startswith("other")

@@ -1,0 +1,164 @@
+"""Two questions the 2026-11-26 leases left (issue 33, part 3), for one short device call:
+
+  pair   the bare model and DDP at world size 1, each compiled with CUDA graphs (run.compile_mode=
+         reduce-overhead), each timed in turns with the eager bare step: like for like, what does DDP
+         cost once the launches are graph replays? (The bench compares compiled DDP with the eager
+         bare model only.)
+  split  where a compiled step's GPU time goes (torch.profiler, CUDA kernels): convolutions and
+         matrix products, against the rest (fused BatchNorm/ReLU/pooling, the optimizer, copies), and
+         how much of the step's wall the kernels fill: what bounds MFU at the best batch.
+
+  python bench/graphs_split.py OUT_DIR [pair] [split]     (each part writes OUT_DIR/<part>.md and .json)
+
+On a CPU it runs the same code eager at toy sizes (the dry run tests/test_gpu_check.py makes).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from bench import harness
+from ddp import distributed
+from ddp.devices import World
+
+GPU = torch.cuda.is_available()
+DEVICE = torch.device("cuda", 0) if GPU else torch.device("cpu")
+TIMING = (DEVICE, 10, 50, 7) if GPU else (DEVICE, 1, 2, 2)  # warm-up calls, calls a window, windows
+PAIR = ("fast", 1024 if GPU else 16)
+SPLIT = [("resnet18", 4096), ("fast", 8192)] if GPU else [("small", 16)]
+MATMUL = ("conv", "gemm", "xmma", "cutlass", "cudnn", "triton_mm", "wgrad", "dgrad", "fprop", "implicit")
+LAYOUT = ("nchwtonhwc", "nhwctonchw", "transpose")
+
+
+def compiled(world: World, name: str, batch: int, mode: str) -> harness.train.Job:
+    extra = ("run.compile=true", f"run.compile_mode={mode}", "run.cudnn_benchmark=true") if GPU else ()
+    torch._dynamo.reset()  # each compiles afresh
+    return harness.job(name, batch, batch, world, *extra)
+
+
+def pair(out: Path) -> None:
+    name, batch = PAIR
+    world = World(0, 0, 1, DEVICE, "ddp", "bench", f"tcp://127.0.0.1:{harness.free_port()}")
+    rows = []
+    with distributed.setup(world, 120) as world:
+        eager = harness.job(name, batch, batch, World(0, 0, 1, DEVICE, "none"))
+        fixed = next(iter(eager.train_loader))
+        anchor = harness.stepping(eager, lambda: fixed)
+        for label, w in (("bare", World(0, 0, 1, DEVICE, "none")), ("ddp", world)):
+            built = compiled(w, name, batch, "reduce-overhead")
+            step = harness.stepping(built, lambda: fixed)
+            first = harness.first_two_steps_s(step, DEVICE)
+            t = harness.alternating({"eager_bare": anchor, "graphs": step}, *TIMING)
+            rows.append({"model": name, "batch": batch, "launch": label, "first_two_steps_s": first,
+                         "graphs_step_s": t["graphs"], "eager_bare_step_s": t["eager_bare"]})  # fmt: skip
+            print(f"  {label} with CUDA graphs: {t['graphs'] * 1e3:.2f} ms, eager bare {t['eager_bare'] * 1e3:.2f} ms")
+            del built, step
+    bare, ddp = rows
+    lines = [
+        "| launch | step ms, CUDA graphs | eager bare step ms (in turns) | compile s |",
+        "| --- | ---: | ---: | ---: |",
+    ]
+    for r in rows:
+        ms, anchor_ms = r["graphs_step_s"] * 1e3, r["eager_bare_step_s"] * 1e3
+        lines.append(f"| {r['launch']} | {ms:.2f} | {anchor_ms:.2f} | {r['first_two_steps_s']:.1f} |")
+    direct = ddp["graphs_step_s"] / bare["graphs_step_s"] - 1
+    anchored = (ddp["graphs_step_s"] / ddp["eager_bare_step_s"]) / (
+        bare["graphs_step_s"] / bare["eager_bare_step_s"]
+    ) - 1
+    lines.append(
+        f"\nDDP over the bare model, both with CUDA graphs: {direct:+.1%} (through the eager anchor: {anchored:+.1%})"
+    )
+    write(out, "pair", rows, lines)
+
+
+def kind(kernel: str) -> str:
+    low = kernel.lower().replace("_", "")
+    if any(k in low for k in LAYOUT):
+        return "layout"
+    if any(k.replace("_", "") in low for k in MATMUL):
+        return "conv/matmul"
+    if "memcpy" in low or "memset" in low:
+        return "copy"
+    return "other (fused elementwise, BatchNorm, pooling, optimizer)"
+
+
+def kernels(prof: torch.profiler.profile, gpu: bool = GPU) -> dict[str, float]:
+    """Self device time (s) per kernel name; on a CPU, self CPU time per operator (the dry run). The
+    step's record_function labels ("forward", "optimizer", ...) show on the GPU's timeline too, as
+    spans over their kernels: a name seen on both sides is such a label and is left out (counted, it
+    made the first call's kernel time 133% of the step's wall, 2026-11-26)."""
+    averages = prof.key_averages()
+    on_host = {e.key for e in averages if not str(e.device_type).endswith("CUDA")}
+    times: dict[str, float] = {}
+    for e in averages:
+        if gpu and (not str(e.device_type).endswith("CUDA") or e.key in on_host):
+            continue  # a host operator, or a label
+        us = e.self_device_time_total if gpu else e.self_cpu_time_total
+        if us > 0:
+            times[e.key] = times.get(e.key, 0.0) + us / 1e6
+    return times
+
+
+def split(out: Path) -> None:
+    rows, lines = [], []
+    for name, batch in SPLIT:
+        built = compiled(World(0, 0, 1, DEVICE, "none"), name, batch, "default")
+        fixed = next(iter(built.train_loader))
+        step = harness.stepping(built, lambda fixed=fixed: fixed)
+        harness.first_two_steps_s(step, DEVICE)
+        wall = harness.seconds_per_call(step, *TIMING)
+        n = TIMING[2]
+        activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if GPU else [])
+        with torch.profiler.profile(activities=activities) as prof:
+            for _ in range(n):
+                step()
+            harness.metrics.synchronize(DEVICE)
+        per_step = {k: v / n for k, v in kernels(prof).items()}
+        busy = sum(per_step.values())
+        kinds: dict[str, float] = {}
+        for k, v in per_step.items():
+            kinds[kind(k)] = kinds.get(kind(k), 0.0) + v
+        flops = harness.mfu(built.trained.model, batch, batch / wall, DEVICE) if GPU else {}
+        mm = kinds.get("conv/matmul", 0.0)
+        row = {"model": name, "batch": batch, "wall_step_s": wall, "kernel_s": busy, "kinds_s": kinds, **flops,
+               "top": sorted(per_step.items(), key=lambda kv: -kv[1])[:12]}  # fmt: skip
+        if flops:
+            row["mfu_of_matmul_time"] = flops["mfu"] * wall / mm if mm else None
+        rows.append(row)
+        head = f"{name}, batch {batch}: step {wall * 1e3:.2f} ms wall, kernels {busy * 1e3:.2f} ms ({busy / wall:.0%})"
+        if flops and mm:
+            head += (
+                f", MFU {flops['mfu']:.1%}; over the conv/matmul kernels' time alone {row['mfu_of_matmul_time']:.1%}"
+            )
+        print("  " + head, flush=True)
+        lines += [f"\n### {head}", "", "| kernels | ms a step | share of kernel time |", "| --- | ---: | ---: |"]
+        lines += [f"| {k} | {v * 1e3:.3f} | {v / busy:.0%} |" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])]
+        lines += ["", "| top kernels | ms a step |", "| --- | ---: |"]
+        lines += [f"| {k[:110]} | {v * 1e3:.3f} |" for k, v in row["top"]]
+        write(out, "split", rows, lines)  # after each model: a call cut off keeps what finished
+        del built, step
+
+
+def write(out: Path, part: str, rows: list, lines: list[str]) -> None:
+    (out / f"{part}.json").write_text(json.dumps(rows, indent=1, default=str))
+    (out / f"{part}.md").write_text("\n".join(lines) + "\n")
+
+
+def main(argv: list[str]) -> int:
+    if not argv:
+        print(__doc__, file=sys.stderr)
+        return 64
+    out = Path(argv[0])
+    out.mkdir(parents=True, exist_ok=True)
+    parts = argv[1:] or ["pair", "split"]
+    for part in parts:
+        {"pair": pair, "split": split}[part](out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

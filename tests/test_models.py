@@ -1,3 +1,5 @@
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -66,3 +68,29 @@ def test_dropout_is_active_in_training_only():
     assert not torch.equal(a, net(x))
     net.eval()
     assert torch.equal(net(x), net(x))
+
+
+@pytest.mark.parametrize("name", ["fast", "small"])
+def test_global_max_pool_is_adaptive_max_pool_in_output_gradient_and_checkpoint(name):
+    """The nets' global max-pool (a gather in its backward, not adaptive max-pool's atomic adds) computes
+    what nn.AdaptiveMaxPool2d(1) did, gradients to the same elements with ties too, and a checkpoint
+    of the net as it was loads into it."""
+    torch.manual_seed(0)
+    new = models.MODELS[name](10, 0.0, 0.25).double()
+    old = copy.deepcopy(new)
+    (index,) = [i for i, m in enumerate(new) if type(m).__name__ == "_GlobalMaxPool"]
+    old[index] = nn.AdaptiveMaxPool2d(1)
+    new.load_state_dict(old.state_dict())  # strict: the same keys
+    for memory_format in (torch.contiguous_format, torch.channels_last):
+        for ties in (False, True):
+            x = torch.randn(4, 3, 32, 32, dtype=torch.float64).contiguous(memory_format=memory_format)
+            maps = new[:index](x)
+            maps = maps.round() if ties else maps  # many equal maxima in a window
+            a, b = maps.detach().requires_grad_(), maps.detach().requires_grad_()
+            out_old, out_new = old[index](a), new[index](b)
+            assert torch.equal(out_old, out_new) and out_new.shape[-2:] == (1, 1)
+            grad = torch.randn_like(out_old)
+            out_old.backward(grad)
+            out_new.backward(grad)
+            assert torch.equal(a.grad, b.grad)
+    assert torch.equal(old(x), new(x))

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -41,9 +42,9 @@ def make_optimizer(
     ordered = sorted(groups.items(), key=lambda group: group[0][0] != 1.0 or group[0][2])
     params = [{"params": ps, "lr": o.lr * scale, "weight_decay": decay} for (scale, decay, _), ps in ordered]
     if o.name == "sgd":
-        optimizer = torch.optim.SGD(params, lr=o.lr, momentum=o.momentum, nesterov=o.nesterov and o.momentum > 0)
+        optimizer = fused(torch.optim.SGD, params, lr=o.lr, momentum=o.momentum, nesterov=o.nesterov and o.momentum > 0)
     else:
-        optimizer = torch.optim.AdamW(params, lr=o.lr, weight_decay=o.weight_decay)
+        optimizer = fused(torch.optim.AdamW, params, lr=o.lr, weight_decay=o.weight_decay)
     factor = lr_factor(o, total_steps, steps_per_epoch)
     whiten_steps = o.whiten_bias_epochs * steps_per_epoch
 
@@ -55,6 +56,54 @@ def make_optimizer(
     # the schedule advances per global step all the same: torch's warning about that order tells a user nothing
     warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before `optimizer\.step")
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factors)
+
+
+def fused(kind: type[torch.optim.Optimizer], params: list[dict], **settings: float | bool) -> torch.optim.Optimizer:
+    """`kind` with torch's fused kernel (fused=True: a group's whole update in one kernel, where the
+    for-each path launches one per operation, five for Nesterov SGD with weight decay) where this torch
+    steps it fused for these parameters; else torch's default. FSDP2's sharded parameters (DTensors)
+    keep the default."""
+    plain = all(type(p.detach()) is torch.Tensor for group in params for p in group["params"])
+    return kind(params, fused=True, **settings) if plain and steps_fused(kind, params) else kind(params, **settings)
+
+
+def steps_fused(kind: type[torch.optim.Optimizer], params: list[dict]) -> bool:
+    """Whether this torch steps `kind` fused on each device and dtype of `params`, tried on one number of
+    each: torch checks both at the first step, not when the optimizer is made (no kernel for the meta
+    device or complex numbers; no fused=True at all in an older torch)."""
+    try:
+        for device, dtype in {(p.device, p.dtype) for group in params for p in group["params"]}:
+            probe = nn.Parameter(torch.zeros(1, device=device, dtype=dtype))
+            probe.grad = torch.zeros_like(probe)
+            kind([probe], lr=0.0, fused=True).step()
+    except (RuntimeError, TypeError, ValueError, NotImplementedError):
+        return False
+    return True
+
+
+IMPLEMENTATION = ("fused", "foreach")  # a parameter group's settings that say how the machine steps, not what
+
+
+def portable(state: dict) -> dict:
+    """An optimizer's state dict with its groups' IMPLEMENTATION settings as torch's defaults (None),
+    as a file holds it: the machine that loads it chooses its own (implementation_kept). An empty one
+    (FSDP2's ranks other than 0) stays empty."""
+    if "param_groups" not in state:
+        return state
+    groups = [{**group, **dict.fromkeys(IMPLEMENTATION)} for group in state["param_groups"]]
+    return {**state, "param_groups": groups}
+
+
+@contextmanager
+def implementation_kept(optimizer: torch.optim.Optimizer | None) -> Iterator[None]:
+    """Loading a checkpoint's optimizer state inside keeps the implementation chosen for this machine
+    (fused or not): load_state_dict takes each group's settings from the file, the saving machine's,
+    whose fused kernel this device, this torch or FSDP2's sharded parameters may not have."""
+    groups = optimizer.param_groups if optimizer is not None else []
+    chosen = [{k: group[k] for k in IMPLEMENTATION if k in group} for group in groups]
+    yield
+    for group, keep in zip(optimizer.param_groups if optimizer is not None else [], chosen, strict=True):
+        group.update(keep)
 
 
 def norm_layers(model: nn.Module) -> list[nn.Module]:

@@ -27,7 +27,7 @@ from torch import nn
 from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 
 from ddp import __version__ as ddp_version
-from ddp import cli, config, distributed, files, rng, rundir
+from ddp import cli, config, distributed, files, optim, rng, rundir
 from ddp.config import RunConfig
 from ddp.devices import World
 from ddp.ema import EMA, Lookahead
@@ -86,7 +86,7 @@ def build_state(
         "step": position.step_in_epoch,  # global batches done in epoch + 1; 0 at an epoch's end
         "global_step": position.global_step,
         "model": model,  # the raw module's: no "module." / "_orig_mod." prefix; whole, also under FSDP2
-        "optimizer": optimizer,
+        "optimizer": optim.portable(optimizer),  # no machine's implementation (fused or not): the same file from any
         "scheduler": trained.scheduler.state_dict(),
         "scaler": trained.scaler.state_dict() if trained.scaler.is_enabled() else None,
         "ema": trained.ema.state_dict() if trained.ema else None,  # {"weights": the model's keys, "updates"}
@@ -134,7 +134,8 @@ def restore(state: dict[str, Any], trained: Trained) -> None:
     """Load a checkpoint into objects built for this run's device: the weights, then optimizer,
     scheduler and scaler (optimizer state follows the parameters' device). Before compile and wrap;
     every rank, with the same state (a sharded model takes its slice)."""
-    distributed.load_full_state(trained.model, trained.optimizer, _unprefixed(state["model"]), state["optimizer"])
+    with optim.implementation_kept(trained.optimizer):  # fused or not, as this machine chose, whatever the file says
+        distributed.load_full_state(trained.model, trained.optimizer, _unprefixed(state["model"]), state["optimizer"])
     trained.scheduler.load_state_dict(state["scheduler"])
     if state["scaler"] is not None and trained.scaler.is_enabled():
         trained.scaler.load_state_dict(state["scaler"])

@@ -22,7 +22,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
-from ddp import fsdp, launchers, lifeline, lost_rank, network, optim
+from ddp import fsdp, launchers, lifeline, lost_rank, network
 from ddp.config import DdpConfig
 from ddp.devices import World
 from ddp.errors import UsageError, WriteFailed
@@ -177,26 +177,22 @@ def for_eval(wrapped: nn.Module) -> nn.Module:
 
 def full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], dict[str, Any]]:
     """The model's and optimizer's state dicts as one process holds them (DDP's form), on rank 0 at
-    least: a sharded model's gathered to rank 0's CPU (a collective: every rank calls this). The
-    optimizer's without this machine's implementation (optim.portable): the same file from any of them."""
-    weights, state = (
-        fsdp.full_state(model, optimizer) if fsdp.is_sharded(model) else (model.state_dict(), optimizer.state_dict())
-    )
-    return weights, optim.portable(state)
+    least: a sharded model's gathered to rank 0's CPU (a collective: every rank calls this)."""
+    if fsdp.is_sharded(model):
+        return fsdp.full_state(model, optimizer)
+    return model.state_dict(), optimizer.state_dict()
 
 
 def load_full_state(
     model: nn.Module, optimizer: torch.optim.Optimizer | None, weights: dict[str, Any], state: dict[str, Any] | None
 ) -> None:
-    """full_state's dicts into the model and optimizer, on every rank (a sharded model keeps its slice);
-    the optimizer keeps its own implementation (fused or not), whatever the file's was."""
-    with optim.implementation_kept(optimizer):
-        if fsdp.is_sharded(model):
-            fsdp.load_full_state(model, optimizer, weights, state)
-            return
-        model.load_state_dict(weights)
-        if optimizer is not None and state is not None:
-            optimizer.load_state_dict(state)
+    """full_state's dicts into the model and optimizer, on every rank (a sharded model keeps its slice)."""
+    if fsdp.is_sharded(model):
+        fsdp.load_full_state(model, optimizer, weights, state)
+        return
+    model.load_state_dict(weights)
+    if optimizer is not None and state is not None:
+        optimizer.load_state_dict(state)
 
 
 def local(t: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,8 @@
 #          eager's accuracy (2026-11-26: its evaluation read an output that CUDA graphs had overwritten)
 #   fast-seeds   configs/fast.yaml as gpu-check's fast step runs it (seed 0), with seeds 1 and 2
 #   graphs-split bench/graphs_split.py: the bare model and DDP at world size 1 both with CUDA graphs (like for
-#          like), and where a compiled step's GPU time goes at the MFU rows' batches; pair.md, split.md
+#          like), the eager step with the optimizer fused against torch's default, and where a compiled
+#          step's GPU time goes at the MFU rows' batches; pair.md, fused.md, split.md
 #   overhead     the bench's DDP-overhead section alone (DDP at world size 1 against the bare model, each
 #          compiled-DDP variant): a second sample of its figures; ddp-overhead.md and .json
 # Each run's epoch lines (and profile tables) go to $OUT/probe-<step>.log; the fast-* runs' metrics.jsonl
@@ -79,8 +80,8 @@ for mode in sys.argv[2].split():
         cat "$out/mfu.md" >>"$out/probe-mfu.log"
         ;;
       graphs-split)
-        python3 bench/graphs_split.py "$out" pair split >"$out/probe-graphs-split.log" 2>&1
-        cat "$out/pair.md" "$out/split.md" >>"$out/probe-graphs-split.log"
+        python3 bench/graphs_split.py "$out" pair fused split >"$out/probe-graphs-split.log" 2>&1
+        cat "$out/pair.md" "$out/fused.md" "$out/split.md" >>"$out/probe-graphs-split.log"
         ;;
       graphs)
         job=("${common[@]}" data.synthetic_train=32768 train.batch_size=1024 train.epochs=3)

@@ -4,11 +4,15 @@
          reduce-overhead), each timed in turns with the eager bare step: like for like, what does DDP
          cost once the launches are graph replays? (The bench compares compiled DDP with the eager
          bare model only.)
+  fused  the eager bare step with the optimizer fused (ddp/optim.py's choice) and with torch's default
+         (for-each on a GPU), the same optimizer and state, its groups' flag switched between calls, timed
+         in turns: what fusing saves on a host-bound step (on the CPU it cut 104 of 220.5 top-level
+         operators a step, where torch's default loops over the parameters)
   split  where a compiled step's GPU time goes (torch.profiler, CUDA kernels): convolutions and
          matrix products, against the rest (fused BatchNorm/ReLU/pooling, the optimizer, copies), and
          how much of the step's wall the kernels fill: what bounds MFU at the best batch.
 
-  python bench/graphs_split.py OUT_DIR [pair] [split]     (each part writes OUT_DIR/<part>.md and .json)
+  python bench/graphs_split.py OUT_DIR [pair] [fused] [split]     (each part writes OUT_DIR/<part>.md and .json)
 
 On a CPU it runs the same code eager at toy sizes (the dry run tests/test_gpu_check.py makes).
 """
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -29,6 +34,7 @@ GPU = torch.cuda.is_available()
 DEVICE = torch.device("cuda", 0) if GPU else torch.device("cpu")
 TIMING = (DEVICE, 10, 50, 7) if GPU else (DEVICE, 1, 2, 2)  # warm-up calls, calls a window, windows
 PAIR = ("fast", 1024 if GPU else 16)
+FUSED = [("fast", 256), ("fast", 1024), ("resnet18", 512)] if GPU else [("small", 16)]  # the bench's DDP rows
 SPLIT = [("resnet18", 4096), ("fast", 8192)] if GPU else [("small", 16)]
 MATMUL = ("conv", "gemm", "xmma", "cutlass", "cudnn", "triton_mm", "wgrad", "dgrad", "fprop", "implicit")
 LAYOUT = ("nchwtonhwc", "nhwctonchw", "transpose")
@@ -73,6 +79,40 @@ def pair(out: Path) -> None:
         f"\nDDP over the bare model, both with CUDA graphs: {direct:+.1%} (through the eager anchor: {anchored:+.1%})"
     )
     write(out, "pair", rows, lines)
+
+
+def fused(out: Path) -> None:
+    rows = []
+    for name, batch in FUSED:
+        built = harness.job(name, batch, batch, World(0, 0, 1, DEVICE, "none"))
+        groups = built.trained.optimizer.param_groups
+        if not all(group["fused"] for group in groups):
+            print(f"  {name} {batch}: this torch has no fused optimizer here; nothing to compare", flush=True)
+            continue
+        fixed = next(iter(built.train_loader))
+
+        def stepping(flag: bool | None, built: harness.train.Job = built, fixed: tuple = fixed) -> Callable[[], None]:
+            def step() -> None:
+                for group in built.trained.optimizer.param_groups:
+                    group["fused"] = flag  # None: torch's default (for-each on a GPU), the same state
+                harness.train.train_step(built, *fixed)
+
+            return step
+
+        t = harness.alternating({"fused": stepping(True), "default": stepping(None)}, *TIMING)
+        rows.append({"model": name, "batch": batch, "fused_step_s": t["fused"], "default_step_s": t["default"]})
+        print(
+            f"  {name} {batch}: fused {t['fused'] * 1e3:.2f} ms, torch's default {t['default'] * 1e3:.2f} ms",
+            flush=True,
+        )
+        del built
+    lines = ["| model | batch | fused ms | torch's default ms | saved |", "| --- | ---: | ---: | ---: | ---: |"]
+    lines += [
+        f"| {r['model']} | {r['batch']} | {r['fused_step_s'] * 1e3:.2f} | {r['default_step_s'] * 1e3:.2f} | "
+        f"{1 - r['fused_step_s'] / r['default_step_s']:+.1%} |"
+        for r in rows
+    ]
+    write(out, "fused", rows, lines)
 
 
 def kind(kernel: str) -> str:
@@ -154,9 +194,9 @@ def main(argv: list[str]) -> int:
         return 64
     out = Path(argv[0])
     out.mkdir(parents=True, exist_ok=True)
-    parts = argv[1:] or ["pair", "split"]
+    parts = argv[1:] or ["pair", "fused", "split"]
     for part in parts:
-        {"pair": pair, "split": split}[part](out)
+        {"pair": pair, "fused": fused, "split": split}[part](out)
     return 0
 
 

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from conftest import REPO, clean_env
 
 from bench import host_cost
@@ -193,12 +194,17 @@ def test_bad_values_of_the_airbench_comparison_end_in_one_line(tmp_path, monkeyp
 def test_graphs_split_dry_run_writes_both_tables_and_leaves_out_the_steps_labels(tmp_path):
     """bench/graphs_split.py on the CPU (eager, toy sizes) as the device call runs it; and its kernel
     sums leave out the step's record_function labels, which a GPU trace lists beside the kernels."""
-    proc = subprocess.run([sys.executable, "bench/graphs_split.py", str(tmp_path), "pair", "split"], cwd=REPO,
+    proc = subprocess.run([sys.executable, "bench/graphs_split.py", str(tmp_path), "pair", "fused", "split"], cwd=REPO,
                           env=clean_env(PYTHONPATH=str(REPO)), capture_output=True, text=True, timeout=120)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     bare, ddp = json.loads((tmp_path / "pair.json").read_text())
     assert (bare["launch"], ddp["launch"]) == ("bare", "ddp") and bare["graphs_step_s"] > 0 < ddp["graphs_step_s"]
     assert "DDP over the bare model, both with CUDA graphs:" in (tmp_path / "pair.md").read_text()
+    from ddp import optim
+
+    fused = json.loads((tmp_path / "fused.json").read_text())  # a row where this torch fuses SGD on a CPU
+    assert len(fused) == optim.steps_fused(torch.optim.SGD, [{"params": [torch.nn.Parameter(torch.zeros(1))]}])
+    assert all(row["model"] == "small" and row["fused_step_s"] > 0 < row["default_step_s"] for row in fused)
     (split,) = json.loads((tmp_path / "split.json").read_text())
     assert split["model"] == "small" and split["kinds_s"]["conv/matmul"] > 0
     assert "| conv/matmul |" in (tmp_path / "split.md").read_text()

@@ -42,6 +42,10 @@ class Data:
         return len(self.classes)
 
 
+class DataMissing(UsageError):
+    """CIFAR is not in data.root and data.download=false: a download would bring it."""
+
+
 def _split(images_hwc: np.ndarray, labels: np.ndarray) -> Split:
     images = torch.from_numpy(np.ascontiguousarray(images_hwc)).permute(0, 3, 1, 2).contiguous()
     return Split(images, torch.as_tensor(np.asarray(labels), dtype=torch.int64))
@@ -189,7 +193,7 @@ def _torchvision(cfg: DataConfig, world: World) -> tuple[Split, Split, list[str]
 
     found = opened()
     if found is None and not cfg.download:
-        raise UsageError(f"{name} not found in data.root={cfg.root} and data.download=false; {offline_fix}")
+        raise DataMissing(f"{name} not found in data.root={cfg.root} and data.download=false; {offline_fix}")
     if found is None and world.is_local_main:
         with _download_lock(Path(cfg.root), name):
             found = opened()  # another run's download may have brought it meanwhile

@@ -4,8 +4,10 @@
 Reports, per rank, the launcher variables and the rank and device they resolve to; torch, CUDA,
 cuDNN and NCCL versions; each visible GPU with its memory; TF32 and cudnn.benchmark; whether the
 rendezvous port is free (before a launch); whether run.out_dir is writable and is the same directory
-on every rank (a shared filesystem across nodes). Under a launcher it also runs one all_reduce on the
-real backend. Takes the training's arguments (--config FILE, key=value) so it checks that setup.
+on every rank (a shared filesystem across nodes); on each machine (local rank 0), the data as
+ddp/train.py would read it (a CIFAR download it would make is said, not made). Under a launcher it
+also runs one all_reduce on the real backend. Takes the training's arguments (--config FILE,
+key=value) so it checks that setup.
 
 Exit codes: 0 all good; 1 problems found (each printed with its fix); 2 a usage error, the same one
 ddp/train.py would stop with.
@@ -17,6 +19,7 @@ import os
 import socket
 import sys
 import uuid
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -27,8 +30,9 @@ quiet_startup(__name__)  # run as a command: a Ctrl-C or a missing package in th
 import torch
 import torch.distributed as dist
 
-from ddp import config, devices, distributed, launchers, metrics, network
+from ddp import config, datasets, devices, distributed, launchers, metrics, network
 from ddp.cli import command, leave, parse_args
+from ddp.config import DataConfig
 from ddp.devices import World
 from ddp.errors import EXIT_FAILURE, EXIT_OK, UsageError
 
@@ -82,6 +86,21 @@ def check_out_dir(out_dir: str) -> tuple[str | None, str | None]:
         return None, f"run.out_dir={out_dir} is not writable ({e}); choose another run.out_dir"
 
 
+def check_data(data: DataConfig, world: World) -> tuple[str, str | None]:
+    """(a line on the data ddp/train.py would read, a problem or None): read here as the run would,
+    without a download (one the run would make is said)."""
+    try:
+        found = datasets.read(replace(data, download=False), world)
+    except datasets.DataMissing as e:
+        if data.download:
+            return f"data: {data.dataset} is not in data.root={data.root} yet: the run downloads it", None
+        return "data: missing", str(e)
+    except UsageError as e:
+        return "data: unusable", str(e)
+    train, test = len(found.train.labels), len(found.test.labels)
+    return f"data: {train} training and {test} test images, {len(found.classes)} classes", None
+
+
 def report(world: World, out_dir: str) -> dict[str, Any]:
     return {
         "host": socket.gethostname(),
@@ -122,7 +141,7 @@ def print_report(r: dict[str, Any]) -> None:
     print("  TF32: " + "  ".join(f"{k} {v}" for k, v in r["tf32"].items()))
 
 
-def diagnose(run: config.RunConfig) -> list[str]:
+def diagnose(run: config.RunConfig, data: DataConfig) -> list[str]:
     """Problems found on this rank and, under a launcher, across ranks; prints the report."""
     world = devices.resolve(run)
     problems = []
@@ -144,17 +163,23 @@ def diagnose(run: config.RunConfig) -> list[str]:
         if token:
             (Path(run.out_dir) / token).unlink()
             print(f"run.out_dir {Path(run.out_dir).resolve()}: writable")
-        return problems
+        line, problem = check_data(data, world)
+        print(line)
+        return problems + ([problem] if problem else [])
     with distributed.setup(world, run.timeout_s) as world:
         token, problem = check_out_dir(run.out_dir) if world.is_main else (None, None)
         shared = distributed.gather_objects((token, problem), world)[0]
         # Every rank looks for rank 0's file: missing means another filesystem (not shared across nodes).
         sees = shared[0] is not None and (Path(run.out_dir) / shared[0]).is_file()
         reduced = distributed.all_reduce_sum(torch.tensor([float(world.rank)], device=world.device), world)
-        reports = distributed.gather_objects((report(world, run.out_dir), sees, mismatch), world)
+        checked = check_data(data, world) if world.is_local_main else None  # one per machine
+        reports = distributed.gather_objects((report(world, run.out_dir), sees, mismatch, checked), world)
         if world.is_main:
-            for r, _, _ in reports:
+            for r, _, _, data_checked in reports:
                 print_report(r)
+                if data_checked:
+                    print(f"  {data_checked[0]}")
+                    problems += [f"on {r['host']}: {data_checked[1]}"] if data_checked[1] else []
             want, got = world.world_size * (world.world_size - 1) / 2, reduced.item()
             backend = dist.get_backend()
             print(f"all_reduce over {world.world_size} ranks ({backend}): {got:g} (expected {want:g})")
@@ -162,7 +187,7 @@ def diagnose(run: config.RunConfig) -> list[str]:
                 problems.append(f"all_reduce gave {got:g}, not {want:g}: the {backend} backend is broken")
             if shared[1]:
                 problems.append(shared[1])
-            blind = [r["rank"] for r, seen, _ in reports if not seen]
+            blind = [r["rank"] for r, seen, _, _ in reports if not seen]
             if shared[0] and blind:
                 problems.append(
                     f"ranks {blind} do not see rank 0's files in run.out_dir={run.out_dir}: it must be on a "
@@ -170,7 +195,7 @@ def diagnose(run: config.RunConfig) -> list[str]:
                 )
             elif shared[0]:
                 print(f"run.out_dir {Path(run.out_dir).resolve()}: writable, the same directory on every rank")
-            problems += sorted({m for _, _, m in reports if m and m != mismatch})
+            problems += sorted({m for _, _, m, _ in reports if m and m != mismatch})
         distributed.barrier(world)  # everyone has looked before rank 0 removes the file
         if world.is_main and shared[0]:
             (Path(run.out_dir) / shared[0]).unlink()
@@ -186,8 +211,9 @@ Checks the setup that ddp/train.py with the same arguments would use. Keys:
 
 def main(argv: list[str]) -> int:
     args = parse_args(argv, USAGE)
-    run = launchers.accelerate_flags(config.load(args.config, args.overrides).run)
-    problems = diagnose(run)
+    cfg = config.load(args.config, args.overrides)
+    run = launchers.accelerate_flags(cfg.run)
+    problems = diagnose(run, cfg.data)
     for p in problems:
         print(f"doctor: PROBLEM: {p}", file=sys.stderr)
     if not problems and launchers.detect_launch(launcher=run.launcher).rank == 0:

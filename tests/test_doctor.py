@@ -5,6 +5,7 @@ import socket
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 from conftest import BIN, REPO, clean_env, ok, torchrun
 
@@ -19,7 +20,7 @@ def doctor(*args: str, **env: str) -> subprocess.CompletedProcess:
 
 
 def test_a_single_process_setup_is_reported_and_ok(tmp_path):
-    proc = ok(doctor(f"run.out_dir={tmp_path / 'run'}"))
+    proc = ok(doctor(f"run.out_dir={tmp_path / 'run'}", f"data.root={tmp_path / 'data'}"))
     assert "rank 0/1  local_rank 0" in proc.stdout and "launcher none  device cpu" in proc.stdout
     assert "versions:  python" in proc.stdout and "torch " in proc.stdout and "nccl" in proc.stdout
     assert "GPUs: none visible" in proc.stdout and "TF32: matmul" in proc.stdout and "cudnn.benchmark" in proc.stdout
@@ -27,6 +28,22 @@ def test_a_single_process_setup_is_reported_and_ok(tmp_path):
     assert f"run.out_dir {tmp_path / 'run'}: writable" in proc.stdout
     assert proc.stdout.rstrip().endswith("doctor: OK")
     assert list((tmp_path / "run").iterdir()) == []  # its probe file is gone
+    assert f"data: cifar10 is not in data.root={tmp_path / 'data'} yet: the run downloads it" in proc.stdout
+    assert not (tmp_path / "data").exists()  # said, not downloaded
+
+
+def test_data_the_run_could_not_read_is_a_problem_and_data_it_can_is_counted(tmp_path):
+    images = np.zeros((6, 32, 32, 3), np.uint8)
+    np.savez(tmp_path / "good.npz", x_train=images[:4], y_train=np.arange(4), x_test=images[4:], y_test=np.arange(2))
+    proc = ok(doctor(f"run.out_dir={tmp_path / 'run'}", "data.dataset=npz", f"data.path={tmp_path / 'good.npz'}"))
+    assert "data: 4 training and 2 test images, 4 classes" in proc.stdout
+    for args, problem in [
+        (("data.dataset=npz",), "data.dataset=npz needs data.path=FILE.npz"),
+        ((f"data.root={tmp_path}", "data.download=false"), f"CIFAR-10 not found in data.root={tmp_path} and data."),
+    ]:
+        proc = doctor(f"run.out_dir={tmp_path / 'run'}", *args)
+        assert proc.returncode == 1 and f"doctor: PROBLEM: {problem}" in proc.stderr, proc.stderr
+        assert "doctor: OK" not in proc.stdout
 
 
 def test_half_set_launcher_variables_are_a_usage_error():
@@ -54,8 +71,10 @@ def test_an_out_dir_that_cannot_be_written_is_a_problem(tmp_path):
 
 
 def test_under_torchrun_every_rank_reports_and_an_all_reduce_runs(tmp_path):
-    proc = ok(torchrun(2, "-m", "ddp.doctor", f"run.out_dir={tmp_path}"))
+    synthetic = ("data.dataset=synthetic", "data.synthetic_train=64", "data.synthetic_test=32")
+    proc = ok(torchrun(2, "-m", "ddp.doctor", f"run.out_dir={tmp_path}", *synthetic))
     assert "rank 0/2  local_rank 0" in proc.stdout and "rank 1/2  local_rank 1" in proc.stdout
+    assert proc.stdout.count("  data: 64 training and 32 test images, 10 classes") == 1  # one machine: once
     assert "RANK=1" in proc.stdout and "launcher torchrun" in proc.stdout
     assert "all_reduce over 2 ranks (gloo): 1 (expected 1)" in proc.stdout
     assert "writable, the same directory on every rank" in proc.stdout and proc.stdout.count("doctor: OK") == 1

@@ -6,6 +6,8 @@ pays for every one of them). For the same model, batch and synthetic data:
   ours        ddp/train.py in one process (python ddp/train.py, run.profile)
   ours 1 rank and ours 2 ranks   ddp/train.py under torchrun (rank 0's trace); at 1 rank with
               run.parallel=ddp, and as run.parallel=auto runs it: without DDP (nothing to all-reduce)
+  ours fast.yaml   ddp/train.py in one process with configs/fast.yaml's toolbox (lookahead, the
+              whitened stem, BatchNorm's own groups) at the same model, batch and data, fp32
 Per step: operators at the top level (called from Python) and in all (with the ones they call);
 device reads (.item(), bool(), float(), int() of a tensor: aten::_local_scalar_dense, which on a GPU
 is a device-to-host copy that waits for every queued kernel), apart from the stop agreement's read
@@ -39,6 +41,8 @@ from ddp import models
 REPO = Path(__file__).resolve().parent.parent
 MODEL, WIDTH, BATCH = "fast", 0.25, 32  # small enough to run in seconds on a CPU
 FIRST, END = 10, 30  # global steps FIRST..END-1 are counted (run.profile=10:30), after a warm-up
+# fast.yaml's recipe on this row's model and data (its own are the GPU's): fp32, as the other rows
+FAST_YAML = ("--config", str(REPO / "configs" / "fast.yaml"), "run.amp=off", "run.tf32=false")
 SCALAR_READ = "aten::_local_scalar_dense"
 STOP_AGREEMENT = "stop agreement"  # train.train_epoch's label: its read is of a CPU tensor of the control group
 COLLECTIVE_PREFIXES = ("gloo:", "nccl:")
@@ -129,7 +133,7 @@ def ours(launch: list[str], out_dir: Path, *extra: str) -> dict[str, float]:
 
 
 def measure() -> list[dict[str, Any]]:
-    """The six rows, in the order of the module's docstring."""
+    """The seven rows, in the order of the module's docstring."""
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     rows: list[tuple[str, Callable[[Path], dict[str, float]]]] = [
         ("plain", lambda d: plain_loop(False, d / "plain.json")),
@@ -138,6 +142,7 @@ def measure() -> list[dict[str, Any]]:
         ("ours, torchrun 1 rank", lambda d: ours([*torchrun, "--nproc_per_node=1"], d / "ours1", "run.parallel=ddp")),
         ("ours, torchrun 1 rank, auto (no DDP)", lambda d: ours([*torchrun, "--nproc_per_node=1"], d / "ours1-auto")),
         ("ours, torchrun 2 ranks", lambda d: ours([*torchrun, "--nproc_per_node=2"], d / "ours2")),
+        ("ours, configs/fast.yaml, one process", lambda d: ours([sys.executable], d / "fast", *FAST_YAML)),
     ]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as each torchrun rank runs (OMP_NUM_THREADS=1): the same operators

@@ -94,11 +94,13 @@ class Lookahead:
         """After an optimizer step: every N-th, slow <- lerp(slow, weights) and weights <- slow; at
         the last step, weights <- slow."""
         self.steps += 1
+        moves = self.steps % self.every == 0
+        if not moves and self.steps != self.total_steps:
+            return  # the other N-1 steps: nothing to do, not even listing the weights (26 operators, fast net)
         weights = [p.detach() for p in self._learning(model)]
-        if self.steps % self.every == 0:
+        if moves:
             torch._foreach_lerp_(self.slow, weights, 1.0 - self.kept_at(self.steps))
-        if self.steps % self.every == 0 or self.steps == self.total_steps:
-            torch._foreach_copy_(weights, self.slow)
+        torch._foreach_copy_(weights, self.slow)
 
     def state_dict(self) -> dict[str, Any]:
         return {"slow": self.slow, "steps": self.steps}

@@ -24,6 +24,7 @@ every=${GPU_LEASE_PACK_S:-20}
 check=${CHECK_STEPS-fast airbench}
 probes=${PROBES-graphs-split mfu}
 export MFU_MODES="${MFU_MODES-max-autotune-no-cudagraphs}" MFU_MODELS="${MFU_MODELS-resnet18:4096}"
+[ -z "$probes" ] || bash bench/gpu_probe.sh --check $probes || exit 64  # a typo found now, not after the check
 [ ${#dry[@]} = 1 ] && probes=${PROBES-}
 work=${GPU_LEASE_DIR:-/tmp/gpu-lease}
 dest=${OUT:-$root/bench/results/gpu-check}

@@ -24,8 +24,20 @@
 #   fsdp   FSDP2 at one rank took 4.1x DDP's step (resnet18, batch 256, bf16, 2026-11-25): the same with
 #          --amp off (bf16 shards each BatchNorm on its own: 27 FSDP2 units instead of 8)
 #   bash bench/gpu_probe.sh [ddp] [tune] [mfu] [graphs] [fast-graphs] [fast-seeds] [graphs-split] [overhead] [fsdp]
+# Exit status: 1 if a probe (or one run of it) failed, named in the last line.
+#   bash bench/gpu_probe.sh --check PROBES...   the names and MFU_MODES / MFU_MODELS checked, nothing run: one
+#          line and exit 64 for a bad one (gpu_lease.sh asks first, so a typo costs no device time)
 set -uo pipefail
 cd "$(dirname "$0")/.."
+probes=" ddp tune mfu graphs fast-graphs fast-seeds graphs-split overhead fsdp "
+modes=" default reduce-overhead max-autotune max-autotune-no-cudagraphs "  # torch.compile's (run.compile_mode)
+bad() { echo "gpu_probe.sh: $*" >&2; exit 64; }
+for s in ${*#--check}; do [[ $probes == *" $s "* ]] || bad "no probe '$s' (the probes: $(echo $probes))"; done
+for m in ${MFU_MODES:-default}; do [[ $modes == *" $m "* ]] || bad "MFU_MODES: '$m' is no run.compile_mode (one of: $(echo $modes))"; done
+for r in ${MFU_MODELS:-fast:1}; do
+  [[ $r =~ ^[a-z0-9_]+:[1-9][0-9]*$ ]] || bad "MFU_MODELS: '$r' is not MODEL:BATCH (fast:8192, say)"
+done
+[ "${1:-}" = --check ] && exit 0
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 out=${OUT:-/tmp/probe}
 mkdir -p "$out"
@@ -39,7 +51,9 @@ run() {  # run LABEL COMMAND...: the command's epoch lines and profile table, un
   rm -rf "$dir"
   echo "== $label"
   "$@" "run.out_dir=$dir" 2>&1 | grep -E "^epoch|^ +[a-zA-Z_].*(%|us)|Self (CPU|CUDA) time|^profile|Error|error|[Cc][Uu][Dd][Aa] ?[Gg]raph" | cut -c1-200
+  [ "${PIPESTATUS[0]}" = 0 ] || failed+=" $s ($label)"
 }
+failed=""  # the probes (and runs of them) that failed: the exit status is 1 if any
 for step in "${@:-ddp tune}"; do
   for s in $step; do
     case $s in
@@ -68,6 +82,9 @@ for step in "${@:-ddp tune}"; do
 from bench import harness, report
 from bench.__main__ import SIZES
 device = harness.torch.device("cuda", 0) if harness.torch.cuda.is_available() else harness.torch.device("cpu")
+unknown = [p.split(":")[0] for p in sys.argv[3].split() if p.split(":")[0] not in harness.models.MODELS]
+if unknown:
+    sys.exit(f"gpu_probe.sh mfu: MFU_MODELS names {unknown}, not models (the models: {sorted(harness.models.MODELS)})")
 rows = []
 for mode in sys.argv[2].split():
     for pair in sys.argv[3].split():
@@ -76,12 +93,12 @@ for mode in sys.argv[2].split():
         open(sys.argv[1] + ".json", "w").write(json.dumps(rows, indent=1))  # after each row: a cut-off call keeps it
         open(sys.argv[1] + ".md", "w").write("\n".join(report.compiled(rows)) + "\n")' \
           "$out/mfu" "${MFU_MODES:-default max-autotune-no-cudagraphs}" "${MFU_MODELS:-fast:8192 resnet18:4096}" \
-          >"$out/probe-mfu.log" 2>&1
-        cat "$out/mfu.md" >>"$out/probe-mfu.log"
+          >"$out/probe-mfu.log" 2>&1 || failed+=" mfu"
+        cat "$out/mfu.md" >>"$out/probe-mfu.log" 2>/dev/null
         ;;
       graphs-split)
-        python3 bench/graphs_split.py "$out" pair fused split >"$out/probe-graphs-split.log" 2>&1
-        cat "$out/pair.md" "$out/fused.md" "$out/split.md" >>"$out/probe-graphs-split.log"
+        python3 bench/graphs_split.py "$out" pair fused split >"$out/probe-graphs-split.log" 2>&1 || failed+=" graphs-split"
+        cat "$out/pair.md" "$out/fused.md" "$out/split.md" >>"$out/probe-graphs-split.log" 2>/dev/null
         ;;
       graphs)
         job=("${common[@]}" data.synthetic_train=32768 train.batch_size=1024 train.epochs=3)
@@ -100,13 +117,13 @@ for mode in sys.argv[2].split():
         rm -rf "$out/fast-graphs"
         echo "== fast.yaml on the subset, compiled, CUDA graphs" >"$out/probe-fast-graphs.log"
         python3 ddp/train.py "${subset[@]}" run.compile=true run.compile_mode=reduce-overhead \
-          "run.out_dir=$out/fast-graphs" >>"$out/probe-fast-graphs.log" 2>&1
+          "run.out_dir=$out/fast-graphs" >>"$out/probe-fast-graphs.log" 2>&1 || failed+=" fast-graphs"
         ;;
       fast-seeds)
         for seed in 1 2; do
           rm -rf "$out/fast-seed$seed"
           echo "== fast.yaml on the subset, seed $seed"
-          python3 ddp/train.py "${subset[@]}" run.seed=$seed "run.out_dir=$out/fast-seed$seed" 2>&1
+          python3 ddp/train.py "${subset[@]}" run.seed=$seed "run.out_dir=$out/fast-seed$seed" 2>&1 || failed+=" fast-seeds ($seed)"
         done >"$out/probe-fast-seeds.log"
         ;;
       overhead)
@@ -116,16 +133,17 @@ from bench.__main__ import SIZES
 rows = harness.ddp_overhead(SIZES["full"])
 open(sys.argv[1] + ".json", "w").write(json.dumps(rows, indent=1))
 open(sys.argv[1] + ".md", "w").write("\n".join(report.ddp(rows)) + "\n")' "$out/ddp-overhead" \
-          >"$out/probe-overhead.log" 2>&1
-        cat "$out/ddp-overhead.md" >>"$out/probe-overhead.log"
+          >"$out/probe-overhead.log" 2>&1 || failed+=" overhead"
+        cat "$out/ddp-overhead.md" >>"$out/probe-overhead.log" 2>/dev/null
         ;;
       fsdp)
         for amp in auto off; do
-          python3 bench/fsdp_memory.py --model resnet18 --batch 256 --steps 10 --ranks 1 --amp $amp --out "$out/fsdp-$amp.md"
+          python3 bench/fsdp_memory.py --model resnet18 --batch 256 --steps 10 --ranks 1 --amp $amp --out "$out/fsdp-$amp.md" ||
+            failed+=" fsdp ($amp)"
         done >"$out/probe-fsdp.log" 2>&1
         ;;
-      *) echo "no probe '$s'" >&2; exit 64 ;;
     esac
   done
 done
 cat "$out"/probe-*.log
+[ -z "$failed" ] || { echo "gpu_probe.sh: failed:$failed" >&2; exit 1; }

@@ -3,10 +3,12 @@
 its exit status counts the failed steps."""
 
 import json
+import os
 import subprocess
 import sys
 import tarfile
 import time
+from pathlib import Path
 
 from conftest import REPO, clean_env, kill_orphans, seconds_until_gone, session
 
@@ -132,13 +134,26 @@ def test_a_gpu_lease_run_to_its_end_packs_the_summary_and_refuses_bad_values_in_
            (("9m",), {}, "SECONDS must be a whole number >= 1, not '9m'"),
            ((), {"GPU_LEASE_PACK_S": "-1"}, "GPU_LEASE_PACK_S must be a whole number >= 1, not '-1'"),
            ((), {"GPU_LEASE_DIR": str(REPO)}, "holds files this script did not write: name a new or empty folder"),
-           ((), {"GPU_LEASE_DIR": str(tmp_path / "out")}, "did not write: name a new or empty folder")]  # fmt: skip
+           ((), {"GPU_LEASE_DIR": str(tmp_path / "out")}, "did not write: name a new or empty folder"),
+           ((), {"PROBES": "mfu nope"}, "no probe 'nope' (the probes: ddp tune mfu graphs fast-graphs fast-seeds "
+                                        "graphs-split overhead fsdp)"),
+           ((), {"PROBES": "mfu", "MFU_MODES": "fast"}, "MFU_MODES: 'fast' is no run.compile_mode (one of: default "
+                                                        "reduce-overhead max-autotune max-autotune-no-cudagraphs)"),
+           ((), {"PROBES": "mfu", "MFU_MODELS": "fast:0"}, "MFU_MODELS: 'fast:0' is not MODEL:BATCH (fast:8192, say)"),
+           ((), {"PROBES": "mfu", "MFU_MODELS": "fast8192"}, "'fast8192' is not MODEL:BATCH (fast:8192, say)"),
+           ]  # fmt: skip
     for args, more, said in bad:
         command, env = lease(tmp_path, *args)
         env.update(more)
         proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=30)
         assert proc.returncode == 64 and proc.stderr.strip().endswith(said) and len(proc.stderr.splitlines()) == 1
     assert (REPO / "ddp" / "train.py").is_file()
+    path = f"{Path(sys.executable).parent}:{os.environ['PATH']}"  # python3: this environment's, with torch
+    env = clean_env(OUT=str(tmp_path / "probe"), MFU_MODELS="fast:64 nonet:64", PATH=path)
+    unknown = subprocess.run(["bash", "bench/gpu_probe.sh", "mfu"], cwd=REPO, env=env, capture_output=True, timeout=60)
+    said = (tmp_path / "probe" / "probe-mfu.log").read_text()
+    assert unknown.returncode == 1 and unknown.stderr.decode().strip().endswith("gpu_probe.sh: failed: mfu")
+    assert said.startswith("gpu_probe.sh mfu: MFU_MODELS names ['nonet'], not models (the models:")
 
 
 AIRBENCH_PRINTED = """\

@@ -193,10 +193,14 @@ def main(argv: list[str]) -> int:
         print(__doc__, file=sys.stderr)
         return 64
     out = Path(argv[0])
+    named = {"pair": pair, "fused": fused, "split": split}
+    parts = argv[1:] or list(named)
+    if unknown := [p for p in parts if p not in named]:
+        print(f"graphs_split.py: no part {unknown[0]!r} (the parts: {', '.join(named)})", file=sys.stderr)
+        return 64
     out.mkdir(parents=True, exist_ok=True)
-    parts = argv[1:] or ["pair", "fused", "split"]
     for part in parts:
-        {"pair": pair, "fused": fused, "split": split}[part](out)
+        named[part](out)
     return 0
 
 

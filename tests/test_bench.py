@@ -200,6 +200,11 @@ def test_graphs_split_dry_run_writes_both_tables_and_leaves_out_the_steps_labels
     bare, ddp = json.loads((tmp_path / "pair.json").read_text())
     assert (bare["launch"], ddp["launch"]) == ("bare", "ddp") and bare["graphs_step_s"] > 0 < ddp["graphs_step_s"]
     assert "DDP over the bare model, both with CUDA graphs:" in (tmp_path / "pair.md").read_text()
+    wrong = subprocess.run([sys.executable, "bench/graphs_split.py", str(tmp_path / "x"), "pairs"], cwd=REPO,
+                           env=clean_env(PYTHONPATH=str(REPO)), capture_output=True, text=True, timeout=60)  # fmt: skip
+    said = wrong.stderr.strip().splitlines()[-1]
+    assert wrong.returncode == 64 and said == "graphs_split.py: no part 'pairs' (the parts: pair, fused, split)"
+    assert not (tmp_path / "x").exists()
     from ddp import optim
 
     fused = json.loads((tmp_path / "fused.json").read_text())  # a row where this torch fuses SGD on a CPU

@@ -56,8 +56,14 @@ def _npz(cfg: DataConfig, parts: tuple[str, ...]) -> dict[str, Split | list[str]
     if not cfg.path:
         raise UsageError("data.dataset=npz needs data.path=FILE.npz (x_train, y_train, x_test, y_test)")
     path = Path(cfg.path)
+    if path.is_dir():
+        raise UsageError(f"data.path={cfg.path} is a directory: name the .npz file")
     if not path.is_file():
-        raise UsageError(f"data.path={cfg.path}: no such file")
+        raise UsageError(f"data.path={cfg.path}: " + ("not a regular file" if path.exists() else "no such file"))
+    try:
+        path.open("rb").close()  # else zipfile.is_zipfile says False for a file it may not read
+    except OSError as e:
+        raise UsageError(f"data.path={cfg.path}: cannot read it ({e.strerror})") from None
     if not zipfile.is_zipfile(path):  # np.load would take a .npy, and a zip cut short is a BadZipFile traceback
         raise UsageError(f"data.path={cfg.path}: not an .npz file (np.savez's zip of arrays): a .npy, or cut short?")
     try:

@@ -208,7 +208,7 @@ def _torchvision(cfg: DataConfig, world: World) -> tuple[Split, Split, list[str]
                     for train in (True, False):
                         cls(cfg.root, train=train, download=True)
                 except Exception as e:  # offline, proxy, disk full: all mean "no data here"
-                    why = f"{type(e).__name__}: {e}"
+                    why = first_line(e, typed=True)
                     raise UsageError(
                         f"could not download {name} into data.root={cfg.root} ({why}); offline? {offline_fix}"
                     ) from None

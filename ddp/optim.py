@@ -95,14 +95,13 @@ def portable(state: dict) -> dict:
 
 
 @contextmanager
-def implementation_kept(optimizer: torch.optim.Optimizer | None) -> Iterator[None]:
+def implementation_kept(optimizer: torch.optim.Optimizer) -> Iterator[None]:
     """Loading a checkpoint's optimizer state inside keeps the implementation chosen for this machine
     (fused or not): load_state_dict takes each group's settings from the file, the saving machine's,
     whose fused kernel this device, this torch or FSDP2's sharded parameters may not have."""
-    groups = optimizer.param_groups if optimizer is not None else []
-    chosen = [{k: group[k] for k in IMPLEMENTATION if k in group} for group in groups]
+    chosen = [{k: group[k] for k in IMPLEMENTATION if k in group} for group in optimizer.param_groups]
     yield
-    for group, keep in zip(optimizer.param_groups if optimizer is not None else [], chosen, strict=True):
+    for group, keep in zip(optimizer.param_groups, chosen, strict=True):  # load_state_dict's new groups
         group.update(keep)
 
 

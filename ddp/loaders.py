@@ -200,11 +200,13 @@ class EvalBatches:
             yield self.empty
 
 
-def crop_flip(padded_hwc: torch.Tensor, index: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+def crop_flip(
+    padded_hwc: torch.Tensor, index: torch.Tensor, table: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """augment() for a batch, as one gather: images `index` of a split padded (pad_hwc) and stored
     (N, 32 + 2 x translate, 32 + 2 x translate, C), each cropped at its (dy, dx) and flipped per its
     table row. Returns (B, C, 32, 32) in channels_last memory (the gather writes pixels with their
-    channels together)."""
+    channels together), written into `out` ((B x 32 x 32, C), contiguous) if given."""
     n, height, width, channels = padded_hwc.shape
     span = torch.arange(32, device=padded_hwc.device)
     dy, dx, flip = table[:, 0:1], table[:, 1:2], table[:, 2:3].bool()
@@ -213,7 +215,7 @@ def crop_flip(padded_hwc: torch.Tensor, index: torch.Tensor, table: torch.Tensor
     # One index_select of whole pixels (rows of C bytes) by flat position: 4x faster on a CPU than
     # indexing with three broadcast index tensors (measured).
     pixel = (index[:, None, None] * height + rows[:, :, None]) * width + cols[:, None, :]
-    pixels = padded_hwc.view(n * height * width, channels).index_select(0, pixel.view(-1))
+    pixels = torch.index_select(padded_hwc.view(n * height * width, channels), 0, pixel.view(-1), out=out)
     return pixels.view(len(index), 32, 32, channels).permute(0, 3, 1, 2)
 
 
@@ -222,11 +224,15 @@ def pad_hwc(images: torch.Tensor, how: Augment = Augment()) -> torch.Tensor:
     return pad(images, how.translate, how.reflect).permute(0, 2, 3, 1).contiguous()
 
 
+GATHER_CHUNK = 4096  # DeviceLoader: images gathered at a time (their int64 index: 34 MB)
+
+
 class DeviceLoader:
     """data.loader=device: the split lives on the training device as uint8, copied there once
-    (padded for cropping when augmenting: 1.6x the bytes at 4 px, 240 MB for CIFAR's 50k); each step
-    gathers its batch there, cropped and flipped, in one indexing operation. No worker processes
-    and no host-to-device copy per step.
+    (padded for cropping when augmenting: 1.6x the bytes at 4 px, 240 MB for CIFAR's 50k). Each epoch
+    gathers this rank's images there in the epoch's order, cropped and flipped (one more uint8 copy
+    of the rank's shard: 150 MB for CIFAR's 50k on one rank); each step's batch is a slice of it.
+    No worker processes, no host-to-device copy and no gather per step.
 
     Which images a step takes, and each image's crop and flip, are the torch loader's: the same
     ResumableSampler order (permutation of (seed, epoch), each rank its slice, resumable at a global
@@ -244,15 +250,27 @@ class DeviceLoader:
         return len(self.sampler) // self.per_rank_batch
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        device = self.images.device
-        order = torch.tensor([i for i, _ in self.sampler], dtype=torch.int64, device=device)
-        table = None
-        if self.how is not None:
-            table = augmentation_table(len(self.labels), self.seed, self.sampler.epoch, self.how).to(device)
-        for k in range(len(self)):
-            picked = order[k * self.per_rank_batch : (k + 1) * self.per_rank_batch]
-            images = crop_flip(self.images, picked, table[picked]) if table is not None else self.images[picked]
-            yield images, self.labels[picked]
+        batch, steps = self.per_rank_batch, len(self)
+        order = torch.tensor(
+            [i for i, _ in self.sampler][: steps * batch], dtype=torch.int64, device=self.images.device
+        )
+        images, labels = self.epoch_images(order), self.labels[order]
+        for k in range(steps):  # a step's batch is a view: no work on the device, a few operations on the host
+            yield images[k * batch : (k + 1) * batch], labels[k * batch : (k + 1) * batch]
+
+    def epoch_images(self, order: torch.Tensor) -> torch.Tensor:
+        """Images `order` of the split, augmented with this epoch's table, in that order: gathered once an epoch,
+        not once a step, in chunks of GATHER_CHUNK images (the gather's index takes 8 bytes a pixel)."""
+        if self.how is None:
+            return self.images[order]
+        table = augmentation_table(len(self.labels), self.seed, self.sampler.epoch, self.how).to(order.device)
+        pixels = torch.empty(
+            (len(order) * 32 * 32, self.images.shape[-1]), dtype=self.images.dtype, device=order.device
+        )
+        for start in range(0, len(order), GATHER_CHUNK):
+            chunk = order[start : start + GATHER_CHUNK]
+            crop_flip(self.images, chunk, table[chunk], out=pixels[start * 32 * 32 : (start + len(chunk)) * 32 * 32])
+        return pixels.view(len(order), 32, 32, -1).permute(0, 3, 1, 2)
 
 
 class DeviceEvalLoader:

@@ -179,3 +179,25 @@ def test_device_and_torch_loaders_give_the_same_batches():
     assert len(batches["device"]) == len(batches["torch"]) == 1  # 64 / (2 x 16) = 2 steps, 1 after step 1
     for (a, la), (b, lb) in zip(batches["device"], batches["torch"]):
         assert torch.equal(a, b) and torch.equal(la, lb)
+
+
+@pytest.mark.parametrize("how", [loaders.Augment(), None])
+def test_device_loader_gathers_an_epoch_at_once_in_chunks_and_steps_slice_it(monkeypatch, how):
+    """The epoch's images are gathered in chunks (7 images here: chunks that end mid-batch and a short last
+    one), each step's batch a slice of them: the torch loader's batches bit for bit, on one storage."""
+    monkeypatch.setattr(loaders, "GATHER_CHUNK", 7)
+    split = datasets.Split(
+        torch.randint(0, 256, (60, 3, 32, 32), generator=torch.Generator().manual_seed(0), dtype=torch.uint8),
+        torch.arange(60),
+    )
+    batches = {}
+    for kind in LOADERS:
+        loader = loaders.train_loader(split, 6, world(0, 1), how, 0, 4, kind)
+        loader.sampler.set_epoch(3, start_step=1)
+        batches[kind] = list(loader)
+    assert len(batches["device"]) == len(batches["torch"]) == 9
+    for (a, la), (b, lb) in zip(batches["device"], batches["torch"]):
+        assert torch.equal(a, b) and torch.equal(la, lb)
+        assert a.is_contiguous(memory_format=torch.channels_last if how else torch.contiguous_format)
+    assert len({images.untyped_storage().data_ptr() for images, _ in batches["device"]}) == 1
+    assert len({labels.untyped_storage().data_ptr() for _, labels in batches["device"]}) == 1

@@ -7,7 +7,13 @@ pays for every one of them). For the same model, batch and synthetic data:
   ours 1 rank and ours 2 ranks   ddp/train.py under torchrun (rank 0's trace); at 1 rank with
               run.parallel=ddp, and as run.parallel=auto runs it: without DDP (nothing to all-reduce)
   ours fast.yaml   ddp/train.py in one process with configs/fast.yaml's toolbox (lookahead, the
-              whitened stem, BatchNorm's own groups) at the same model, batch and data, fp32
+              whitened stem, BatchNorm's own groups) at the same model, batch and data, fp32; without
+              augmentation, and with its own (2-px reflect translation, alternating flip)
+  airbench94  airbench94's own train94 (PyPI airbench 0.1.8) at the same widths, batch and data size,
+              fp32, with its augmentation, and its SGD for-each as torch picks it on a GPU (on a CPU
+              torch's default steps each parameter alone); its steps FIRST..END-1 are profiled from
+              its LR scheduler's step, the last call of each. Its reads are of CPU tensors on a GPU
+              too (its LR and lookahead schedules live there).
 Per step: operators at the top level (called from Python) and in all (with the ones they call);
 device reads (.item(), bool(), float(), int() of a tensor: aten::_local_scalar_dense, which on a GPU
 is a device-to-host copy that waits for every queued kernel), apart from the stop agreement's read
@@ -20,6 +26,7 @@ plain loop has none; its uint8-to-float input conversion is counted.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -43,6 +50,7 @@ MODEL, WIDTH, BATCH = "fast", 0.25, 32  # small enough to run in seconds on a CP
 FIRST, END = 10, 30  # global steps FIRST..END-1 are counted (run.profile=10:30), after a warm-up
 # fast.yaml's recipe on this row's model and data (its own are the GPU's): fp32, as the other rows
 FAST_YAML = ("--config", str(REPO / "configs" / "fast.yaml"), "run.amp=off", "run.tf32=false")
+FAST_AUG = (*FAST_YAML, "data.augment=true")
 SCALAR_READ = "aten::_local_scalar_dense"
 STOP_AGREEMENT = "stop agreement"  # train.train_epoch's label: its read is of a CPU tensor of the control group
 COLLECTIVE_PREFIXES = ("gloo:", "nccl:")
@@ -117,6 +125,44 @@ def plain_in_ddp(out: Path) -> dict[str, float]:
         dist.destroy_process_group()
 
 
+def airbench_loop(out: Path) -> dict[str, float]:
+    """airbench94's counts: its train94 over BATCH x END synthetic images (one epoch), in this process."""
+    from bench.airbench_cpu import on_the_cpu, replaced
+    from bench.airbench_steps import imported_airbench
+
+    airbench = imported_airbench()
+    g = torch.Generator().manual_seed(0)
+    profiler, scheduler_steps = profile(activities=[ProfilerActivity.CPU]), [-1]  # LambdaLR steps once when built
+    scheduler_step, sgd = torch.optim.lr_scheduler.LambdaLR.step, torch.optim.SGD
+
+    def counted_step(self, *args, **kwargs) -> None:  # noqa: ANN001 (LambdaLR.step's own arguments)
+        scheduler_step(self, *args, **kwargs)
+        scheduler_steps[0] += 1
+        if scheduler_steps[0] == FIRST:
+            profiler.start()
+        elif scheduler_steps[0] == END:
+            profiler.stop()
+
+    data = out.parent / "airbench" / "cifar10"
+    data.mkdir(parents=True)
+    for split, n in (("train", BATCH * END), ("test", BATCH)):
+        images = torch.randint(0, 256, (n, 32, 32, 3), dtype=torch.uint8, generator=g)
+        labels = torch.randint(0, 10, (n,), generator=g)
+        torch.save({"images": images, "labels": labels, "classes": [str(c) for c in range(10)]}, data / f"{split}.pt")
+    convs = [m.out_channels for m in models.build(MODEL, 10, 0.0, WIDTH).modules() if isinstance(m, nn.Conv2d)]
+    net = dict(zip(("block1", "block2", "block3"), convs[1::2]))  # the stem, then 2 convolutions a block
+    stand_ins = [
+        (torch.optim.lr_scheduler.LambdaLR, "step", counted_step),
+        (torch.optim, "SGD", lambda *args, **kwargs: sgd(*args, foreach=True, **kwargs)),
+    ]
+    with contextlib.chdir(data.parent), on_the_cpu(airbench), replaced(stand_ins):
+        hyp = airbench.lib_airbench94.hyp
+        loader = airbench.CifarLoader("cifar10", train=True, batch_size=BATCH, aug=hyp["aug"], altflip=True)
+        airbench.train94(train_loader=loader, epochs=1, make_net=lambda: airbench.make_net94(widths=net), verbose=False)
+    profiler.export_chrome_trace(str(out))
+    return per_step(out, END - FIRST)
+
+
 def ours(launch: list[str], out_dir: Path, *extra: str) -> dict[str, float]:
     """ddp/train.py, started by `launch`, profiled over steps FIRST..END-1: rank 0's counts."""
     settings = [
@@ -133,7 +179,7 @@ def ours(launch: list[str], out_dir: Path, *extra: str) -> dict[str, float]:
 
 
 def measure() -> list[dict[str, Any]]:
-    """The seven rows, in the order of the module's docstring."""
+    """The nine rows, in the order of the module's docstring."""
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     rows: list[tuple[str, Callable[[Path], dict[str, float]]]] = [
         ("plain", lambda d: plain_loop(False, d / "plain.json")),
@@ -143,6 +189,8 @@ def measure() -> list[dict[str, Any]]:
         ("ours, torchrun 1 rank, auto (no DDP)", lambda d: ours([*torchrun, "--nproc_per_node=1"], d / "ours1-auto")),
         ("ours, torchrun 2 ranks", lambda d: ours([*torchrun, "--nproc_per_node=2"], d / "ours2")),
         ("ours, configs/fast.yaml, one process", lambda d: ours([sys.executable], d / "fast", *FAST_YAML)),
+        ("ours, configs/fast.yaml with its augmentation", lambda d: ours([sys.executable], d / "fast-aug", *FAST_AUG)),
+        ("airbench94's own step (its augmentation)", lambda d: airbench_loop(d / "airbench.json")),
     ]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as each torchrun rank runs (OMP_NUM_THREADS=1): the same operators

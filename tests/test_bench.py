@@ -4,6 +4,7 @@ code at small sizes) is make gpu-check's dry-run bench step: tests/test_gpu_chec
 import json
 import subprocess
 import sys
+from collections import Counter
 
 import pytest
 import torch
@@ -232,3 +233,13 @@ def test_graphs_split_dry_run_writes_both_tables_and_leaves_out_the_steps_labels
     assert graphs_split.kind("sm90_xmma_fprop_implicit_gemm_bf16") == "conv/matmul"
     assert graphs_split.kind("void at::native::nchwToNhwcKernel") == "layout"
     assert graphs_split.kind("triton_poi_fused_native_batch_norm").startswith("other")
+
+
+def test_the_airbench_row_profiles_whole_steps_of_its_own_code_with_for_each_sgd(tmp_path):
+    """host_cost's airbench94 row: its profile window is END - FIRST whole steps of train94 (each step's 7
+    convolutions, its 2 parameter groups stepped for-each as on a GPU), not the construction or evaluation."""
+    host_cost.airbench_loop(tmp_path / "airbench.json")
+    events = json.loads((tmp_path / "airbench.json").read_text())["traceEvents"]
+    names = Counter(e["name"] for e in events if e.get("cat") == "cpu_op")
+    steps = host_cost.END - host_cost.FIRST
+    assert names["aten::conv2d"] == 7 * steps and names["aten::_foreach_mul_"] == 2 * steps

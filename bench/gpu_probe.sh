@@ -17,19 +17,23 @@
 #   graphs-split bench/graphs_split.py: the bare model and DDP at world size 1 both with CUDA graphs (like for
 #          like), the eager step with the optimizer fused against torch's default, and where a compiled
 #          step's GPU time goes at the MFU rows' batches; pair.md, fused.md, split.md
+#   recipe-steps bench/recipe_steps.py: configs/fast.yaml's eager step against airbench94's own (epochs 2-10:
+#          0.0405 against 0.0272 s, 2026-11-26; on the CPU both dispatch about as many operators a step):
+#          kernels, their device time by kind, spans, the kernels only one has; recipe-steps.md and .json
 #   overhead     the bench's DDP-overhead section alone (DDP at world size 1 against the bare model, each
 #          compiled-DDP variant): a second sample of its figures; ddp-overhead.md and .json
 # Each run's epoch lines (and profile tables) go to $OUT/probe-<step>.log; the fast-* runs' metrics.jsonl
 # to $OUT/<run>/.
 #   fsdp   FSDP2 at one rank took 4.1x DDP's step (resnet18, batch 256, bf16, 2026-11-25): the same with
 #          --amp off (bf16 shards each BatchNorm on its own: 27 FSDP2 units instead of 8)
-#   bash bench/gpu_probe.sh [ddp] [tune] [mfu] [graphs] [fast-graphs] [fast-seeds] [graphs-split] [overhead] [fsdp]
+#   bash bench/gpu_probe.sh [ddp] [tune] [mfu] [graphs] [fast-graphs] [fast-seeds] [graphs-split] [recipe-steps]
+#          [overhead] [fsdp]
 # Exit status: 1 if a probe (or one run of it) failed, named in the last line.
 #   bash bench/gpu_probe.sh --check PROBES...   the names and MFU_MODES / MFU_MODELS checked, nothing run: one
 #          line and exit 64 for a bad one (gpu_lease.sh asks first, so a typo costs no device time)
 set -uo pipefail
 cd "$(dirname "$0")/.."
-probes=" ddp tune mfu graphs fast-graphs fast-seeds graphs-split overhead fsdp "
+probes=" ddp tune mfu graphs fast-graphs fast-seeds graphs-split recipe-steps overhead fsdp "
 modes=" default reduce-overhead max-autotune max-autotune-no-cudagraphs "  # torch.compile's (run.compile_mode)
 bad() { echo "gpu_probe.sh: $*" >&2; exit 64; }
 for s in ${*#--check}; do [[ $probes == *" $s "* ]] || bad "no probe '$s' (the probes: $(echo $probes))"; done
@@ -99,6 +103,10 @@ for mode in sys.argv[2].split():
       graphs-split)
         python3 bench/graphs_split.py "$out" pair fused split >"$out/probe-graphs-split.log" 2>&1 || failed+=" graphs-split"
         cat "$out/pair.md" "$out/fused.md" "$out/split.md" >>"$out/probe-graphs-split.log" 2>/dev/null
+        ;;
+      recipe-steps)
+        python3 bench/recipe_steps.py "$out" --airbench .gpu/airbench-0.1.8.tar.gz >"$out/probe-recipe-steps.log" 2>&1 ||
+          failed+=" recipe-steps"
         ;;
       graphs)
         job=("${common[@]}" data.synthetic_train=32768 train.batch_size=1024 train.epochs=3)

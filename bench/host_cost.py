@@ -125,14 +125,16 @@ def plain_in_ddp(out: Path) -> dict[str, float]:
         dist.destroy_process_group()
 
 
-def airbench_loop(out: Path) -> dict[str, float]:
-    """airbench94's counts: its train94 over BATCH x END synthetic images (one epoch), in this process."""
+def airbench_loop(out: Path, batch: int = BATCH, width: float = WIDTH) -> dict[str, float]:
+    """airbench94's counts: its train94 over `batch` x END synthetic images (one epoch), in this process; with
+    CUDA, as airbench runs itself there (fp16, cudnn.benchmark) and its kernels in the trace too."""
     from bench.airbench_cpu import on_the_cpu, replaced
     from bench.airbench_steps import imported_airbench
 
-    airbench = imported_airbench()
+    airbench, cuda = imported_airbench(), torch.cuda.is_available()
     g = torch.Generator().manual_seed(0)
-    profiler, scheduler_steps = profile(activities=[ProfilerActivity.CPU]), [-1]  # LambdaLR steps once when built
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
+    profiler, scheduler_steps = profile(activities=activities), [-1]  # LambdaLR steps once when built
     scheduler_step, sgd = torch.optim.lr_scheduler.LambdaLR.step, torch.optim.SGD
 
     def counted_step(self, *args, **kwargs) -> None:  # noqa: ANN001 (LambdaLR.step's own arguments)
@@ -145,19 +147,20 @@ def airbench_loop(out: Path) -> dict[str, float]:
 
     data = out.parent / "airbench" / "cifar10"
     data.mkdir(parents=True)
-    for split, n in (("train", BATCH * END), ("test", BATCH)):
+    for split, n in (("train", batch * END), ("test", batch)):
         images = torch.randint(0, 256, (n, 32, 32, 3), dtype=torch.uint8, generator=g)
         labels = torch.randint(0, 10, (n,), generator=g)
         torch.save({"images": images, "labels": labels, "classes": [str(c) for c in range(10)]}, data / f"{split}.pt")
-    convs = [m.out_channels for m in models.build(MODEL, 10, 0.0, WIDTH).modules() if isinstance(m, nn.Conv2d)]
+    convs = [m.out_channels for m in models.build(MODEL, 10, 0.0, width).modules() if isinstance(m, nn.Conv2d)]
     net = dict(zip(("block1", "block2", "block3"), convs[1::2]))  # the stem, then 2 convolutions a block
     stand_ins = [
         (torch.optim.lr_scheduler.LambdaLR, "step", counted_step),
         (torch.optim, "SGD", lambda *args, **kwargs: sgd(*args, foreach=True, **kwargs)),
+        (torch.backends.cudnn, "benchmark", cuda),  # what importing airbench sets (imported_airbench puts it back)
     ]
-    with contextlib.chdir(data.parent), on_the_cpu(airbench), replaced(stand_ins):
+    with contextlib.chdir(data.parent), contextlib.nullcontext() if cuda else on_the_cpu(airbench), replaced(stand_ins):
         hyp = airbench.lib_airbench94.hyp
-        loader = airbench.CifarLoader("cifar10", train=True, batch_size=BATCH, aug=hyp["aug"], altflip=True)
+        loader = airbench.CifarLoader("cifar10", train=True, batch_size=batch, aug=hyp["aug"], altflip=True)
         airbench.train94(train_loader=loader, epochs=1, make_net=lambda: airbench.make_net94(widths=net), verbose=False)
     profiler.export_chrome_trace(str(out))
     return per_step(out, END - FIRST)

@@ -235,11 +235,46 @@ def test_graphs_split_dry_run_writes_both_tables_and_leaves_out_the_steps_labels
     assert graphs_split.kind("triton_poi_fused_native_batch_norm").startswith("other")
 
 
-def test_the_airbench_row_profiles_whole_steps_of_its_own_code_with_for_each_sgd(tmp_path):
-    """host_cost's airbench94 row: its profile window is END - FIRST whole steps of train94 (each step's 7
-    convolutions, its 2 parameter groups stepped for-each as on a GPU), not the construction or evaluation."""
-    host_cost.airbench_loop(tmp_path / "airbench.json")
-    events = json.loads((tmp_path / "airbench.json").read_text())["traceEvents"]
-    names = Counter(e["name"] for e in events if e.get("cat") == "cpu_op")
+def test_recipe_steps_profiles_whole_steps_of_ours_and_of_airbenchs_own_code_and_reports_both(tmp_path):
+    """bench/recipe_steps.py's dry run (CPU, host_cost's toy sizes; also host_cost's airbench row): each trace
+    holds END - FIRST whole steps (7 convolutions a step), airbench's from its own train94 with its 2 parameter
+    groups stepped for-each as on a GPU, not its construction or evaluation; the table has a row for each."""
+    from bench import recipe_steps
+
+    rows = recipe_steps.measure(tmp_path)
     steps = host_cost.END - host_cost.FIRST
-    assert names["aten::conv2d"] == 7 * steps and names["aten::_foreach_mul_"] == 2 * steps
+
+    def ops(trace):
+        return Counter(e["name"] for e in json.loads(trace.read_text())["traceEvents"] if e.get("cat") == "cpu_op")
+
+    ours, theirs = ops(tmp_path / "ours" / "profile" / "rank0.json"), ops(tmp_path / "airbench.json")
+    assert ours["aten::conv2d"] == theirs["aten::conv2d"] == 7 * steps
+    assert theirs["aten::_foreach_mul_"] == 2 * steps and ours["aten::_fused_sgd_"] == 3 * steps
+    table = "\n".join(recipe_steps.report(rows))
+    for label, r in rows.items():
+        assert f"| {label} | {r['top_level_ops']:.1f} | " in table and r["top_level_ops"] > 0
+
+
+def test_recipe_steps_sums_a_traces_kernels_and_copies_per_step_by_kind(tmp_path):
+    """recipe_steps.device_time on a made-up trace of 2 steps (no GPU here): kernels and copies counted,
+    their device time by kind and the span from the first to the last; host operators apart."""
+    from bench import recipe_steps
+
+    def event(cat, name, ts, dur):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}
+
+    events = [
+        event("cpu_op", "aten::conv2d", 0, 400),
+        event("kernel", "sm90_xmma_fprop_implicit_gemm", 10, 100),
+        event("kernel", "triton_poi_fused_gelu", 200, 50),
+        event("gpu_memcpy", "Memcpy HtoD", 300, 10),
+        event("kernel", "triton_poi_fused_gelu", 500, 50),
+        event("user_annotation", "forward", 0, 600),
+    ]
+    trace = tmp_path / "trace.json"
+    trace.write_text(json.dumps({"traceEvents": events}))
+    got = recipe_steps.device_time(trace, steps=2)
+    assert got["kernels"] == 2 and got["device_ms"] == pytest.approx(0.105)
+    assert got["device_span_ms"] == pytest.approx(0.27) and got["host_span_ms"] == pytest.approx(0.2)
+    assert got["kinds_ms"] == pytest.approx({"conv/matmul": 0.05, "copy": 0.005, recipe_steps.kind("gelu"): 0.05})
+    assert got["by_name_ms"]["triton_poi_fused_gelu"] == pytest.approx(0.05)

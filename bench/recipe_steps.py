@@ -1,0 +1,131 @@
+"""configs/fast.yaml's training step against airbench94's own, eager, on one device: where the time per epoch
+goes (issue 33: epochs 2-10 took 0.0405 s a mean epoch for ours and 0.0272 s for airbench94 on an H100,
+2026-11-26; on the CPU bench both steps dispatch about as many operators, bench/results/host-cost-cpu.md).
+
+Each is profiled over its steps FIRST..END-1 (bench/host_cost.py's window) of one epoch of synthetic images:
+ours is ddp/train.py --config configs/fast.yaml (its augmentation, bf16, channels_last, cudnn.benchmark) with
+run.profile; airbench94 its train94 at the same widths and batch, its augmentation, fp16. Per step: host
+operators (top level and all), GPU kernels and copies, their device time by kind (bench/graphs_split.py's
+kinds), the span from the window's first kernel to its last (the step's wall when the GPU never waits), the
+host's span, and the kernels each has that the other has not.
+
+    python bench/recipe_steps.py OUT_DIR [--airbench .gpu/airbench-0.1.8.tar.gz]    (OUT_DIR/recipe-steps.md, .json)
+
+The archive is for a machine without the airbench package (the GPU's); without CUDA (the dry run) both run
+on the CPU at host_cost's toy sizes, fp32.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `bench` and `ddp` from the checkout
+
+from bench import host_cost  # noqa: E402
+from bench.graphs_split import kind  # noqa: E402
+
+GPU = torch.cuda.is_available()
+BATCH, WIDTH = (1024, 1.0) if GPU else (host_cost.BATCH, host_cost.WIDTH)
+DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def device_time(trace: Path, steps: int) -> dict:
+    """Per step, from a Chrome trace: kernels and copies, their device ms in all and by kind, the span (ms)
+    from the first to the last of them, the host operators' span, and device ms by kernel name."""
+    events = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("ph") == "X"]
+    on_device = [e for e in events if e.get("cat") in DEVICE_CATS]
+    on_host = [e for e in events if e.get("cat") == "cpu_op"]
+
+    def span(es: list[dict]) -> float:
+        return (max(e["ts"] + e["dur"] for e in es) - min(e["ts"] for e in es)) / 1e3 / steps if es else 0.0
+
+    by_name: Counter[str] = Counter()
+    for e in on_device:
+        by_name[e["name"]] += e["dur"] / 1e3 / steps
+    kinds: Counter[str] = Counter()
+    for name, ms in by_name.items():
+        kinds[kind(name)] += ms
+    return {
+        "kernels": len(on_device) / steps, "device_ms": sum(by_name.values()), "device_span_ms": span(on_device),
+        "host_span_ms": span(on_host), "kinds_ms": dict(kinds), "by_name_ms": dict(by_name),
+    }  # fmt: skip
+
+
+def measure(work: Path) -> dict[str, dict]:
+    """Both steps' counts and device times; their traces left in `work` (ours/profile/rank0.json, airbench.json)."""
+    steps = host_cost.END - host_cost.FIRST
+    ours_args = (
+        "--config", str(host_cost.REPO / "configs" / "fast.yaml"), "data.augment=true", f"model.width={WIDTH}",
+        f"train.batch_size={BATCH}", f"data.synthetic_train={BATCH * host_cost.END}",
+        *(() if GPU else ("run.amp=off", "run.tf32=false")),
+    )  # fmt: skip
+    ours = host_cost.ours([sys.executable], work / "ours", *ours_args)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as ours runs (host_cost.ours: OMP_NUM_THREADS=1)
+    try:
+        theirs = host_cost.airbench_loop(work / "airbench.json", BATCH, WIDTH)
+    finally:
+        torch.set_num_threads(threads)
+    return {
+        "ours (configs/fast.yaml)": {**ours, **device_time(work / "ours" / "profile" / "rank0.json", steps)},
+        "airbench94": {**theirs, **device_time(work / "airbench.json", steps)},
+    }
+
+
+def report(rows: dict[str, dict]) -> list[str]:
+    device = torch.cuda.get_device_name(0) if GPU else "CPU (dry run: no kernels)"
+    lines = [
+        f"# configs/fast.yaml's step against airbench94's, eager ({device}, torch {torch.__version__})",
+        "",
+        f"Command: `python bench/recipe_steps.py OUT --airbench .gpu/airbench-0.1.8.tar.gz`; batch {BATCH}, "
+        f"width {WIDTH}, synthetic images, steps {host_cost.FIRST}-{host_cost.END - 1} of one epoch, per step.",
+        "",
+        "| step | top-level ops | all ops | kernels + copies | device ms | kernels' span ms | host span ms |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for label, r in rows.items():
+        lines.append(
+            f"| {label} | {r['top_level_ops']:.1f} | {r['all_ops']:.1f} | {r['kernels']:.1f} | {r['device_ms']:.3f} "
+            f"| {r['device_span_ms']:.3f} | {r['host_span_ms']:.3f} |"
+        )
+    (a_label, a), (b_label, b) = rows.items()
+    kinds = sorted(set(a["kinds_ms"]) | set(b["kinds_ms"]))
+    lines += ["", f"| device ms by kind | {a_label} | {b_label} |", "| --- | ---: | ---: |"]
+    lines += [f"| {k} | {a['kinds_ms'].get(k, 0):.3f} | {b['kinds_ms'].get(k, 0):.3f} |" for k in kinds]
+    for one, other, label in ((a, b, a_label), (b, a, b_label)):
+        only = sorted(
+            ((n, ms) for n, ms in one["by_name_ms"].items() if n not in other["by_name_ms"]), key=lambda x: -x[1]
+        )
+        lines += ["", f"| kernels only {label} has (top 15) | ms a step |", "| --- | ---: |"]
+        lines += [f"| {n[:110]} | {ms:.3f} |" for n, ms in only[:15]]
+    return lines
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--airbench", type=Path, help="airbench-0.1.8.tar.gz, for a machine without the package")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.airbench:
+            from bench.airbench_subset import import_airbench
+
+            import_airbench(args.airbench.resolve(), Path(tmp))
+        rows = measure(Path(tmp))
+    (args.out / "recipe-steps.json").write_text(json.dumps(rows, indent=1) + "\n")
+    lines = report(rows)
+    (args.out / "recipe-steps.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

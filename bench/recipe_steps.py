@@ -113,6 +113,12 @@ def main() -> int:
     parser.add_argument("out", type=Path)
     parser.add_argument("--airbench", type=Path, help="airbench-0.1.8.tar.gz, for a machine without the package")
     args = parser.parse_args()
+    if args.airbench and not args.airbench.is_file():
+        print(
+            f"recipe_steps.py: --airbench {args.airbench}: no such file (make gpu-carry puts it in .gpu/)",
+            file=sys.stderr,
+        )
+        return 64
     args.out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         if args.airbench:

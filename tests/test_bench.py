@@ -253,6 +253,10 @@ def test_recipe_steps_profiles_whole_steps_of_ours_and_of_airbenchs_own_code_and
     table = "\n".join(recipe_steps.report(rows))
     for label, r in rows.items():
         assert f"| {label} | {r['top_level_ops']:.1f} | " in table and r["top_level_ops"] > 0
+    missing = subprocess.run([sys.executable, "bench/recipe_steps.py", str(tmp_path / "out"), "--airbench", "nope.tgz"],
+                             cwd=REPO, capture_output=True, text=True, env=clean_env())  # fmt: skip
+    assert missing.returncode == 64 and not (tmp_path / "out").exists()
+    assert missing.stderr == "recipe_steps.py: --airbench nope.tgz: no such file (make gpu-carry puts it in .gpu/)\n"
 
 
 def test_recipe_steps_sums_a_traces_kernels_and_copies_per_step_by_kind(tmp_path):

@@ -158,10 +158,17 @@ def airbench_loop(out: Path, batch: int = BATCH, width: float = WIDTH) -> dict[s
         (torch.optim, "SGD", lambda *args, **kwargs: sgd(*args, foreach=True, **kwargs)),
         (torch.backends.cudnn, "benchmark", cuda),  # what importing airbench sets (imported_airbench puts it back)
     ]
-    with contextlib.chdir(data.parent), contextlib.nullcontext() if cuda else on_the_cpu(airbench), replaced(stand_ins):
-        hyp = airbench.lib_airbench94.hyp
-        loader = airbench.CifarLoader("cifar10", train=True, batch_size=batch, aug=hyp["aug"], altflip=True)
-        airbench.train94(train_loader=loader, epochs=1, make_net=lambda: airbench.make_net94(widths=net), verbose=False)
+    cwd = os.getcwd()
+    os.chdir(data.parent)  # train94 reads its test images from ./cifar10 (contextlib.chdir: Python 3.11 on)
+    try:
+        with contextlib.nullcontext() if cuda else on_the_cpu(airbench), replaced(stand_ins):
+            hyp = airbench.lib_airbench94.hyp
+            loader = airbench.CifarLoader("cifar10", train=True, batch_size=batch, aug=hyp["aug"], altflip=True)
+            airbench.train94(
+                train_loader=loader, epochs=1, make_net=lambda: airbench.make_net94(widths=net), verbose=False
+            )
+    finally:
+        os.chdir(cwd)
     profiler.export_chrome_trace(str(out))
     return per_step(out, END - FIRST)
 

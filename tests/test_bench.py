@@ -282,3 +282,5 @@ def test_recipe_steps_sums_a_traces_kernels_and_copies_per_step_by_kind(tmp_path
     assert got["device_span_ms"] == pytest.approx(0.27) and got["host_span_ms"] == pytest.approx(0.2)
     assert got["kinds_ms"] == pytest.approx({"conv/matmul": 0.05, "copy": 0.005, recipe_steps.kind("gelu"): 0.05})
     assert got["by_name_ms"]["triton_poi_fused_gelu"] == pytest.approx(0.05)
+    assert got["launches_by_name"] == pytest.approx({"sm90_xmma_fprop_implicit_gemm": 0.5, "triton_poi_fused_gelu": 1,
+                                                     "Memcpy HtoD": 0.5})  # fmt: skip

@@ -5,7 +5,6 @@ in the same order with the same crops and flips; the shards of training (Distrib
 
 from __future__ import annotations
 
-import itertools
 import signal
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -107,9 +106,15 @@ class ResumableSampler(DistributedSampler):
         super().set_epoch(epoch)
         self.start_step = start_step
 
+    def order(self) -> torch.Tensor:
+        """This rank's image indices from the start step on: DistributedSampler's order (shuffle, drop_last) as a
+        tensor, made without its Python list of every index (tests/test_loaders.py holds the two equal)."""
+        g = torch.Generator().manual_seed(self.seed + self.epoch)
+        mine = torch.randperm(len(self.dataset), generator=g)[: self.total_size][self.rank :: self.num_replicas]
+        return mine[self.start_step * self.per_rank_batch :]
+
     def __iter__(self) -> Iterator[tuple[int, int]]:
-        skip = self.start_step * self.per_rank_batch
-        return ((i, self.epoch) for i in itertools.islice(super().__iter__(), skip, None))
+        return ((i, self.epoch) for i in self.order().tolist())
 
     def __len__(self) -> int:
         return super().__len__() - self.start_step * self.per_rank_batch
@@ -251,9 +256,7 @@ class DeviceLoader:
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         batch, steps = self.per_rank_batch, len(self)
-        order = torch.tensor(
-            [i for i, _ in self.sampler][: steps * batch], dtype=torch.int64, device=self.images.device
-        )
+        order = self.sampler.order()[: steps * batch].to(self.images.device)
         images, labels = self.epoch_images(order), self.labels[order]
         for k in range(steps):  # a step's batch is a view: no work on the device, a few operations on the host
             yield images[k * batch : (k + 1) * batch], labels[k * batch : (k + 1) * batch]

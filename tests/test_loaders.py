@@ -5,6 +5,7 @@ import math
 
 import pytest
 import torch
+from torch.utils.data import DistributedSampler
 
 from ddp import datasets, loaders
 from ddp.config import DataConfig
@@ -201,3 +202,17 @@ def test_device_loader_gathers_an_epoch_at_once_in_chunks_and_steps_slice_it(mon
         assert a.is_contiguous(memory_format=torch.channels_last if how else torch.contiguous_format)
     assert len({images.untyped_storage().data_ptr() for images, _ in batches["device"]}) == 1
     assert len({labels.untyped_storage().data_ptr() for _, labels in batches["device"]}) == 1
+
+
+def test_the_samplers_order_is_distributed_samplers_own_for_every_rank_seed_epoch_and_start():
+    """ResumableSampler.order() draws the permutation itself (a tensor, no list of every index): it must stay
+    DistributedSampler's order (shuffle, drop_last), the one every checkpoint's position was written in."""
+    for n, world_size in [(37, 1), (37, 3), (64, 4), (100, 7)]:
+        dataset = range(n)  # a sampler asks only its length
+        for r in range(world_size):
+            ours = loaders.ResumableSampler(dataset, world(r, world_size), 2, seed=11)
+            theirs = DistributedSampler(dataset, world_size, r, shuffle=True, seed=11, drop_last=True)
+            for epoch, start in [(1, 0), (2, 3), (9, 1)]:
+                ours.set_epoch(epoch, start_step=start)
+                theirs.set_epoch(epoch)
+                assert ours.order().tolist() == list(theirs)[2 * start :] == [i for i, _ in ours]

@@ -33,7 +33,7 @@ import subprocess
 import sys
 import tempfile
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -48,8 +48,8 @@ from ddp import models
 REPO = Path(__file__).resolve().parent.parent
 MODEL, WIDTH, BATCH = "fast", 0.25, 32  # small enough to run in seconds on a CPU
 FIRST, END = 10, 30  # global steps FIRST..END-1 are counted (run.profile=10:30), after a warm-up
-# fast.yaml's recipe on this row's model and data (its own are the GPU's): fp32, as the other rows
-FAST_YAML = ("--config", str(REPO / "configs" / "fast.yaml"), "run.amp=off", "run.tf32=false")
+FAST, FP32 = ("--config", str(REPO / "configs" / "fast.yaml")), ("run.amp=off", "run.tf32=false")
+FAST_YAML = (*FAST, *FP32)  # fast.yaml's recipe on this row's model and data (its own are the GPU's): fp32, as the rest
 FAST_AUG = (*FAST_YAML, "data.augment=true")
 SCALAR_READ = "aten::_local_scalar_dense"
 STOP_AGREEMENT = "stop agreement"  # train.train_epoch's label: its read is of a CPU tensor of the control group
@@ -202,11 +202,17 @@ def measure() -> list[dict[str, Any]]:
         ("ours, configs/fast.yaml with its augmentation", lambda d: ours([sys.executable], d / "fast-aug", *FAST_AUG)),
         ("airbench94's own step (its augmentation)", lambda d: airbench_loop(d / "airbench.json")),
     ]
+    with one_thread(), tempfile.TemporaryDirectory() as tmp:
+        return [{"loop": name, **count(Path(tmp))} for name, count in rows]
+
+
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """This process on one thread while inside, as ours runs (OMP_NUM_THREADS=1): the same operators."""
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as each torchrun rank runs (OMP_NUM_THREADS=1): the same operators
+    torch.set_num_threads(1)
     try:
-        with tempfile.TemporaryDirectory() as tmp:
-            return [{"loop": name, **count(Path(tmp))} for name, count in rows]
+        yield
     finally:
         torch.set_num_threads(threads)
 

@@ -65,17 +65,12 @@ def measure(work: Path) -> dict[str, dict]:
     """Both steps' counts and device times; their traces left in `work` (ours/profile/rank0.json, airbench.json)."""
     steps = host_cost.END - host_cost.FIRST
     ours_args = (
-        "--config", str(host_cost.REPO / "configs" / "fast.yaml"), "data.augment=true", f"model.width={WIDTH}",
+        *host_cost.FAST, *(() if GPU else host_cost.FP32), "data.augment=true", f"model.width={WIDTH}",
         f"train.batch_size={BATCH}", f"data.synthetic_train={BATCH * host_cost.END}",
-        *(() if GPU else ("run.amp=off", "run.tf32=false")),
     )  # fmt: skip
     ours = host_cost.ours([sys.executable], work / "ours", *ours_args)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as ours runs (host_cost.ours: OMP_NUM_THREADS=1)
-    try:
+    with host_cost.one_thread():
         theirs = host_cost.airbench_loop(work / "airbench.json", BATCH, WIDTH)
-    finally:
-        torch.set_num_threads(threads)
     return {
         "ours (configs/fast.yaml)": {**ours, **device_time(work / "ours" / "profile" / "rank0.json", steps)},
         "airbench94": {**theirs, **device_time(work / "airbench.json", steps)},

@@ -224,6 +224,7 @@ def test_graphs_split_dry_run_writes_both_tables_and_leaves_out_the_steps_labels
     class Profile:
         def key_averages(self):
             return [Event("forward", "DeviceType.CPU", 0), Event("aten::convolution", "DeviceType.CPU", 0),
+                    Event("triton_poi_fused_native_batch_norm", "DeviceType.CPU", 0),  # inductor's launch mark
                     Event("forward", "DeviceType.CUDA", 9000.0),  # the label's span over its kernels
                     Event("sm90_xmma_fprop_implicit_gemm_bf16", "DeviceType.CUDA", 3000.0),
                     Event("triton_poi_fused_native_batch_norm", "DeviceType.CUDA", 1000.0)]  # fmt: skip

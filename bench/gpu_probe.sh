@@ -17,8 +17,8 @@
 #   graphs-split bench/graphs_split.py: the bare model and DDP at world size 1 both with CUDA graphs (like for
 #          like), the eager step with the optimizer fused against torch's default, and where a compiled
 #          step's GPU time goes at the MFU rows' batches; pair.md, fused.md, split.md
-#   recipe-steps bench/recipe_steps.py: configs/fast.yaml's eager step against airbench94's own (epochs 2-10:
-#          0.0405 against 0.0272 s, 2026-11-26; on the CPU both dispatch about as many operators a step):
+#   recipe-steps bench/recipe_steps.py: configs/fast.yaml's eager step, bf16 and fp16, against airbench94's own
+#          (epochs 2-10: 0.0405 against 0.0272 s, 2026-11-26; on the CPU both dispatch about as many operators):
 #          kernels, their device time by kind, spans, each one's top kernels; recipe-steps.md and .json
 #   overhead     the bench's DDP-overhead section alone (DDP at world size 1 against the bare model, each
 #          compiled-DDP variant): a second sample of its figures; ddp-overhead.md and .json

@@ -4,7 +4,8 @@ goes (issue 33: epochs 2-10 took 0.0405 s a mean epoch for ours and 0.0272 s for
 
 Each is profiled over its steps FIRST..END-1 (bench/host_cost.py's window) of one epoch of synthetic images:
 ours is ddp/train.py --config configs/fast.yaml (its augmentation, bf16, channels_last, cudnn.benchmark) with
-run.profile; airbench94 its train94 at the same widths and batch, its augmentation, fp16. Per step: host
+run.profile, and on a GPU once more with run.amp=fp16; airbench94 its train94 at the same widths and batch,
+its augmentation, fp16. Per step: host
 operators (top level and all), GPU kernels and copies, their device time by kind (bench/graphs_split.py's
 kinds), the span from the window's first kernel to its last (the step's wall when the GPU never waits), the
 host's span, and each one's top kernels by device time with their launches.
@@ -68,13 +69,16 @@ def measure(work: Path) -> dict[str, dict]:
         *host_cost.FAST, *(() if GPU else host_cost.FP32), "data.augment=true", f"model.width={WIDTH}",
         f"train.batch_size={BATCH}", f"data.synthetic_train={BATCH * host_cost.END}",
     )  # fmt: skip
-    ours = host_cost.ours([sys.executable], work / "ours", *ours_args)
+    rows = {"ours (configs/fast.yaml)": ("ours", ())}
+    if GPU:  # fp16 takes cuDNN's BatchNorm, as airbench94's fp16 does (bf16 takes torch's own), and adds a GradScaler
+        rows["ours, run.amp=fp16"] = ("ours-fp16", ("run.amp=fp16",))
+    measured = {}
+    for label, (name, extra) in rows.items():
+        counts = host_cost.ours([sys.executable], work / name, *ours_args, *extra)
+        measured[label] = {**counts, **device_time(work / name / "profile" / "rank0.json", steps)}
     with host_cost.one_thread():
         theirs = host_cost.airbench_loop(work / "airbench.json", BATCH, WIDTH)
-    return {
-        "ours (configs/fast.yaml)": {**ours, **device_time(work / "ours" / "profile" / "rank0.json", steps)},
-        "airbench94": {**theirs, **device_time(work / "airbench.json", steps)},
-    }
+    return {**measured, "airbench94": {**theirs, **device_time(work / "airbench.json", steps)}}
 
 
 def report(rows: dict[str, dict]) -> list[str]:
@@ -93,10 +97,9 @@ def report(rows: dict[str, dict]) -> list[str]:
             f"| {label} | {r['top_level_ops']:.1f} | {r['all_ops']:.1f} | {r['kernels']:.1f} | {r['device_ms']:.3f} "
             f"| {r['device_span_ms']:.3f} | {r['host_span_ms']:.3f} |"
         )
-    (a_label, a), (b_label, b) = rows.items()
-    kinds = sorted(set(a["kinds_ms"]) | set(b["kinds_ms"]))
-    lines += ["", f"| device ms by kind | {a_label} | {b_label} |", "| --- | ---: | ---: |"]
-    lines += [f"| {k} | {a['kinds_ms'].get(k, 0):.3f} | {b['kinds_ms'].get(k, 0):.3f} |" for k in kinds]
+    kinds = sorted({k for r in rows.values() for k in r["kinds_ms"]})
+    lines += ["", f"| device ms by kind | {' | '.join(rows)} |", "| --- |" + " ---: |" * len(rows)]
+    lines += [f"| {k} | " + " | ".join(f"{r['kinds_ms'].get(k, 0):.3f}" for r in rows.values()) + " |" for k in kinds]
     for label, r in rows.items():  # fp16 and bf16 kernels differ in name: each side's own, not a difference
         top = sorted(r["by_name_ms"].items(), key=lambda kv: -kv[1])[:15]
         lines += ["", f"| {label}: top 15 kernels | ms a step | launches a step |", "| --- | ---: | ---: |"]

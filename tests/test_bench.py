@@ -251,9 +251,14 @@ def test_recipe_steps_profiles_whole_steps_of_ours_and_of_airbenchs_own_code_and
     ours, theirs = ops(tmp_path / "ours" / "profile" / "rank0.json"), ops(tmp_path / "airbench.json")
     assert ours["aten::conv2d"] == theirs["aten::conv2d"] == 7 * steps
     assert theirs["aten::_foreach_mul_"] == 2 * steps and ours["aten::_fused_sgd_"] == 3 * steps
+    assert list(rows) == ["ours (configs/fast.yaml)", "airbench94"]  # the fp16 row needs CUDA
+    rows["a third row"] = rows["airbench94"]  # as on a GPU: every table takes each row
     table = "\n".join(recipe_steps.report(rows))
     for label, r in rows.items():
         assert f"| {label} | {r['top_level_ops']:.1f} | " in table and r["top_level_ops"] > 0
+        assert f"{label}: top 15 kernels" in table
+    header = "| device ms by kind | ours (configs/fast.yaml) | airbench94 | a third row |"
+    assert f"{header}\n| --- | ---: | ---: | ---: |" in table
     missing = subprocess.run([sys.executable, "bench/recipe_steps.py", str(tmp_path / "out"), "--airbench", "nope.tgz"],
                              cwd=REPO, capture_output=True, text=True, env=clean_env())  # fmt: skip
     assert missing.returncode == 64 and not (tmp_path / "out").exists()

@@ -107,8 +107,8 @@ def rank_state(device: torch.device, stats: StepStats | None) -> dict[str, Any]:
     """This rank's part: its RNG states, an unfinished epoch's loss sums and gradient norms (or None)."""
     return {
         "rng": rng.get_state(device),
-        "partial": stats.sums.cpu() if stats is not None else None,
-        "grad_norms": stats.grad_norms.cpu() if stats is not None else None,
+        "partial": stats.partial() if stats is not None else None,
+        "grad_norms": stats.grad_norms() if stats is not None else None,
     }
 
 
@@ -153,10 +153,8 @@ def restore_rank(state: dict[str, Any], world: World, stats: StepStats) -> bool:
     if same_world:
         rng.set_state(ranks[world.rank]["rng"], world.device)
     partials = [r["partial"] for r in ranks if r["partial"] is not None]
-    if partials:
-        stats.sums.copy_(partials[world.rank] if same_world else sum(partials) * world.is_main)
-    if ranks[0].get("grad_norms") is not None:  # the same on every rank
-        stats.grad_norms.copy_(ranks[0]["grad_norms"])
+    partial = (partials[world.rank] if same_world else sum(partials) * world.is_main) if partials else None
+    stats.load(partial, ranks[0].get("grad_norms"))  # the norms' figures: the same on every rank
     return same_world
 
 

@@ -5,6 +5,7 @@ and time and memory on a device.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections.abc import Callable, Iterable
@@ -21,76 +22,125 @@ from ddp.devices import World
 
 
 class StepStats:
-    """What this rank's steps add up, kept on the training device so that adding a step needs no
-    sync, and read only at boundaries that sync anyway (a checkpoint, an epoch's end):
+    """What this rank's steps add up, read only at boundaries that sync anyway (a checkpoint, an epoch's end):
     - the epoch's loss sums, for its mean: loss x images, and images;
     - the gradients' total norm before clipping, per optimizer step: its sum, count and maximum (the
       same on every rank: it is taken after the all-reduce);
     - whether the loss is still finite: the last finite loss and the global step of the first one
-      that was not (train.stop_if_diverged reads them)."""
+      that was not (train.stop_if_diverged reads them).
+    A step only copies its loss and norm into a journal on the training device (one kernel each: the host's
+    cost of a step, bench/host_cost.py, and no sync); a read folds the journal into the sums on the host, in
+    float64, step by step in order, as adding each step on the device did. A journal that fills (JOURNAL_STEPS
+    steps without a read) is folded then: one sync in that many steps."""
 
     NONE = 2**62  # first_non_finite_step before any: larger than any step, so a minimum keeps the first
+    JOURNAL_STEPS = 4096
 
     def __init__(self, device: torch.device) -> None:
-        self.sums = torch.zeros(2, dtype=torch.float64, device=device)  # (loss x images, images)
-        self.grad_norms = torch.zeros(3, dtype=torch.float64, device=device)  # (sum, steps, max)
-        self.last_finite = torch.full((), float("nan"), dtype=torch.float64, device=device)
-        self.first_non_finite_step = torch.full((), self.NONE, dtype=torch.int64, device=device)
-        # views of one element each: a step adds into them in place, a few operators in all (the host's
-        # cost of a step: bench/host_cost.py)
-        self._loss_sum, self._images = self.sums[0:1], self.sums[1:2]
-        self._norm_sum, self._norm_steps, self._norm_max = (
-            self.grad_norms[0:1],
-            self.grad_norms[1:2],
-            self.grad_norms[2:3],
-        )
+        self._journal = torch.zeros(self.JOURNAL_STEPS, 2, dtype=torch.float64, device=device)  # (loss, norm) a row
+        self._steps: list[tuple[int, int]] = []  # each journalled loss's (images, global step)
+        self._norms = 0  # journalled norms
+        self.loss_sum, self.image_count = 0.0, 0
+        self.norm_sum, self.norm_steps, self.norm_max = 0.0, 0, 0.0
+        self._last_finite, self._first_non_finite = math.nan, self.NONE
 
     def add(self, loss: torch.Tensor, images: int, global_step: int) -> None:
-        loss = loss.double()
-        self._loss_sum.add_(loss, alpha=images)  # loss x images, exact in float64
-        self._images.add_(images)
-        finite = torch.isfinite(loss)
-        self.last_finite = torch.where(finite, loss, self.last_finite)
-        torch.minimum(self.first_non_finite_step, torch.where(finite, self.NONE, global_step),
-                      out=self.first_non_finite_step)  # fmt: skip
-
-    def tensors(self) -> list[torch.Tensor]:
-        """Everything it holds, as tensors to copy into (ddp.warmup puts them back)."""
-        return [self.sums, self.grad_norms, self.last_finite, self.first_non_finite_step]
-
-    def first_non_finite(self) -> int:
-        """The global step of the first loss that was not finite, -1 if none (a sync on a GPU)."""
-        step = int(self.first_non_finite_step)
-        return -1 if step == self.NONE else step
+        if len(self._steps) == self.JOURNAL_STEPS:
+            self._fold()
+        self._journal[len(self._steps), 0].copy_(loss.detach())
+        self._steps.append((images, global_step))
 
     def add_grad_norm(self, norm: torch.Tensor) -> None:
         """A step's norm; not one that is inf or NaN: fp16's GradScaler skips those steps (a
         divergence shows in the loss and the weights, stop_if_diverged's business)."""
-        norm = norm.double()
-        finite = torch.isfinite(norm)
-        kept = torch.where(finite, norm, 0.0)
-        self._norm_sum.add_(kept)
-        self._norm_steps.add_(finite)
-        torch.maximum(self._norm_max, kept, out=self._norm_max)  # norms are >= 0: a skipped step's 0 changes nothing
+        if self._norms == self.JOURNAL_STEPS:
+            self._fold()
+        self._journal[self._norms, 1].copy_(norm.detach())
+        self._norms += 1
+
+    def _fold(self) -> None:
+        """The journal into the sums (a sync on a GPU), then empty."""
+        rows = self._journal[: max(len(self._steps), self._norms)].tolist()
+        for (images, step), (loss, _) in zip(self._steps, rows):
+            self.loss_sum += loss * images  # exact in float64: a float32 loss times a batch's images
+            self.image_count += images
+            if math.isfinite(loss):
+                self._last_finite = loss
+            else:
+                self._first_non_finite = min(self._first_non_finite, step)
+        for _, norm in rows[: self._norms]:
+            if math.isfinite(norm):
+                self.norm_sum += norm
+                self.norm_steps += 1
+                self.norm_max = max(self.norm_max, norm)
+        self._steps.clear()
+        self._norms = 0
+
+    def snapshot(self) -> tuple:
+        """Everything it holds (ddp.warmup puts it back with restore)."""
+        self._fold()
+        return (self.loss_sum, self.image_count, self.norm_sum, self.norm_steps, self.norm_max, self._last_finite,
+                self._first_non_finite)  # fmt: skip
+
+    def restore(self, snapshot: tuple) -> None:
+        self._steps.clear()
+        self._norms = 0
+        (self.loss_sum, self.image_count, self.norm_sum, self.norm_steps, self.norm_max, self._last_finite,
+         self._first_non_finite) = snapshot  # fmt: skip
+
+    def partial(self) -> torch.Tensor:
+        """The loss sums as a checkpoint keeps them: float64 (loss x images, images), on the CPU."""
+        self._fold()
+        return torch.tensor([self.loss_sum, self.image_count], dtype=torch.float64)
+
+    def grad_norms(self) -> torch.Tensor:
+        """The norms' figures as a checkpoint keeps them: float64 (sum, steps, max), on the CPU."""
+        self._fold()
+        return torch.tensor([self.norm_sum, self.norm_steps, self.norm_max], dtype=torch.float64)
+
+    def load(self, partial: torch.Tensor | None, grad_norms: torch.Tensor | None) -> None:
+        """A checkpoint's partial() and grad_norms(), each where it has one (a resume, before any step)."""
+        self._steps.clear()
+        self._norms = 0
+        if partial is not None:
+            loss_sum, images = partial.tolist()
+            self.loss_sum, self.image_count = loss_sum, int(images)
+        if grad_norms is not None:
+            self.norm_sum, steps, self.norm_max = grad_norms.tolist()
+            self.norm_steps = int(steps)
+
+    def first_non_finite(self) -> int:
+        """The global step of the first loss that was not finite, -1 if none (a sync on a GPU)."""
+        self._fold()
+        return -1 if self._first_non_finite == self.NONE else self._first_non_finite
+
+    def last_finite(self) -> float:
+        """The last finite loss (NaN before any; a sync on a GPU)."""
+        self._fold()
+        return self._last_finite
 
     def grad_norm(self) -> dict[str, float]:
         """The epoch's grad_norm_mean and grad_norm_max (before clipping), for metrics.jsonl."""
-        total, steps, largest = self.grad_norms.tolist()
-        return {"grad_norm_mean": total / steps, "grad_norm_max": largest} if steps else {}
+        self._fold()
+        steps = self.norm_steps
+        return {"grad_norm_mean": self.norm_sum / steps, "grad_norm_max": self.norm_max} if steps else {}
 
     def images(self) -> int:
         """Images this rank has added (a sync on a GPU: call it once an epoch)."""
-        return int(self.sums[1].item())
+        self._fold()
+        return self.image_count
 
     def mean_over_ranks(self, world: World) -> float:
         """The mean loss per image over every rank's images; every rank calls it."""
-        loss_sum, images = distributed.all_reduce_sum(self.sums.clone(), world).tolist()
+        sums = self.partial().to(world.device)
+        loss_sum, images = distributed.all_reduce_sum(sums, world).tolist()
         return loss_sum / images
 
     def reset(self) -> None:
         """For the next epoch (the finiteness record carries on)."""
-        self.sums.zero_()
-        self.grad_norms.zero_()
+        self._fold()
+        self.loss_sum, self.image_count = 0.0, 0
+        self.norm_sum, self.norm_steps, self.norm_max = 0.0, 0, 0.0
 
 
 @torch.no_grad()

@@ -129,7 +129,7 @@ class Job:
     trained: checkpoint.Trained  # the raw model, optimizer, LR schedule, GradScaler, moving average
     wrapped: nn.Module  # what forward is called on: the model, DataParallel or DDP (compiled first if asked)
     checkpoints: checkpoint.Checkpoints
-    stats: metrics.StepStats  # this rank's loss sums, gradient norms and finiteness, on the device
+    stats: metrics.StepStats  # this rank's loss sums, gradient norms and finiteness (a journal on the device)
     train_loader: loaders.DeviceLoader | DataLoader  # uint8 batches of this rank's shard
     sampler: loaders.ResumableSampler  # the train loader's DistributedSampler
     eval_loader: loaders.EvalBatches  # as many batches on every rank
@@ -375,7 +375,7 @@ def stop_if_diverged(job: Job, position: Position) -> None:
     loss and unchanged weights: not a divergence."""
     state = [distributed.local(t) for t in job.trained.model.state_dict().values() if t.is_floating_point()]
     weights_finite = bool(torch.stack([t.isfinite().all() for t in state]).all())
-    mine = (job.stats.first_non_finite(), float(job.stats.last_finite), weights_finite)
+    mine = (job.stats.first_non_finite(), job.stats.last_finite(), weights_finite)
     if not distributed.any_rank(mine[0] >= 0 or not weights_finite, job.world):
         return
     ranks = distributed.gather_objects(mine, job.world)

@@ -30,7 +30,7 @@ def throwaway_steps(
     trained, device = checkpoints.trained, checkpoints.world.device
     full = distributed.full_state(trained.model, trained.optimizer)
     kept = copy.deepcopy(checkpoint.build_state(trained, position, [], checkpoints.info, None, full))
-    kept_stats, kept_rng = [t.clone() for t in stats.tensors()], rng.get_state(device)
+    kept_stats, kept_rng = stats.snapshot(), rng.get_state(device)
     metrics.synchronize(device)
     started = time.perf_counter()
     for _ in range(steps):
@@ -39,7 +39,6 @@ def throwaway_steps(
     seconds = metrics.elapsed(started, device)
     with torch.no_grad():
         checkpoint.restore(kept, trained)  # in place: DDP's and the compiled model's weights too
-        for mine, saved in zip(stats.tensors(), kept_stats, strict=True):
-            mine.copy_(saved)
+    stats.restore(kept_stats)
     rng.set_state(kept_rng, device)
     return seconds

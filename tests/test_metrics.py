@@ -46,3 +46,58 @@ def test_test_time_augmentation_reads_no_output_after_the_modules_next_call():
     for translate in (False, True):
         tta = metrics.confusion_matrix(OneOutputBuffer(), loader, lambda x: x, 2, world, None, True, translate)
         assert tta.tolist() == [[0, 0], [1, 1]], translate
+
+
+def test_step_stats_fold_their_journal_into_the_sums_adding_each_step_in_float64_would_give():
+    """StepStats journals each step's loss and norm and folds them when read: the sums, counts, maxima and
+    finiteness record are those of adding each step in float64 as it came (the old per-step arithmetic on the
+    device), across a full journal (folded mid-way), a checkpoint's read and a reset; a step is two copies."""
+    import math
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Small(metrics.StepStats):
+        JOURNAL_STEPS = 3  # a fold every 3 steps without a read
+
+    g = torch.Generator().manual_seed(0)
+    losses = (torch.rand(11, generator=g) * 3).tolist()
+    losses[4], losses[7] = math.nan, math.inf
+    norms = (torch.rand(11, generator=g) * 2).tolist()
+    norms[2] = math.inf
+    stats = Small(torch.device("cpu"))
+    loss_sum = images = norm_sum = steps = norm_max = 0.0
+    last, first = math.nan, -1
+    for step, (loss, norm) in enumerate(zip(losses, norms), start=1):
+        loss32, norm32 = torch.tensor(loss), torch.tensor(norm)  # float32, as a step's
+        stats.add_grad_norm(norm32)
+        stats.add(loss32, 7 + step, step)
+        loss_sum += loss32.double().item() * (7 + step)
+        images += 7 + step
+        if math.isfinite(loss):
+            last = loss32.item()
+        elif first < 0:
+            first = step
+        if math.isfinite(norm):
+            norm_sum, steps, norm_max = norm_sum + norm32.double().item(), steps + 1, max(norm_max, norm32.item())
+        if step == 5:  # a checkpoint mid-way reads the partial sums
+            assert torch.equal(stats.grad_norms(), torch.tensor([norm_sum, steps, norm_max], dtype=torch.float64))
+    assert stats.images() == images and stats.first_non_finite() == first == 5 and stats.last_finite() == last
+    assert stats.partial().tolist()[1] == images and math.isnan(stats.partial().tolist()[0])  # a NaN loss is in it
+    assert stats.grad_norm() == {"grad_norm_mean": norm_sum / steps, "grad_norm_max": norm_max}
+    stats.reset()
+    assert stats.images() == 0 and stats.grad_norm() == {} and stats.first_non_finite() == 5  # finiteness carries
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    seen: list[str] = []
+    with Ops():
+        stats.add_grad_norm(torch.tensor(1.0))
+        stats.add(torch.tensor(2.0), 8, 12)
+    assert [op for op in seen if not op.startswith(("select", "lift_fresh", "detach"))] == ["copy_.default"] * 2
+    kept = stats.snapshot()
+    stats.add(torch.tensor(math.nan), 8, 13)
+    stats.restore(kept)  # the warm-up's throwaway steps leave nothing
+    assert stats.images() == 8 and stats.first_non_finite() == 5 and stats.last_finite() == 2.0

@@ -3,7 +3,8 @@
   pair   the bare model and DDP at world size 1, each compiled with CUDA graphs (run.compile_mode=
          reduce-overhead), each timed in turns with the eager bare step: like for like, what does DDP
          cost once the launches are graph replays? (The bench compares compiled DDP with the eager
-         bare model only.)
+         bare model only.) Then each graphed step profiled: kernels, device time and spans per step, and
+         the kernels DDP adds (it cost +3.0%, +35.3% and +26.0% in three samples, 2026-11-26).
   fused  the eager bare step with the optimizer fused (ddp/optim.py's choice) and with torch's default
          (for-each on a GPU), the same optimizer and state, its groups' flag switched between calls, timed
          in turns: what fusing saves on a host-bound step (on the CPU it cut 104 of 220.5 top-level
@@ -21,19 +22,21 @@ from __future__ import annotations
 
 import json
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from bench import harness
-from ddp import distributed
+from ddp import distributed, metrics
 from ddp.devices import World
 
 GPU = torch.cuda.is_available()
 DEVICE = torch.device("cuda", 0) if GPU else torch.device("cpu")
 TIMING = (DEVICE, 10, 50, 7) if GPU else (DEVICE, 1, 2, 2)  # warm-up calls, calls a window, windows
 PAIR = ("fast", 1024 if GPU else 16)
+PROFILED_STEPS = 20 if GPU else 2  # each graphed step of the pair, profiled after its timing
 FUSED = [("fast", 256), ("fast", 1024), ("resnet18", 512)] if GPU else [("small", 16)]  # the bench's DDP rows
 SPLIT = [("resnet18", 4096), ("fast", 8192)] if GPU else [("small", 16)]
 MATMUL = ("conv", "gemm", "xmma", "cutlass", "cudnn", "triton_mm", "wgrad", "dgrad", "fprop", "implicit")
@@ -60,7 +63,8 @@ def pair(out: Path) -> None:
             first = harness.first_two_steps_s(step, DEVICE)
             t = harness.alternating({"eager_bare": anchor, "graphs": step}, *TIMING)
             rows.append({"model": name, "batch": batch, "launch": label, "first_two_steps_s": first,
-                         "graphs_step_s": t["graphs"], "eager_bare_step_s": t["eager_bare"]})  # fmt: skip
+                         "graphs_step_s": t["graphs"], "eager_bare_step_s": t["eager_bare"],
+                         "profiled": profiled(step, PROFILED_STEPS)})  # fmt: skip
             print(f"  {label} with CUDA graphs: {t['graphs'] * 1e3:.2f} ms, eager bare {t['eager_bare'] * 1e3:.2f} ms")
             del built, step
     bare, ddp = rows
@@ -78,7 +82,42 @@ def pair(out: Path) -> None:
     lines.append(
         f"\nDDP over the bare model, both with CUDA graphs: {direct:+.1%} (through the eager anchor: {anchored:+.1%})"
     )
-    write(out, "pair", rows, lines)
+    write(out, "pair", rows, lines + where_ddp_goes(bare["profiled"], ddp["profiled"]))
+
+
+def profiled(step: Callable[[], None], steps: int) -> dict:
+    """`steps` calls of `step` under torch.profiler, per step: kernels and copies, device ms (all and by
+    name), the kernels' span and the host's (bench/recipe_steps.py's figures, from the Chrome trace)."""
+    from bench import recipe_steps  # (it takes `kind` from here)
+
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if GPU else [])
+    with tempfile.TemporaryDirectory() as tmp:
+        with torch.profiler.profile(activities=activities) as prof:
+            for _ in range(steps):
+                step()
+            metrics.synchronize(DEVICE)
+        trace = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(trace))
+        return recipe_steps.device_time(trace, steps)
+
+
+def where_ddp_goes(bare: dict, ddp: dict) -> list[str]:
+    """Both graphed steps profiled, and the kernels whose device time DDP adds (or launches more often)."""
+    lines = ["", "| launch, profiled | kernels + copies a step | device ms | kernels' span ms | host span ms |",
+             "| --- | ---: | ---: | ---: | ---: |"]  # fmt: skip
+    for label, r in (("bare", bare), ("ddp", ddp)):
+        lines.append(f"| {label} | {r['kernels']:.1f} | {r['device_ms']:.3f} | {r['device_span_ms']:.3f} "
+                     f"| {r['host_span_ms']:.3f} |")  # fmt: skip
+    names = set(bare["by_name_ms"]) | set(ddp["by_name_ms"])
+    ms = {n: (ddp["by_name_ms"].get(n, 0.0), bare["by_name_ms"].get(n, 0.0)) for n in names}
+    launches = {n: (ddp["launches_by_name"].get(n, 0.0), bare["launches_by_name"].get(n, 0.0)) for n in names}
+    more = sorted((n for n in names if ms[n][0] > ms[n][1] or launches[n][0] > launches[n][1]),
+                  key=lambda n: ms[n][1] - ms[n][0])[:12]  # fmt: skip
+    lines += ["", "| kernels DDP adds to the step | DDP ms | bare ms | DDP launches | bare launches |",
+              "| --- | ---: | ---: | ---: | ---: |"]  # fmt: skip
+    lines += [f"| {n[:110]} | {ms[n][0]:.3f} | {ms[n][1]:.3f} | {launches[n][0]:.1f} | {launches[n][1]:.1f} |"
+              for n in more]  # fmt: skip
+    return lines
 
 
 def fused(out: Path) -> None:

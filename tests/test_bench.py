@@ -200,7 +200,9 @@ def test_graphs_split_dry_run_writes_both_tables_and_leaves_out_the_steps_labels
     assert proc.returncode == 0, proc.stderr
     bare, ddp = json.loads((tmp_path / "pair.json").read_text())
     assert (bare["launch"], ddp["launch"]) == ("bare", "ddp") and bare["graphs_step_s"] > 0 < ddp["graphs_step_s"]
-    assert "DDP over the bare model, both with CUDA graphs:" in (tmp_path / "pair.md").read_text()
+    assert all(r["profiled"]["host_span_ms"] > 0 and r["profiled"]["kernels"] == 0 for r in (bare, ddp))  # no CUDA
+    assert "| launch, profiled | kernels + copies a step |" in (pair := (tmp_path / "pair.md").read_text())
+    assert "DDP over the bare model, both with CUDA graphs:" in pair and "| kernels DDP adds to the step |" in pair
     wrong = subprocess.run([sys.executable, "bench/graphs_split.py", str(tmp_path / "x"), "pairs"], cwd=REPO,
                            env=clean_env(PYTHONPATH=str(REPO)), capture_output=True, text=True, timeout=60)  # fmt: skip
     said = wrong.stderr.strip().splitlines()[-1]

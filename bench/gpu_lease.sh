@@ -2,8 +2,9 @@
 # One device call of GPU work whose results come back even when the call runs out of time:
 #   bash bench/gpu_lease.sh [--dry-run] [SECONDS]
 # runs `bash bench/gpu_check.sh $CHECK_STEPS` (default: fast airbench, the figures issue 33 still needs;
-# empty: none), then `bash bench/gpu_probe.sh $PROBES` (default: recipe-steps graphs-split mfu, the mfu probe at
-# MFU_MODES=max-autotune-no-cudagraphs MFU_MODELS=resnet18:4096, the one row not yet measured; none with
+# empty: none), then `bash bench/gpu_probe.sh $PROBES` (default: recipe-steps graphs-split overhead, what the
+# eager step and DDP at world size 1 still miss; an mfu probe named there runs at MFU_MODES=max-autotune-no-cudagraphs
+# MFU_MODELS=resnet18:4096 unless set; none with
 # --dry-run: the probes need CUDA), all of it within SECONDS (default 540: a device call's 600 s less
 # the start of python and the packing). The device tool brings back at most 8 files from $OUT, so the
 # work goes to $GPU_LEASE_DIR (default /tmp/gpu-lease) and is packed, checkpoints left out, into
@@ -22,7 +23,7 @@ budget=${1:-540}
 every=${GPU_LEASE_PACK_S:-20}
 [[ $every =~ ^[1-9][0-9]*$ ]] || { echo "gpu_lease.sh: GPU_LEASE_PACK_S must be a whole number >= 1, not '$every'" >&2; exit 64; }
 check=${CHECK_STEPS-fast airbench}
-probes=${PROBES-recipe-steps graphs-split mfu}
+probes=${PROBES-recipe-steps graphs-split overhead}
 export MFU_MODES="${MFU_MODES-max-autotune-no-cudagraphs}" MFU_MODELS="${MFU_MODELS-resnet18:4096}"
 [ -z "$probes" ] || bash bench/gpu_probe.sh --check $probes || exit 64  # a typo found now, not after the check
 [ ${#dry[@]} = 1 ] && probes=${PROBES-}

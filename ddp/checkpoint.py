@@ -108,7 +108,7 @@ def rank_state(device: torch.device, stats: StepStats | None) -> dict[str, Any]:
     return {
         "rng": rng.get_state(device),
         "partial": stats.partial() if stats is not None else None,
-        "grad_norms": stats.grad_norms() if stats is not None else None,
+        "grad_norms": stats.norms_partial() if stats is not None else None,
     }
 
 

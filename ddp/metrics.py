@@ -60,6 +60,8 @@ class StepStats:
 
     def _fold(self) -> None:
         """The journal into the sums (a sync on a GPU), then empty."""
+        if not (self._steps or self._norms):
+            return  # nothing to read: no sync
         rows = self._journal[: max(len(self._steps), self._norms)].tolist()
         for (images, step), (loss, _) in zip(self._steps, rows):
             self.loss_sum += loss * images  # exact in float64: a float32 loss times a batch's images
@@ -93,13 +95,13 @@ class StepStats:
         self._fold()
         return torch.tensor([self.loss_sum, self.image_count], dtype=torch.float64)
 
-    def grad_norms(self) -> torch.Tensor:
+    def norms_partial(self) -> torch.Tensor:
         """The norms' figures as a checkpoint keeps them: float64 (sum, steps, max), on the CPU."""
         self._fold()
         return torch.tensor([self.norm_sum, self.norm_steps, self.norm_max], dtype=torch.float64)
 
     def load(self, partial: torch.Tensor | None, grad_norms: torch.Tensor | None) -> None:
-        """A checkpoint's partial() and grad_norms(), each where it has one (a resume, before any step)."""
+        """A checkpoint's partial() and norms_partial(), each where it has one (a resume, before any step)."""
         self._steps.clear()
         self._norms = 0
         if partial is not None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import sys
 import tempfile
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
@@ -87,9 +88,7 @@ def pair(out: Path) -> None:
 
 def profiled(step: Callable[[], None], steps: int) -> dict:
     """`steps` calls of `step` under torch.profiler, per step: kernels and copies, device ms (all and by
-    name), the kernels' span and the host's (bench/recipe_steps.py's figures, from the Chrome trace)."""
-    from bench import recipe_steps  # (it takes `kind` from here)
-
+    name), the kernels' span and the host's (device_time's figures, from the Chrome trace)."""
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if GPU else [])
     with tempfile.TemporaryDirectory() as tmp:
         with torch.profiler.profile(activities=activities) as prof:
@@ -98,7 +97,7 @@ def profiled(step: Callable[[], None], steps: int) -> dict:
             metrics.synchronize(DEVICE)
         trace = Path(tmp) / "trace.json"
         prof.export_chrome_trace(str(trace))
-        return recipe_steps.device_time(trace, steps)
+        return device_time(trace, steps)
 
 
 def where_ddp_goes(bare: dict, ddp: dict) -> list[str]:
@@ -182,6 +181,34 @@ def kernels(prof: torch.profiler.profile, gpu: bool = GPU) -> dict[str, float]:
         if us > 0:
             times[e.key] = times.get(e.key, 0.0) + us / 1e6
     return times
+
+
+DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def device_time(trace: Path, steps: int) -> dict:
+    """Per step, from a Chrome trace: kernels and copies, their device ms in all and by kind, the span (ms)
+    from the first to the last of them, the host operators' span, and device ms and launches by kernel name."""
+    events = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("ph") == "X"]
+    on_device = [e for e in events if e.get("cat") in DEVICE_CATS]
+    on_host = [e for e in events if e.get("cat") == "cpu_op"]
+
+    def span(es: list[dict]) -> float:
+        return (max(e["ts"] + e["dur"] for e in es) - min(e["ts"] for e in es)) / 1e3 / steps if es else 0.0
+
+    by_name: Counter[str] = Counter()
+    launches: Counter[str] = Counter()
+    for e in on_device:
+        by_name[e["name"]] += e["dur"] / 1e3 / steps
+        launches[e["name"]] += 1 / steps
+    kinds: Counter[str] = Counter()
+    for name, ms in by_name.items():
+        kinds[kind(name)] += ms
+    return {
+        "kernels": len(on_device) / steps, "device_ms": sum(by_name.values()), "device_span_ms": span(on_device),
+        "host_span_ms": span(on_host), "kinds_ms": dict(kinds), "by_name_ms": dict(by_name),
+        "launches_by_name": dict(launches),
+    }  # fmt: skip
 
 
 def split(out: Path) -> None:

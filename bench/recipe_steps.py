@@ -22,7 +22,6 @@ import argparse
 import json
 import sys
 import tempfile
-from collections import Counter
 from pathlib import Path
 
 import torch
@@ -30,36 +29,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `bench` and `ddp` from the checkout
 
 from bench import host_cost  # noqa: E402
-from bench.graphs_split import kind  # noqa: E402
+from bench.graphs_split import device_time  # noqa: E402
 
 GPU = torch.cuda.is_available()
 BATCH, WIDTH = (1024, 1.0) if GPU else (host_cost.BATCH, host_cost.WIDTH)
-DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
-
-
-def device_time(trace: Path, steps: int) -> dict:
-    """Per step, from a Chrome trace: kernels and copies, their device ms in all and by kind, the span (ms)
-    from the first to the last of them, the host operators' span, and device ms and launches by kernel name."""
-    events = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("ph") == "X"]
-    on_device = [e for e in events if e.get("cat") in DEVICE_CATS]
-    on_host = [e for e in events if e.get("cat") == "cpu_op"]
-
-    def span(es: list[dict]) -> float:
-        return (max(e["ts"] + e["dur"] for e in es) - min(e["ts"] for e in es)) / 1e3 / steps if es else 0.0
-
-    by_name: Counter[str] = Counter()
-    launches: Counter[str] = Counter()
-    for e in on_device:
-        by_name[e["name"]] += e["dur"] / 1e3 / steps
-        launches[e["name"]] += 1 / steps
-    kinds: Counter[str] = Counter()
-    for name, ms in by_name.items():
-        kinds[kind(name)] += ms
-    return {
-        "kernels": len(on_device) / steps, "device_ms": sum(by_name.values()), "device_span_ms": span(on_device),
-        "host_span_ms": span(on_host), "kinds_ms": dict(kinds), "by_name_ms": dict(by_name),
-        "launches_by_name": dict(launches),
-    }  # fmt: skip
 
 
 def measure(work: Path) -> dict[str, dict]:

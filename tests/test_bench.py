@@ -267,10 +267,10 @@ def test_recipe_steps_profiles_whole_steps_of_ours_and_of_airbenchs_own_code_and
     assert missing.stderr == "recipe_steps.py: --airbench nope.tgz: no such file (make gpu-carry puts it in .gpu/)\n"
 
 
-def test_recipe_steps_sums_a_traces_kernels_and_copies_per_step_by_kind(tmp_path):
-    """recipe_steps.device_time on a made-up trace of 2 steps (no GPU here): kernels and copies counted,
+def test_device_time_sums_a_traces_kernels_and_copies_per_step_by_kind(tmp_path):
+    """graphs_split.device_time on a made-up trace of 2 steps (no GPU here): kernels and copies counted,
     their device time by kind and the span from the first to the last; host operators apart."""
-    from bench import recipe_steps
+    from bench import graphs_split
 
     def event(cat, name, ts, dur):
         return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}
@@ -285,10 +285,10 @@ def test_recipe_steps_sums_a_traces_kernels_and_copies_per_step_by_kind(tmp_path
     ]
     trace = tmp_path / "trace.json"
     trace.write_text(json.dumps({"traceEvents": events}))
-    got = recipe_steps.device_time(trace, steps=2)
+    got = graphs_split.device_time(trace, steps=2)
     assert got["kernels"] == 2 and got["device_ms"] == pytest.approx(0.105)
     assert got["device_span_ms"] == pytest.approx(0.27) and got["host_span_ms"] == pytest.approx(0.2)
-    assert got["kinds_ms"] == pytest.approx({"conv/matmul": 0.05, "copy": 0.005, recipe_steps.kind("gelu"): 0.05})
+    assert got["kinds_ms"] == pytest.approx({"conv/matmul": 0.05, "copy": 0.005, graphs_split.kind("gelu"): 0.05})
     assert got["by_name_ms"]["triton_poi_fused_gelu"] == pytest.approx(0.05)
     assert got["launches_by_name"] == pytest.approx({"sm90_xmma_fprop_implicit_gemm": 0.5, "triton_poi_fused_gelu": 1,
                                                      "Memcpy HtoD": 0.5})  # fmt: skip

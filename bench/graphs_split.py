@@ -86,17 +86,22 @@ def pair(out: Path) -> None:
     write(out, "pair", rows, lines + where_ddp_goes(bare["profiled"], ddp["profiled"]))
 
 
-def profiled(step: Callable[[], None], steps: int) -> dict:
-    """`steps` calls of `step` under torch.profiler, per step: kernels and copies, device ms (all and by
-    name), the kernels' span and the host's (device_time's figures, from the Chrome trace)."""
+def profile_calls(step: Callable[[], None], calls: int) -> torch.profiler.profile:
+    """`calls` calls of `step` under torch.profiler (the host, and the GPU's kernels when there is one)."""
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if GPU else [])
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(calls):
+            step()
+        metrics.synchronize(DEVICE)
+    return prof
+
+
+def profiled(step: Callable[[], None], steps: int) -> dict:
+    """`steps` calls of `step` profiled, per step: kernels and copies, device ms (all and by name), the
+    kernels' span and the host's (device_time's figures, from the Chrome trace)."""
     with tempfile.TemporaryDirectory() as tmp:
-        with torch.profiler.profile(activities=activities) as prof:
-            for _ in range(steps):
-                step()
-            metrics.synchronize(DEVICE)
         trace = Path(tmp) / "trace.json"
-        prof.export_chrome_trace(str(trace))
+        profile_calls(step, steps).export_chrome_trace(str(trace))
         return device_time(trace, steps)
 
 
@@ -220,12 +225,7 @@ def split(out: Path) -> None:
         harness.first_two_steps_s(step, DEVICE)
         wall = harness.seconds_per_call(step, *TIMING)
         n = TIMING[2]
-        activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if GPU else [])
-        with torch.profiler.profile(activities=activities) as prof:
-            for _ in range(n):
-                step()
-            harness.metrics.synchronize(DEVICE)
-        per_step = {k: v / n for k, v in kernels(prof).items()}
+        per_step = {k: v / n for k, v in kernels(profile_calls(step, n)).items()}
         busy = sum(per_step.values())
         kinds: dict[str, float] = {}
         for k, v in per_step.items():

@@ -2,15 +2,16 @@
 # One device call of GPU work whose results come back even when the call runs out of time:
 #   bash bench/gpu_lease.sh [--dry-run] [SECONDS]
 # runs `bash bench/gpu_check.sh $CHECK_STEPS` (default: fast airbench, the figures issue 33 still needs;
-# empty: none), then `bash bench/gpu_probe.sh $PROBES` (default: recipe-steps graphs-split overhead, what the
-# eager step and DDP at world size 1 still miss; an mfu probe named there runs at MFU_MODES=max-autotune-no-cudagraphs
+# empty: none), then `bash bench/gpu_probe.sh $PROBES` (default: fast-fp16 recipe-steps graphs-split fast-graphs
+# overhead, what the eager step and DDP at world size 1 still miss; an mfu probe named there runs at MFU_MODES=max-autotune-no-cudagraphs
 # MFU_MODELS=resnet18:4096 unless set; none with
 # --dry-run: the probes need CUDA), all of it within SECONDS (default 540: a device call's 600 s less
 # the start of python and the packing). The device tool brings back at most 8 files from $OUT, so the
 # work goes to $GPU_LEASE_DIR (default /tmp/gpu-lease) and is packed, checkpoints left out, into
 # $OUT/gpu-lease.tgz every $GPU_LEASE_PACK_S seconds (default 20) and at the end: a call killed at its
 # limit still brings back every log up to its last 20 s. The check's summary.md is also copied beside
-# the archive.
+# the archive; later-epochs.md (in it, and printed last) sets the epochs after the first of the check's fast
+# run and of each probe's fast-* run beside airbench94's of the same call.
 #   run(command="bash bench/gpu_lease.sh", carry=[".gpu"], timeout_s=600)   after `make gpu-carry` here
 # Exit status: 124 when SECONDS ran out, else the check's (its failed steps) plus 1 if a probe failed.
 set -uo pipefail
@@ -23,7 +24,7 @@ budget=${1:-540}
 every=${GPU_LEASE_PACK_S:-20}
 [[ $every =~ ^[1-9][0-9]*$ ]] || { echo "gpu_lease.sh: GPU_LEASE_PACK_S must be a whole number >= 1, not '$every'" >&2; exit 64; }
 check=${CHECK_STEPS-fast airbench}
-probes=${PROBES-recipe-steps graphs-split overhead}
+probes=${PROBES-fast-fp16 recipe-steps graphs-split fast-graphs overhead}
 export MFU_MODES="${MFU_MODES-max-autotune-no-cudagraphs}" MFU_MODELS="${MFU_MODELS-resnet18:4096}"
 [ -z "$probes" ] || bash bench/gpu_probe.sh --check $probes || exit 64  # a typo found now, not after the check
 [ ${#dry[@]} = 1 ] && probes=${PROBES-}
@@ -62,6 +63,13 @@ kill -KILL -- -"$worker" 2>/dev/null  # ... ended whole: a rank that stops grace
 kill "$packer" 2>/dev/null
 wait "$packer" 2>/dev/null
 [ $code = 124 ] && echo "gpu_lease.sh: out of time after $budget s; what was written until then is packed" >&2
+runs=()  # epochs 2 on of the check's fast run and the probes' fast-* runs, against airbench94's (seconds)
+for d in "$work"/probe/fast-*/; do [ -d "$d" ] && runs+=("${d%/}"); done
+if [ ${#runs[@]} -gt 0 ] || [ -e "$work/check/fast" ] || [ -e "$work/check/airbench.json" ]; then
+  PYTHONPATH="$root" timeout -k 5 60 "${PYTHON:-python3}" bench/gpu_summary.py --later-epochs "$work/check" \
+    "${runs[@]}" >"$work/later-epochs.md" 2>&1
+  cat "$work/later-epochs.md"
+fi
 pack
 echo "gpu_lease.sh: $(tar tzf "$dest/gpu-lease.tgz" | grep -vc '/$') files in $dest/gpu-lease.tgz (exit $code)"
 exit $code

@@ -14,6 +14,9 @@
 #   fast-graphs  configs/fast.yaml on the subset compiled with CUDA graphs: does the whole loop keep
 #          eager's accuracy (2026-11-26: its evaluation read an output that CUDA graphs had overwritten)
 #   fast-seeds   configs/fast.yaml as gpu-check's fast step runs it (seed 0), with seeds 1 and 2
+#   fast-fp16    configs/fast.yaml as gpu-check's fast step runs it with run.amp=fp16: cuDNN's BatchNorm (bf16 takes
+#          torch's own, 18 more launches a step) and a GradScaler; its epochs against airbench94's (eager
+#          epochs 2-10: 1.18x airbench94's in bf16, 2026-11-26)
 #   graphs-split bench/graphs_split.py: the bare model and DDP at world size 1 both with CUDA graphs (like for
 #          like), the eager step with the optimizer fused against torch's default, and where a compiled
 #          step's GPU time goes at the MFU rows' batches; pair.md, fused.md, split.md
@@ -26,14 +29,14 @@
 # to $OUT/<run>/.
 #   fsdp   FSDP2 at one rank took 4.1x DDP's step (resnet18, batch 256, bf16, 2026-11-25): the same with
 #          --amp off (bf16 shards each BatchNorm on its own: 27 FSDP2 units instead of 8)
-#   bash bench/gpu_probe.sh [ddp] [tune] [mfu] [graphs] [fast-graphs] [fast-seeds] [graphs-split] [recipe-steps]
+#   bash bench/gpu_probe.sh [ddp] [tune] [mfu] [graphs] [fast-graphs] [fast-seeds] [fast-fp16] [graphs-split] [recipe-steps]
 #          [overhead] [fsdp]
 # Exit status: 1 if a probe (or one run of it) failed, named in the last line.
 #   bash bench/gpu_probe.sh --check PROBES...   the names and MFU_MODES / MFU_MODELS checked, nothing run: one
 #          line and exit 64 for a bad one (gpu_lease.sh asks first, so a typo costs no device time)
 set -uo pipefail
 cd "$(dirname "$0")/.."
-probes=" ddp tune mfu graphs fast-graphs fast-seeds graphs-split recipe-steps overhead fsdp "
+probes=" ddp tune mfu graphs fast-graphs fast-seeds fast-fp16 graphs-split recipe-steps overhead fsdp "
 modes=" default reduce-overhead max-autotune max-autotune-no-cudagraphs "  # torch.compile's (run.compile_mode)
 bad() { echo "gpu_probe.sh: $*" >&2; exit 64; }
 for s in ${*#--check}; do [[ $probes == *" $s "* ]] || bad "no probe '$s' (the probes: $(echo $probes))"; done
@@ -133,6 +136,12 @@ for mode in sys.argv[2].split():
           echo "== fast.yaml on the subset, seed $seed"
           python3 ddp/train.py "${subset[@]}" run.seed=$seed "run.out_dir=$out/fast-seed$seed" 2>&1 || failed+=" fast-seeds ($seed)"
         done >"$out/probe-fast-seeds.log"
+        ;;
+      fast-fp16)
+        rm -rf "$out/fast-fp16"
+        echo "== fast.yaml on the subset, run.amp=fp16" >"$out/probe-fast-fp16.log"
+        python3 ddp/train.py "${subset[@]}" run.amp=fp16 "run.out_dir=$out/fast-fp16" >>"$out/probe-fast-fp16.log" 2>&1 ||
+          failed+=" fast-fp16"
         ;;
       overhead)
         python3 -c 'import json, sys

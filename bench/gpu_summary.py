@@ -3,6 +3,11 @@ accuracy and time of the fast and resnet18 runs, airbench94 and Lightning on the
 where the bench's own report is.
 
     python bench/gpu_summary.py OUT_DIR
+    python bench/gpu_summary.py --later-epochs OUT_DIR RUN_DIR...
+
+The second form prints only the table of epochs 2 to the last (training seconds a mean epoch) of OUT_DIR's
+fast run and of each RUN_DIR (a run.out_dir: gpu_probe.sh's fast-* runs), each against OUT_DIR's
+airbench94: issue 33's "epochs 2-10 no slower than airbench94's", read in the call that ran them.
 """
 
 from __future__ import annotations
@@ -67,6 +72,31 @@ def fast_rows(out: Path) -> list[dict]:
         return []
 
 
+def later_epochs(out: Path, more: list[Path]) -> list[str]:
+    """Epochs 2 to the last, training seconds a mean epoch (ours: train_s; airbench94: its timer's), each run
+    against airbench94's of the same call."""
+    lines = ["| run | epochs | training s a mean epoch, epoch 2 on | against airbench94 | final test accuracy |",
+             "| --- | ---: | ---: | ---: | ---: |"]  # fmt: skip
+    path, theirs = out / "airbench.json", None
+    r = json.loads(path.read_text()) if path.is_file() else {}
+    times = [a["total_time_seconds"] for a in r.get("per_epoch", [])]
+    if len(times) > 1:
+        theirs = (times[-1] - times[0]) / (len(times) - 1)
+        lines.append(f"| airbench94 | {len(times)} | {theirs:.4f} | 1.00x | {100 * r['accuracy']:.2f}% (its TTA) |")
+    for run in [out / "fast", *more]:
+        try:
+            rows = read_run(run)
+        except UsageError:  # the run failed before an epoch ended
+            lines.append(f"| {run.name} | - | no finished epoch | - | - |")
+            continue
+        later = [row["train_s"] for row in rows[1:] if "train_s" in row]
+        mean = f"{sum(later) / len(later):.4f}" if later else "-"
+        ratio = f"{sum(later) / len(later) / theirs:.2f}x" if theirs and later else "-"
+        acc = f"{100 * rows[-1]['test_acc']:.2f}%" if "test_acc" in rows[-1] else "-"
+        lines.append(f"| {run.name} | {len(rows)} | {mean} | {ratio} | {acc} |")
+    return lines
+
+
 def lightning(out: Path, ours: list[dict] | None) -> list[str]:
     path = out / "lightning.json"
     if not path.is_file():
@@ -87,9 +117,12 @@ def lightning(out: Path, ours: list[dict] | None) -> list[str]:
 
 def main(out: Path) -> None:
     reports = sorted(p.name for p in out.glob("*.md") if p.name != "summary.md")
-    lines = [*runs(out), "", *airbench(out), "", *lightning(out, fast_rows(out)), ""]
+    lines = [*runs(out), "", *airbench(out), "", *later_epochs(out, []), "", *lightning(out, fast_rows(out)), ""]
     print("\n".join([*lines, "bench report: " + (", ".join(reports) or "none")]))
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    if sys.argv[1:2] == ["--later-epochs"] and len(sys.argv) > 2:
+        print("\n".join(later_epochs(Path(sys.argv[2]), [Path(a) for a in sys.argv[3:]])))
+    else:
+        main(Path(sys.argv[1]))

@@ -125,10 +125,14 @@ def test_a_gpu_lease_brings_back_what_it_wrote_when_its_time_or_its_call_runs_ou
 
 
 def test_a_gpu_lease_run_to_its_end_packs_the_summary_and_refuses_bad_values_in_one_line(tmp_path):
-    command, env = lease(tmp_path, "120", CHECK_STEPS="env")
-    proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0 and "3 files in" in proc.stdout, proc.stdout + proc.stderr
-    assert {"work/.gpu-lease", "work/check/env.log", "work/check/summary.md"} <= set(packed(tmp_path))
+    command, env = lease(tmp_path, "120", python=sys.executable, CHECK_STEPS="env fast")
+    proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "files in" in proc.stdout, proc.stdout + proc.stderr
+    names = set(packed(tmp_path))
+    assert {"work/.gpu-lease", "work/check/env.log", "work/check/summary.md", "work/later-epochs.md"} <= names
+    assert "work/check/fast/metrics.jsonl" in names and not any(n.endswith(".pt") for n in names)
+    # later-epochs.md, printed last: the dry run's one epoch has no later ones (airbench94: not a step here)
+    assert proc.stdout.splitlines()[-2].startswith("| fast | 1 | - | - | "), proc.stdout
     assert "| env | ok (" in (tmp_path / "out" / "summary.md").read_text()
     bad = [(("0",), {}, "SECONDS must be a whole number >= 1, not '0'"),
            (("9m",), {}, "SECONDS must be a whole number >= 1, not '9m'"),
@@ -136,7 +140,7 @@ def test_a_gpu_lease_run_to_its_end_packs_the_summary_and_refuses_bad_values_in_
            ((), {"GPU_LEASE_DIR": str(REPO)}, "holds files this script did not write: name a new or empty folder"),
            ((), {"GPU_LEASE_DIR": str(tmp_path / "out")}, "did not write: name a new or empty folder"),
            ((), {"PROBES": "mfu nope"}, "no probe 'nope' (the probes: ddp tune mfu graphs fast-graphs fast-seeds "
-                                        "graphs-split recipe-steps overhead fsdp)"),
+                                        "fast-fp16 graphs-split recipe-steps overhead fsdp)"),
            ((), {"PROBES": "mfu", "MFU_MODES": "fast"}, "MFU_MODES: 'fast' is no run.compile_mode (one of: default "
                                                         "reduce-overhead max-autotune max-autotune-no-cudagraphs)"),
            ((), {"PROBES": "mfu", "MFU_MODELS": "fast:0"}, "MFU_MODELS: 'fast:0' is not MODEL:BATCH (fast:8192, say)"),
@@ -189,3 +193,8 @@ def test_airbench_per_epoch_table_is_read_and_set_beside_ours(tmp_path):
     table = gpu_summary.airbench(tmp_path)
     assert "| 1 | 37.02% | 0.10 | 25.00% | 4.25 | 4.50 |" in table, table
     assert "| 2 | 50.11% | 0.16 | 50.00% | 4.50 | 5.00 |" in table, table
+    (tmp_path / "fast-fp16").mkdir()  # a probe's run that failed before its first epoch ended
+    later = gpu_summary.later_epochs(tmp_path, [tmp_path / "fast-fp16"])  # epochs 2 on: 0.25 s, airbench's 0.0557 s
+    assert later[2:] == ["| airbench94 | 2 | 0.0557 | 1.00x | 52.30% (its TTA) |",
+                         "| fast | 2 | 0.2500 | 4.49x | 50.00% |",
+                         "| fast-fp16 | - | no finished epoch | - | - |"]  # fmt: skip

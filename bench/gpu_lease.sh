@@ -3,7 +3,8 @@
 #   bash bench/gpu_lease.sh [--dry-run] [SECONDS]
 # runs `bash bench/gpu_check.sh $CHECK_STEPS` (default: fast airbench, the figures issue 33 still needs;
 # empty: none), then `bash bench/gpu_probe.sh $PROBES` (default: fast-fp16 recipe-steps graphs-split fast-graphs
-# overhead, what the eager step and DDP at world size 1 still miss; an mfu probe named there runs at MFU_MODES=max-autotune-no-cudagraphs
+# overhead, what the eager step and DDP at world size 1 still miss; graphs-split's pair alone unless GRAPHS_SPLIT
+# names its parts; an mfu probe named there runs at MFU_MODES=max-autotune-no-cudagraphs
 # MFU_MODELS=resnet18:4096 unless set; none with
 # --dry-run: the probes need CUDA), all of it within SECONDS (default 540: a device call's 600 s less
 # the start of python and the packing). The device tool brings back at most 8 files from $OUT, so the
@@ -26,6 +27,7 @@ every=${GPU_LEASE_PACK_S:-20}
 check=${CHECK_STEPS-fast airbench}
 probes=${PROBES-fast-fp16 recipe-steps graphs-split fast-graphs overhead}
 export MFU_MODES="${MFU_MODES-max-autotune-no-cudagraphs}" MFU_MODELS="${MFU_MODELS-resnet18:4096}"
+export GRAPHS_SPLIT="${GRAPHS_SPLIT-pair}"  # the fused A/B and the MFU split were measured; the pair's profile not yet
 [ -z "$probes" ] || bash bench/gpu_probe.sh --check $probes || exit 64  # a typo found now, not after the check
 [ ${#dry[@]} = 1 ] && probes=${PROBES-}
 work=${GPU_LEASE_DIR:-/tmp/gpu-lease}

@@ -19,7 +19,8 @@
 #          epochs 2-10: 1.18x airbench94's in bf16, 2026-11-26)
 #   graphs-split bench/graphs_split.py: the bare model and DDP at world size 1 both with CUDA graphs (like for
 #          like), the eager step with the optimizer fused against torch's default, and where a compiled
-#          step's GPU time goes at the MFU rows' batches; pair.md, fused.md, split.md
+#          step's GPU time goes at the MFU rows' batches; pair.md, fused.md, split.md (GRAPHS_SPLIT: which of the
+#          three parts, default all)
 #   recipe-steps bench/recipe_steps.py: configs/fast.yaml's eager step, bf16 and fp16, against airbench94's own
 #          (epochs 2-10: 0.0405 against 0.0272 s, 2026-11-26; on the CPU both dispatch about as many operators):
 #          kernels, their device time by kind, spans, each one's top kernels; recipe-steps.md and .json
@@ -41,6 +42,7 @@ modes=" default reduce-overhead max-autotune max-autotune-no-cudagraphs "  # tor
 bad() { echo "gpu_probe.sh: $*" >&2; exit 64; }
 for s in ${*#--check}; do [[ $probes == *" $s "* ]] || bad "no probe '$s' (the probes: $(echo $probes))"; done
 for m in ${MFU_MODES:-default}; do [[ $modes == *" $m "* ]] || bad "MFU_MODES: '$m' is no run.compile_mode (one of: $(echo $modes))"; done
+for p in ${GRAPHS_SPLIT:-pair}; do [[ " pair fused split " == *" $p "* ]] || bad "GRAPHS_SPLIT: no part '$p' (the parts: pair fused split)"; done
 for r in ${MFU_MODELS:-fast:1}; do
   [[ $r =~ ^[a-z0-9_]+:[1-9][0-9]*$ ]] || bad "MFU_MODELS: '$r' is not MODEL:BATCH (fast:8192, say)"
 done
@@ -104,7 +106,8 @@ for mode in sys.argv[2].split():
         cat "$out/mfu.md" >>"$out/probe-mfu.log" 2>/dev/null
         ;;
       graphs-split)
-        python3 bench/graphs_split.py "$out" pair fused split >"$out/probe-graphs-split.log" 2>&1 || failed+=" graphs-split"
+        python3 bench/graphs_split.py "$out" ${GRAPHS_SPLIT:-pair fused split} >"$out/probe-graphs-split.log" 2>&1 ||
+          failed+=" graphs-split"
         cat "$out/pair.md" "$out/fused.md" "$out/split.md" >>"$out/probe-graphs-split.log" 2>/dev/null
         ;;
       recipe-steps)

@@ -145,6 +145,7 @@ def test_a_gpu_lease_run_to_its_end_packs_the_summary_and_refuses_bad_values_in_
                                                         "reduce-overhead max-autotune max-autotune-no-cudagraphs)"),
            ((), {"PROBES": "mfu", "MFU_MODELS": "fast:0"}, "MFU_MODELS: 'fast:0' is not MODEL:BATCH (fast:8192, say)"),
            ((), {"PROBES": "mfu", "MFU_MODELS": "fast8192"}, "'fast8192' is not MODEL:BATCH (fast:8192, say)"),
+           ((), {"GRAPHS_SPLIT": "pair splt"}, "GRAPHS_SPLIT: no part 'splt' (the parts: pair fused split)"),
            ]  # fmt: skip
     for args, more, said in bad:
         command, env = lease(tmp_path, *args)

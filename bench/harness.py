@@ -305,28 +305,41 @@ def _ddp_worker(
 # compiles and runs, "inductor." keys torch._inductor.config; ddp/train.py settings). ddp_compiled is
 # run.compile=true as ddp/train.py runs it. inductor.triton.cudagraphs is torch.compile's
 # mode="reduce-overhead" (CUDA graphs of the compiled graphs; run.compile_mode=reduce-overhead for ddp/train.py).
+# What DDP built in python_reducer mode sets in inductor (ddp.bucket_cap_mb's default), patched here so
+# that it is put back after the variant
+PYTHON_REDUCER = {"optimize_ddp": "python_reducer", "compiled_autograd": True,
+                  "inductor._fuse_ddp_communication": True, "inductor._fuse_ddp_bucket_size": 25}  # fmt: skip
 COMPILED_DDP: dict[str, tuple[dict[str, Any], tuple[str, ...]]] = {
     "ddp_compiled": ({}, ()),  # dynamo's DDPOptimizer: the graph split at DDP's buckets (torch's default)
     "static_graph": ({}, ("ddp.static_graph=true",)),  # DDP told the graph never changes
     "whole_graph": ({"optimize_ddp": False}, ()),  # one graph; DDP's hooks all-reduce as autograd runs it
-    # the all-reduce traced into a compiled backward (compiled autograd)
-    "python_reducer": ({"optimize_ddp": "python_reducer", "compiled_autograd": True}, ()),
     "cuda_graphs": ({"inductor.triton.cudagraphs": True}, ()),  # DDPOptimizer's graphs, each a CUDA graph
     "whole_graph_cuda_graphs": ({"optimize_ddp": False, "inductor.triton.cudagraphs": True}, ()),
+    # DDP's all-reduce traced into the backward, which compiled autograd compiles (the step's backward runs
+    # under it): DDP built in this mode has no C++ reducer; last, as DDP built so changes torch's settings
+    "python_reducer": (PYTHON_REDUCER, ()),
+    "python_reducer_cuda_graphs": ({**PYTHON_REDUCER, "inductor.triton.cudagraphs": True}, ()),
 }
 
 
 def under_dynamo(settings: dict[str, Any], step: Callable[[], Any]) -> Callable[[], Any]:
     """`step` with torch._dynamo.config (and, for "inductor." keys, torch._inductor.config) patched by
-    `settings` while it runs (its compile included)."""
+    `settings` while it runs (its compile included); with "compiled_autograd", each backward in it is
+    compiled (torch._dynamo.compiled_autograd: the flag alone acts only on a backward called inside a
+    compiled function, and ddp/train.py's is not)."""
     import torch._inductor.config as inductor
+    from torch._dynamo import compiled_autograd
 
     dynamo = {k: v for k, v in settings.items() if not k.startswith("inductor.")}
     induct = {k.removeprefix("inductor."): v for k, v in settings.items() if k.startswith("inductor.")}
+    backward = torch.compile(backend="inductor") if settings.get("compiled_autograd") else None
 
     def patched() -> Any:
         with torch._dynamo.config.patch(**dynamo), inductor.patch(induct):
-            return step()
+            if backward is None:
+                return step()
+            with compiled_autograd._enable(backward):
+                return step()
 
     return patched
 
@@ -363,27 +376,39 @@ def compiled_variant(
     timing: tuple,
 ) -> dict[str, Any]:
     """One way of COMPILED_DDP, compiled afresh: its first two steps (the compile), its step timed in
-    turns with eager DDP's, and, for a CUDA-graph way, how many of its graphs inductor ran without CUDA
-    graphs (cudagraph_skips, the reason in its warning). A variant this torch cannot run ends in
+    turns with eager DDP's, for a CUDA-graph way how many of its graphs inductor ran without CUDA
+    graphs (cudagraph_skips, the reason in its warning), and for a compiled-autograd way how many
+    backwards it traced. A variant this torch cannot run ends in
     {"error": its first line}, not in the end of the bench: the next variant, and the sections after,
     still run."""
+    from torch._dynamo import trace_rules
     from torch._dynamo.utils import counters
 
     settings, extra = how
     torch._dynamo.reset()  # each compiles afresh under its settings (else dynamo reuses the last graph)
     counters.clear()
+    inline = set(trace_rules.LEGACY_MOD_INLINELIST)  # DDP built in python_reducer mode adds itself: put back
     try:
-        built = job(name, global_batch, global_batch, world, "run.compile=true", *extra)
-        step = under_dynamo(settings, stepping(built, lambda: fixed))
+        built = under_dynamo(
+            settings, lambda: job(name, global_batch, global_batch, world, "run.compile=true", *extra)
+        )()
+        step = under_dynamo(settings, stepping(built, lambda: fixed))  # DDP reads optimize_ddp as it is built
         first = first_two_steps_s(step, world.device)
         pair = alternating({"ddp": eager, "compiled": step}, *timing)
     except Exception as e:  # noqa: BLE001 (any failure of torch's is this variant's result)
         print(f"  compiled DDP with {settings} {extra} failed; the bench goes on:", file=sys.stderr, flush=True)
         traceback.print_exc()  # the whole of it in the bench's log, for the issue to file
         return {"error": f"{type(e).__name__}: " + (str(e).strip().splitlines() or [""])[0][:300]}
+    finally:
+        if inline != trace_rules.LEGACY_MOD_INLINELIST:
+            trace_rules.LEGACY_MOD_INLINELIST.intersection_update(inline)
+            trace_rules.get_legacy_mod_inlinelist.cache_clear()
     result = {"first_two_steps_s": first, "step_s": pair["compiled"], "eager_s": pair["ddp"]}
     if settings.get("inductor.triton.cudagraphs"):
         result["cudagraph_skips"] = counters["inductor"]["cudagraph_skips"]
+    if settings.get("compiled_autograd"):  # backwards compiled autograd traced (0: none was, the variant is void)
+        result["compiled_autograd_captures"] = counters["compiled_autograd"]["captures"]
+        result["reducer"] = "python" if getattr(built.wrapped, "_use_python_reducer", False) else "c++"
     return result
 
 

@@ -129,6 +129,8 @@ def ddp(rows: list[dict]) -> list[str]:
         ]
         for r in compiled_rows:
             for name, v in r["compiled_variants"].items():
+                if "compiled_autograd_captures" in v:  # a variant void if its backward was not compiled autograd's
+                    name += f" ({v['reducer']} reducer, {v['compiled_autograd_captures']} backwards compiled)"
                 head = f"| {r['model']} | {r['global_batch']} | {name} |"
                 if "error" in v:
                     lines.append(f"{head} failed: {v['error'].replace('|', '/')} | | | | |")

@@ -126,6 +126,41 @@ def test_the_compiled_ddp_variants_patch_dynamo_and_inductor_only_while_they_run
     assert (torch._dynamo.config.optimize_ddp, inductor.triton.cudagraphs) == before
 
 
+def test_the_python_reducer_variants_build_ddp_in_their_mode_and_compile_each_backward(monkeypatch):
+    """DDP reads dynamo's optimize_ddp as it is built, and dynamo's compiled_autograd flag acts only on a
+    backward called inside a compiled function: the bench's first python_reducer variant built DDP
+    outside its settings and ran the backward eagerly, so it measured one graph with DDP's C++ reducer.
+    Now DDP is built in the variant's mode (no C++ reducer), the backward is compiled autograd's, and
+    torch's settings (DDP's own changes to them included) are as before after it. torch.compile's backend
+    here is eager: the plumbing, not inductor's code, on this CPU."""
+    import torch
+    import torch._inductor.config as inductor
+    from torch._dynamo import trace_rules
+
+    from bench import harness
+    from ddp import distributed
+    from ddp.devices import World
+
+    compile_ = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda model=None, **_: compile_(model, backend="eager") if model else
+                        compile_(backend="eager"))  # fmt: skip
+    cpu = torch.device("cpu")
+    settings = lambda: (torch._dynamo.config.optimize_ddp, torch._dynamo.config.compiled_autograd,  # noqa: E731
+                        inductor._fuse_ddp_communication, set(trace_rules.LEGACY_MOD_INLINELIST))  # fmt: skip
+    before = settings()
+    world = World(0, 0, 1, cpu, "ddp", "bench", f"tcp://127.0.0.1:{harness.free_port()}")
+    with distributed.setup(world, 60) as world:
+        eager = harness.job("tutorial", 8, 8, world)
+        fixed = next(iter(eager.train_loader))
+        step = harness.stepping(eager, lambda: fixed)
+        run = lambda variant: harness.compiled_variant(world, "tutorial", 8, harness.COMPILED_DDP[variant], step,  # noqa: E731
+                                                       fixed, (cpu, 0, 1, 1))  # fmt: skip
+        row = run("python_reducer_cuda_graphs")  # python_reducer with CUDA graphs (none on a CPU: skipped)
+        assert row["reducer"] == "python" and row["compiled_autograd_captures"] >= 1 and "cudagraph_skips" in row
+        assert settings() == before
+        assert "reducer" not in run("whole_graph")
+
+
 def test_a_compiled_ddp_variant_torch_cannot_run_is_reported_and_the_bench_goes_on(monkeypatch):
     """The CUDA-graph variants first run on a lent GPU, in one call: one that fails there (DDP with CUDA
     graphs has open torch issues) must leave its error in its row, and the other variants and sections
@@ -151,7 +186,8 @@ def test_a_compiled_ddp_variant_torch_cannot_run_is_reported_and_the_bench_goes_
                                        timing)  # fmt: skip
     assert graphed["cudagraph_skips"] == 0  # counted where CUDA graphs are asked for (none compiled here)
 
-    variants = {"ddp_compiled": ran, "cuda_graphs": failed}
+    variants = {"ddp_compiled": ran, "cuda_graphs": failed,
+                "python_reducer": {**ran, "compiled_autograd_captures": 1, "reducer": "python"}}  # fmt: skip
     one = {"bare": 0.01, "ddp": 0.012, "ddp_torch_reduction": 0.0115, "stop_agreement_s": 1e-4, "variants": variants}
     monkeypatch.setattr(harness, "ddp_step_seconds", lambda world_size, name, batch, sizes: one)
     [row] = harness.ddp_overhead({"ddp": [("fast", 1024)]})
@@ -160,7 +196,8 @@ def test_a_compiled_ddp_variant_torch_cannot_run_is_reported_and_the_bench_goes_
     table = "\n".join(ddp_table([row]))
     assert "| 10.0 | 12.0 | +20.0% | 11.5, +15.0% |" in table  # ddp.comm_hook=none beside the default
     assert "| fast | 1024 | cuda_graphs | failed: AttributeError: torch._dynamo.config.no_such_setting" in table
-    assert f"| fast | 1024 | ddp_compiled | {ran['first_two_steps_s']:.1f} |" in table and table.count(" - |") == 1
+    assert f"| fast | 1024 | ddp_compiled | {ran['first_two_steps_s']:.1f} |" in table and table.count(" - |") == 2
+    assert "| fast | 1024 | python_reducer (python reducer, 1 backwards compiled) |" in table
 
     one["variants"]["ddp_compiled"] = failed  # the default way failed too: its row says so, no figure
     [row] = harness.ddp_overhead({"ddp": [("fast", 1024)]})

@@ -20,7 +20,8 @@
 #   graphs-split bench/graphs_split.py: the bare model and DDP at world size 1 both with CUDA graphs (like for
 #          like), the eager step with the optimizer fused against torch's default, and where a compiled
 #          step's GPU time goes at the MFU rows' batches; pair.md, fused.md, split.md (GRAPHS_SPLIT: which of the
-#          three parts, default all)
+#          three parts, default all); the pair also with each backward compiled by compiled autograd, DDP's
+#          all-reduce traced into it (python_reducer); at most 300 s
 #   recipe-steps bench/recipe_steps.py: configs/fast.yaml's eager step, bf16 and fp16, against airbench94's own
 #          (epochs 2-10: 0.0405 against 0.0272 s, 2026-11-26; on the CPU both dispatch about as many operators):
 #          kernels, their device time by kind, spans, each one's top kernels; recipe-steps.md and .json
@@ -106,8 +107,9 @@ for mode in sys.argv[2].split():
         cat "$out/mfu.md" >>"$out/probe-mfu.log" 2>/dev/null
         ;;
       graphs-split)
-        python3 bench/graphs_split.py "$out" ${GRAPHS_SPLIT:-pair fused split} >"$out/probe-graphs-split.log" 2>&1 ||
-          failed+=" graphs-split"
+        # bounded: NCCL inside a CUDA graph (the pair's compiled-autograd DDP) may hang; what finished is written
+        timeout -k 10 300 python3 bench/graphs_split.py "$out" ${GRAPHS_SPLIT:-pair fused split} \
+          >"$out/probe-graphs-split.log" 2>&1 || failed+=" graphs-split"
         cat "$out/pair.md" "$out/fused.md" "$out/split.md" >>"$out/probe-graphs-split.log" 2>/dev/null
         ;;
       recipe-steps)

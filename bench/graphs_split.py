@@ -4,7 +4,9 @@
          reduce-overhead), each timed in turns with the eager bare step: like for like, what does DDP
          cost once the launches are graph replays? (The bench compares compiled DDP with the eager
          bare model only.) Then each graphed step profiled: kernels, device time and spans per step, and
-         the kernels DDP adds (it cost +3.0%, +35.3% and +26.0% in three samples, 2026-11-26).
+         the kernels DDP adds (it cost +3.0%, +35.3% and +26.0% in three samples, 2026-11-26). The same
+         again with each backward compiled by compiled autograd, DDP's in python_reducer mode: its
+         all-reduce traced into the backward's CUDA graphs instead of launched by its C++ reducer's hooks.
   fused  the eager bare step with the optimizer fused (ddp/optim.py's choice) and with torch's default
          (for-each on a GPU), the same optimizer and state, its groups' flag switched between calls, timed
          in turns: what fusing saves on a host-bound step (on the CPU it cut 104 of 220.5 top-level
@@ -23,6 +25,7 @@ from __future__ import annotations
 import json
 import sys
 import tempfile
+import traceback
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -50,6 +53,15 @@ def compiled(world: World, name: str, batch: int, mode: str) -> harness.train.Jo
     return harness.job(name, batch, batch, world, *extra)
 
 
+# The pair's ways, each compiled with CUDA graphs: (label, under DDP, dynamo's settings). The last two
+# compile each backward with compiled autograd, and DDP built in python_reducer mode traces its all-reduce
+# into it: the way torch offers to put DDP's reduction inside the step's CUDA graphs. A way that fails leaves
+# its error in its row; the pair's figures are written after each way (a call cut off keeps them).
+GRAPHED_BACKWARD = {"compiled_autograd": True, "inductor.triton.cudagraphs": GPU}
+WAYS = (("bare", False, {}), ("ddp", True, {}), ("bare, compiled autograd", False, GRAPHED_BACKWARD),
+        ("ddp, python reducer, compiled autograd", True, {**harness.PYTHON_REDUCER, **GRAPHED_BACKWARD}))  # fmt: skip
+
+
 def pair(out: Path) -> None:
     name, batch = PAIR
     world = World(0, 0, 1, DEVICE, "ddp", "bench", f"tcp://127.0.0.1:{harness.free_port()}")
@@ -58,32 +70,70 @@ def pair(out: Path) -> None:
         eager = harness.job(name, batch, batch, World(0, 0, 1, DEVICE, "none"))
         fixed = next(iter(eager.train_loader))
         anchor = harness.stepping(eager, lambda: fixed)
-        for label, w in (("bare", World(0, 0, 1, DEVICE, "none")), ("ddp", world)):
-            built = compiled(w, name, batch, "reduce-overhead")
-            step = harness.stepping(built, lambda: fixed)
-            first = harness.first_two_steps_s(step, DEVICE)
-            t = harness.alternating({"eager_bare": anchor, "graphs": step}, *TIMING)
-            rows.append({"model": name, "batch": batch, "launch": label, "first_two_steps_s": first,
-                         "graphs_step_s": t["graphs"], "eager_bare_step_s": t["eager_bare"],
-                         "profiled": profiled(step, PROFILED_STEPS)})  # fmt: skip
-            print(f"  {label} with CUDA graphs: {t['graphs'] * 1e3:.2f} ms, eager bare {t['eager_bare'] * 1e3:.2f} ms")
-            del built, step
-    bare, ddp = rows
-    lines = [
-        "| launch | step ms, CUDA graphs | eager bare step ms (in turns) | compile s |",
-        "| --- | ---: | ---: | ---: |",
-    ]
-    for r in rows:
-        ms, anchor_ms = r["graphs_step_s"] * 1e3, r["eager_bare_step_s"] * 1e3
-        lines.append(f"| {r['launch']} | {ms:.2f} | {anchor_ms:.2f} | {r['first_two_steps_s']:.1f} |")
-    direct = ddp["graphs_step_s"] / bare["graphs_step_s"] - 1
-    anchored = (ddp["graphs_step_s"] / ddp["eager_bare_step_s"]) / (
-        bare["graphs_step_s"] / bare["eager_bare_step_s"]
-    ) - 1
-    lines.append(
-        f"\nDDP over the bare model, both with CUDA graphs: {direct:+.1%} (through the eager anchor: {anchored:+.1%})"
+        for label, ddp, settings in WAYS:
+            try:
+                rows.append(graphed(label, world if ddp else World(0, 0, 1, DEVICE, "none"), settings, anchor, fixed))
+            except Exception as e:  # noqa: BLE001 (a way torch cannot run is its row's result)
+                traceback.print_exc()
+                rows.append(
+                    {"launch": label, "error": f"{type(e).__name__}: {(str(e).strip() or '-').splitlines()[0]}"}
+                )
+            write(out, "pair", rows, pair_lines(rows))
+
+
+def graphed(label: str, world: World, settings: dict, anchor: Callable[[], None], fixed: tuple) -> dict:
+    """One way of the pair: compiled afresh, timed in turns with the eager bare step, then profiled."""
+    from torch._dynamo.utils import counters
+
+    name, batch = PAIR
+    counters.clear()
+    backend = "inductor" if GPU else "eager"  # compiled autograd's compile; on a CPU the dry run's plumbing only
+    with harness.dynamo_inlining_kept():
+        built = harness.under_dynamo(settings, lambda: compiled(world, name, batch, "reduce-overhead"), backend)()
+        step = harness.under_dynamo(settings, harness.stepping(built, lambda: fixed), backend)
+        first = harness.first_two_steps_s(step, DEVICE)
+        t = harness.alternating({"eager_bare": anchor, "graphs": step}, *TIMING)
+        row = {"model": name, "batch": batch, "launch": label, "first_two_steps_s": first,
+               "graphs_step_s": t["graphs"], "eager_bare_step_s": t["eager_bare"],
+               "profiled": profiled(step, PROFILED_STEPS)}  # fmt: skip
+    if settings.get("compiled_autograd"):
+        row["compiled_autograd_captures"] = counters["compiled_autograd"]["captures"]
+    row["cudagraph_skips"] = counters["inductor"]["cudagraph_skips"]  # graphs run without CUDA graphs (why: the log)
+    print(
+        f"  {label} with CUDA graphs: {t['graphs'] * 1e3:.2f} ms, eager bare {t['eager_bare'] * 1e3:.2f} ms", flush=True
     )
-    write(out, "pair", rows, lines + where_ddp_goes(bare["profiled"], ddp["profiled"]))
+    return row
+
+
+def pair_lines(rows: list[dict]) -> list[str]:
+    """The pair's tables: each way's step against the eager anchor, DDP over the bare model for each
+    two ways alike, the profiled steps, and the kernels DDP adds to the graphed step."""
+    lines = ["| launch | step ms, CUDA graphs | eager bare step ms (in turns) | compile s | backwards compiled "
+             "| graphs without CUDA graphs |", "| --- | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['launch']} | failed: {r['error'][:200].replace('|', '/')} | | | | |")
+            continue
+        ms, anchor_ms = r["graphs_step_s"] * 1e3, r["eager_bare_step_s"] * 1e3
+        lines.append(f"| {r['launch']} | {ms:.2f} | {anchor_ms:.2f} | {r['first_two_steps_s']:.1f} | "
+                     f"{r.get('compiled_autograd_captures', '-')} | {r['cudagraph_skips']} |")  # fmt: skip
+    done = {r["launch"]: r for r in rows if "error" not in r}
+    for bare, ddp, how in ((WAYS[0][0], WAYS[1][0], ""), (WAYS[2][0], WAYS[3][0], ", both with compiled autograd")):
+        if bare in done and ddp in done:
+            b, d = done[bare], done[ddp]
+            direct = d["graphs_step_s"] / b["graphs_step_s"] - 1
+            anchored = (d["graphs_step_s"] / d["eager_bare_step_s"]) / (b["graphs_step_s"] / b["eager_bare_step_s"]) - 1
+            lines.append(f"\nDDP over the bare model, both with CUDA graphs{how}: {direct:+.1%} (through the eager "
+                         f"anchor: {anchored:+.1%})")  # fmt: skip
+    lines += ["", "| launch, profiled | kernels + copies a step | device ms | kernels' span ms | host span ms |",
+              "| --- | ---: | ---: | ---: | ---: |"]  # fmt: skip
+    for label, r in done.items():
+        p = r["profiled"]
+        lines.append(f"| {label} | {p['kernels']:.1f} | {p['device_ms']:.3f} | {p['device_span_ms']:.3f} "
+                     f"| {p['host_span_ms']:.3f} |")  # fmt: skip
+    if WAYS[0][0] in done and WAYS[1][0] in done:
+        lines += where_ddp_goes(done[WAYS[0][0]]["profiled"], done[WAYS[1][0]]["profiled"])
+    return lines
 
 
 def profile_calls(step: Callable[[], None], calls: int) -> torch.profiler.profile:
@@ -106,19 +156,14 @@ def profiled(step: Callable[[], None], steps: int) -> dict:
 
 
 def where_ddp_goes(bare: dict, ddp: dict) -> list[str]:
-    """Both graphed steps profiled, and the kernels whose device time DDP adds (or launches more often)."""
-    lines = ["", "| launch, profiled | kernels + copies a step | device ms | kernels' span ms | host span ms |",
-             "| --- | ---: | ---: | ---: | ---: |"]  # fmt: skip
-    for label, r in (("bare", bare), ("ddp", ddp)):
-        lines.append(f"| {label} | {r['kernels']:.1f} | {r['device_ms']:.3f} | {r['device_span_ms']:.3f} "
-                     f"| {r['host_span_ms']:.3f} |")  # fmt: skip
+    """The kernels whose device time DDP adds to the graphed step (or launches more often)."""
     names = set(bare["by_name_ms"]) | set(ddp["by_name_ms"])
     ms = {n: (ddp["by_name_ms"].get(n, 0.0), bare["by_name_ms"].get(n, 0.0)) for n in names}
     launches = {n: (ddp["launches_by_name"].get(n, 0.0), bare["launches_by_name"].get(n, 0.0)) for n in names}
     more = sorted((n for n in names if ms[n][0] > ms[n][1] or launches[n][0] > launches[n][1]),
                   key=lambda n: ms[n][1] - ms[n][0])[:12]  # fmt: skip
-    lines += ["", "| kernels DDP adds to the step | DDP ms | bare ms | DDP launches | bare launches |",
-              "| --- | ---: | ---: | ---: | ---: |"]  # fmt: skip
+    lines = ["", "| kernels DDP adds to the step | DDP ms | bare ms | DDP launches | bare launches |",
+             "| --- | ---: | ---: | ---: | ---: |"]  # fmt: skip
     lines += [f"| {n[:110]} | {ms[n][0]:.3f} | {ms[n][1]:.3f} | {launches[n][0]:.1f} | {launches[n][1]:.1f} |"
               for n in more]  # fmt: skip
     return lines

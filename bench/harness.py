@@ -8,6 +8,7 @@ Timing: warm-up calls first, the device synchronised around each timed window, m
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -18,7 +19,7 @@ import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -316,23 +317,23 @@ COMPILED_DDP: dict[str, tuple[dict[str, Any], tuple[str, ...]]] = {
     "cuda_graphs": ({"inductor.triton.cudagraphs": True}, ()),  # DDPOptimizer's graphs, each a CUDA graph
     "whole_graph_cuda_graphs": ({"optimize_ddp": False, "inductor.triton.cudagraphs": True}, ()),
     # DDP's all-reduce traced into the backward, which compiled autograd compiles (the step's backward runs
-    # under it): DDP built in this mode has no C++ reducer; last, as DDP built so changes torch's settings
+    # under it): DDP built in this mode has no C++ reducer. (With CUDA graphs too: bench/graphs_split.py's
+    # pair, in a process of its own, as NCCL inside a CUDA graph may end the process.)
     "python_reducer": (PYTHON_REDUCER, ()),
-    "python_reducer_cuda_graphs": ({**PYTHON_REDUCER, "inductor.triton.cudagraphs": True}, ()),
 }
 
 
-def under_dynamo(settings: dict[str, Any], step: Callable[[], Any]) -> Callable[[], Any]:
+def under_dynamo(settings: dict[str, Any], step: Callable[[], Any], backend: str = "inductor") -> Callable[[], Any]:
     """`step` with torch._dynamo.config (and, for "inductor." keys, torch._inductor.config) patched by
     `settings` while it runs (its compile included); with "compiled_autograd", each backward in it is
-    compiled (torch._dynamo.compiled_autograd: the flag alone acts only on a backward called inside a
-    compiled function, and ddp/train.py's is not)."""
+    compiled by torch.compile's `backend` (torch._dynamo.compiled_autograd: the flag alone acts only on a
+    backward called inside a compiled function, and ddp/train.py's is not)."""
     import torch._inductor.config as inductor
     from torch._dynamo import compiled_autograd
 
     dynamo = {k: v for k, v in settings.items() if not k.startswith("inductor.")}
     induct = {k.removeprefix("inductor."): v for k, v in settings.items() if k.startswith("inductor.")}
-    backward = torch.compile(backend="inductor") if settings.get("compiled_autograd") else None
+    backward = torch.compile(backend=backend) if settings.get("compiled_autograd") else None
 
     def patched() -> Any:
         with torch._dynamo.config.patch(**dynamo), inductor.patch(induct):
@@ -342,6 +343,21 @@ def under_dynamo(settings: dict[str, Any], step: Callable[[], Any]) -> Callable[
                 return step()
 
     return patched
+
+
+@contextlib.contextmanager
+def dynamo_inlining_kept() -> Iterator[None]:
+    """DDP built in python_reducer mode adds its own module to dynamo's list of modules to inline, for
+    good: the list as it was, after the block."""
+    from torch._dynamo import trace_rules
+
+    inline = set(trace_rules.LEGACY_MOD_INLINELIST)
+    try:
+        yield
+    finally:
+        if inline != trace_rules.LEGACY_MOD_INLINELIST:
+            trace_rules.LEGACY_MOD_INLINELIST.intersection_update(inline)
+            trace_rules.get_legacy_mod_inlinelist.cache_clear()
 
 
 def _time_ddp(world: World, name: str, global_batch: int, timing: tuple, out: Any, compiled: bool) -> None:
@@ -381,28 +397,23 @@ def compiled_variant(
     backwards it traced. A variant this torch cannot run ends in
     {"error": its first line}, not in the end of the bench: the next variant, and the sections after,
     still run."""
-    from torch._dynamo import trace_rules
     from torch._dynamo.utils import counters
 
     settings, extra = how
     torch._dynamo.reset()  # each compiles afresh under its settings (else dynamo reuses the last graph)
     counters.clear()
-    inline = set(trace_rules.LEGACY_MOD_INLINELIST)  # DDP built in python_reducer mode adds itself: put back
     try:
-        built = under_dynamo(
-            settings, lambda: job(name, global_batch, global_batch, world, "run.compile=true", *extra)
-        )()
-        step = under_dynamo(settings, stepping(built, lambda: fixed))  # DDP reads optimize_ddp as it is built
-        first = first_two_steps_s(step, world.device)
-        pair = alternating({"ddp": eager, "compiled": step}, *timing)
+        with dynamo_inlining_kept():
+            built = under_dynamo(
+                settings, lambda: job(name, global_batch, global_batch, world, "run.compile=true", *extra)
+            )()
+            step = under_dynamo(settings, stepping(built, lambda: fixed))  # DDP reads optimize_ddp as it is built
+            first = first_two_steps_s(step, world.device)
+            pair = alternating({"ddp": eager, "compiled": step}, *timing)
     except Exception as e:  # noqa: BLE001 (any failure of torch's is this variant's result)
         print(f"  compiled DDP with {settings} {extra} failed; the bench goes on:", file=sys.stderr, flush=True)
         traceback.print_exc()  # the whole of it in the bench's log, for the issue to file
         return {"error": f"{type(e).__name__}: " + (str(e).strip().splitlines() or [""])[0][:300]}
-    finally:
-        if inline != trace_rules.LEGACY_MOD_INLINELIST:
-            trace_rules.LEGACY_MOD_INLINELIST.intersection_update(inline)
-            trace_rules.get_legacy_mod_inlinelist.cache_clear()
     result = {"first_two_steps_s": first, "step_s": pair["compiled"], "eager_s": pair["ddp"]}
     if settings.get("inductor.triton.cudagraphs"):
         result["cudagraph_skips"] = counters["inductor"]["cudagraph_skips"]

@@ -98,6 +98,8 @@ def graphed(label: str, world: World, settings: dict, anchor: Callable[[], None]
                "profiled": profiled(step, PROFILED_STEPS)}  # fmt: skip
     if settings.get("compiled_autograd"):
         row["compiled_autograd_captures"] = counters["compiled_autograd"]["captures"]
+    if hasattr(built.wrapped, "_use_python_reducer"):  # DDP: which reducer ran (python_reducer mode: none of C++)
+        row["reducer"] = "python" if built.wrapped._use_python_reducer else "c++"
     row["cudagraph_skips"] = counters["inductor"]["cudagraph_skips"]  # graphs run without CUDA graphs (why: the log)
     print(
         f"  {label} with CUDA graphs: {t['graphs'] * 1e3:.2f} ms, eager bare {t['eager_bare'] * 1e3:.2f} ms", flush=True
@@ -115,7 +117,8 @@ def pair_lines(rows: list[dict]) -> list[str]:
             lines.append(f"| {r['launch']} | failed: {r['error'][:200].replace('|', '/')} | | | | |")
             continue
         ms, anchor_ms = r["graphs_step_s"] * 1e3, r["eager_bare_step_s"] * 1e3
-        lines.append(f"| {r['launch']} | {ms:.2f} | {anchor_ms:.2f} | {r['first_two_steps_s']:.1f} | "
+        launch = f"{r['launch']} ({r['reducer']} reducer)" if "reducer" in r else r["launch"]
+        lines.append(f"| {launch} | {ms:.2f} | {anchor_ms:.2f} | {r['first_two_steps_s']:.1f} | "
                      f"{r.get('compiled_autograd_captures', '-')} | {r['cudagraph_skips']} |")  # fmt: skip
     done = {r["launch"]: r for r in rows if "error" not in r}
     for bare, ddp, how in ((WAYS[0][0], WAYS[1][0], ""), (WAYS[2][0], WAYS[3][0], ", both with compiled autograd")):

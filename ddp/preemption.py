@@ -25,8 +25,14 @@ ORDINARY = {
 }
 
 
+# Ctrl-C ignored when this process started (a script's background job: `python ddp/train.py ... &`), as
+# Python leaves it: then SIGINT is not taken as a stop signal either, and the job stays immune to Ctrl-C.
+INTERRUPT_IGNORED = signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+
+
 def parse_signals(names: str) -> list[signal.Signals]:
-    """ "SIGTERM,SIGUSR1" (or "TERM,USR1") as signals; "" or "none" for no handlers."""
+    """ "SIGTERM,SIGUSR1" (or "TERM,USR1") as signals; "" or "none" for no handlers. SIGINT is left out
+    of them in a process that started with it ignored (INTERRUPT_IGNORED)."""
     out = []
     for name in filter(None, (n.strip().upper() for n in names.split(","))):
         if name == "NONE":
@@ -39,7 +45,8 @@ def parse_signals(names: str) -> list[signal.Signals]:
         if full in ORDINARY:
             raise UsageError(f"run.stop_signal: {full} comes with {ORDINARY[full]}, not to stop a run; stop signals "
                              "are ones sent for it, e.g. SIGTERM,SIGUSR1,SIGINT")  # fmt: skip
-        out.append(signal.Signals[full])
+        if not (full == "SIGINT" and INTERRUPT_IGNORED):
+            out.append(signal.Signals[full])
     return out
 
 

@@ -80,3 +80,33 @@ def test_what_scontrol_requeue_did_is_said_also_when_the_requeue_ended_it():
     assert preemption.requeue_outcome(ran(-15)).startswith("scontrol ended by SIGTERM as the job stopped")
     assert preemption.requeue_outcome(ran(1, "Invalid job id specified\n")) == "Invalid job id specified"
     assert preemption.requeue_outcome(ran(1)) == "scontrol exited 1"
+
+
+def test_a_run_started_with_ctrl_c_ignored_keeps_it_ignored(tmp_path):
+    """A script's background job (`python ddp/train.py ... &` in a script) starts with SIGINT ignored, so that
+    a Ctrl-C for the script leaves it running; Python leaves it so, and so do we now: SIGINT mid-run is not a
+    stop request there (before, it stopped the run with its checkpoint, exit 75). SIGTERM still stops it."""
+    import sys
+
+    from conftest import REPO, clean_env
+
+    job = [sys.executable, str(REPO / "ddp" / "train.py"), "model.name=tutorial", "data.dataset=synthetic",
+           "data.synthetic_train=4096", "data.synthetic_test=32", "train.batch_size=32", "train.epochs=3",
+           "run.progress=false", f"run.out_dir={tmp_path}"]  # fmt: skip
+    ignoring = lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)  # noqa: E731 (what `&` in a script does)
+    proc = subprocess.Popen(job, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=ignoring,
+                            env=clean_env(PYTHONUNBUFFERED="1"))  # fmt: skip
+    try:
+        lines = [proc.stdout.readline()]
+        for epoch, sig in ((1, signal.SIGINT), (2, signal.SIGTERM)):  # SIGINT ignored after epoch 1, not SIGTERM
+            while not lines[-1].startswith(f"epoch {epoch}/3"):
+                assert lines[-1], "".join(lines) + proc.stderr.read()
+                lines.append(proc.stdout.readline())
+            assert proc.poll() is None  # an epoch to go at least
+            proc.send_signal(sig)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 75 and "stopped on SIGTERM" in out + err and "SIGINT" not in out + err, out + err
+    assert preemption.INTERRUPT_IGNORED is False  # this test process's own: not ignored, SIGINT is a stop signal
+    assert signal.SIGINT in preemption.parse_signals("SIGTERM,SIGINT")

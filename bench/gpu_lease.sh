@@ -3,7 +3,7 @@
 #   bash bench/gpu_lease.sh [--dry-run] [SECONDS]
 # runs `bash bench/gpu_check.sh $CHECK_STEPS` (default: fast airbench, the figures issue 33 still needs;
 # empty: none), then `bash bench/gpu_probe.sh $PROBES` (default: fast-fp16 recipe-steps graphs-split fast-graphs
-# overhead, what the eager step and DDP at world size 1 still miss; graphs-split's pair alone unless GRAPHS_SPLIT
+# fast-seeds overhead, what the eager step and DDP at world size 1 still miss; graphs-split's pair alone unless GRAPHS_SPLIT
 # names its parts; an mfu probe named there runs at MFU_MODES=max-autotune-no-cudagraphs
 # MFU_MODELS=resnet18:4096 unless set; none with
 # --dry-run: the probes need CUDA), all of it within SECONDS (default 540: a device call's 600 s less
@@ -25,7 +25,7 @@ budget=${1:-540}
 every=${GPU_LEASE_PACK_S:-20}
 [[ $every =~ ^[1-9][0-9]*$ ]] || { echo "gpu_lease.sh: GPU_LEASE_PACK_S must be a whole number >= 1, not '$every'" >&2; exit 64; }
 check=${CHECK_STEPS-fast airbench}
-probes=${PROBES-fast-fp16 recipe-steps graphs-split fast-graphs overhead}
+probes=${PROBES-fast-fp16 recipe-steps graphs-split fast-graphs fast-seeds overhead}
 export MFU_MODES="${MFU_MODES-max-autotune-no-cudagraphs}" MFU_MODELS="${MFU_MODELS-resnet18:4096}"
 export GRAPHS_SPLIT="${GRAPHS_SPLIT-pair}"  # the fused A/B and the MFU split were measured; the pair's profile not yet
 [ -z "$probes" ] || bash bench/gpu_probe.sh --check $probes || exit 64  # a typo found now, not after the check

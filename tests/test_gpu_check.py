@@ -195,11 +195,23 @@ def test_airbench_per_epoch_table_is_read_and_set_beside_ours(tmp_path):
     assert "| 1 | 37.02% | 0.10 | 25.00% | 4.25 | 4.50 |" in table, table
     assert "| 2 | 50.11% | 0.16 | 50.00% | 4.50 | 5.00 |" in table, table
     (tmp_path / "fast-fp16").mkdir()  # a probe's run that failed before its first epoch ended
-    later = gpu_summary.later_epochs(tmp_path, [tmp_path / "fast-fp16"])  # epochs 2 on: 0.25 s, airbench's 0.0557 s
-    assert later[2:] == ["| airbench94 | 2 | 0.0557 | 1.00x | 52.30% (its TTA) |",
-                         "| fast | 2 | 0.2500 | 4.49x | 50.00% |",
-                         "| fast-fp16 | - | no finished epoch | - | - |"]  # fmt: skip
+    (tmp_path / "fast-graphs").mkdir()  # one that reached 70% (airbench94 here did not)
+    reached = [{**record, "epoch": 1, "test_acc": 0.5, "train_s": 2.0, "seconds": 2.5},
+               {**record, "epoch": 2, "test_acc": 0.75, "train_s": 0.125, "seconds": 0.25}]  # fmt: skip
+    (tmp_path / "fast-graphs" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in reached))
+    later = gpu_summary.later_epochs(tmp_path, [tmp_path / "fast-fp16", tmp_path / "fast-graphs"])
+    assert later[2:] == [  # epochs 2 on: 0.25 s and 0.125 s against airbench's 0.0557 s
+        "| airbench94 | 2 | 0.0557 | 1.00x | not reached | - | 52.30% (its TTA) |",
+        "| fast | 2 | 0.2500 | 4.49x | not reached | - | 50.00% |",
+        "| fast-fp16 | - | no finished epoch | - | - | - | - |",
+        "| fast-graphs | 2 | 0.1250 | 2.24x | 2.125 (epoch 2) | - | 75.00% |"]  # fmt: skip
+    result["per_epoch"][1]["val_acc"] = 0.7  # airbench94 at 70% after its epoch 2, 0.1601 s
+    (tmp_path / "airbench.json").write_text(json.dumps(result))
+    assert gpu_summary.later_epochs(tmp_path, [tmp_path / "fast-graphs"])[-1] == (
+        "| fast-graphs | 2 | 0.1250 | 2.24x | 2.125 (epoch 2) | 13.27x | 75.00% |"
+    )
     (tmp_path / "airbench.json").write_text(json.dumps(result)[:40])  # airbench_subset.py cut off as it wrote it
     assert gpu_summary.airbench(tmp_path) == ["airbench94: its airbench.json is not whole (cut off as it was written)"]
-    assert gpu_summary.later_epochs(tmp_path, [])[2:] == ["| airbench94 | - | its airbench.json is not whole | - | - |",
-                                                          "| fast | 2 | 0.2500 | - | 50.00% |"]  # fmt: skip
+    assert gpu_summary.later_epochs(tmp_path, [])[2:] == [
+        "| airbench94 | - | its airbench.json is not whole | - | - | - | - |",
+        "| fast | 2 | 0.2500 | - | not reached | - | 50.00% |"]  # fmt: skip

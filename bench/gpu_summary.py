@@ -39,14 +39,27 @@ def runs(out: Path) -> list[str]:
     return lines
 
 
-def airbench(out: Path) -> list[str]:
+NOT_WHOLE = "its airbench.json is not whole"
+
+
+def read_airbench(out: Path) -> dict | str | None:
+    """OUT_DIR's airbench.json as bench/airbench_subset.py wrote it; None where airbench94 did not run, NOT_WHOLE
+    where the file was cut off as it was written."""
     path = out / "airbench.json"
     if not path.is_file():
-        return ["airbench94: not run"]
+        return None
     try:
-        r = json.loads(path.read_text())
+        return json.loads(path.read_text())
     except json.JSONDecodeError:
-        return ["airbench94: its airbench.json is not whole (cut off as it was written)"]
+        return NOT_WHOLE
+
+
+def airbench(out: Path) -> list[str]:
+    r = read_airbench(out)
+    if r is None:
+        return ["airbench94: not run"]
+    if r == NOT_WHOLE:
+        return [f"airbench94: {NOT_WHOLE} (cut off as it was written)"]
     if "skipped" in r:
         return [f"airbench94: skipped ({r['skipped']})"]
     lines = [
@@ -83,13 +96,10 @@ def later_epochs(out: Path, more: list[Path]) -> list[str]:
     lines = ["| run | epochs | training s a mean epoch, epoch 2 on | against airbench94 | training s to 70% "
              "| against airbench94 | final test accuracy |",
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
-    path, theirs, their_70 = out / "airbench.json", None, None
-    try:
-        r = json.loads(path.read_text()) if path.is_file() else {}
-    except json.JSONDecodeError:  # airbench_subset.py cut off as it wrote it
-        r = {}
-        lines.append("| airbench94 | - | its airbench.json is not whole | - | - | - | - |")
-    per_epoch = r.get("per_epoch", [])
+    r, theirs, their_70 = read_airbench(out), None, None
+    if r == NOT_WHOLE:
+        lines.append(f"| airbench94 | - | {NOT_WHOLE} | - | - | - | - |")
+    per_epoch = r.get("per_epoch", []) if isinstance(r, dict) else []
     times = [a["total_time_seconds"] for a in per_epoch]
     if len(times) > 1:
         theirs = (times[-1] - times[0]) / (len(times) - 1)

@@ -98,8 +98,8 @@ def graphed(label: str, world: World, settings: dict, anchor: Callable[[], None]
                "profiled": profiled(step, PROFILED_STEPS)}  # fmt: skip
     if settings.get("compiled_autograd"):
         row["compiled_autograd_captures"] = counters["compiled_autograd"]["captures"]
-    if hasattr(built.wrapped, "_use_python_reducer"):  # DDP: which reducer ran (python_reducer mode: none of C++)
-        row["reducer"] = "python" if built.wrapped._use_python_reducer else "c++"
+    if reducer := harness.ddp_reducer(built.wrapped):  # DDP: which reducer ran (python_reducer mode: none of C++)
+        row["reducer"] = reducer
     row["cudagraph_skips"] = counters["inductor"]["cudagraph_skips"]  # graphs run without CUDA graphs (why: the log)
     print(
         f"  {label} with CUDA graphs: {t['graphs'] * 1e3:.2f} ms, eager bare {t['eager_bare'] * 1e3:.2f} ms", flush=True

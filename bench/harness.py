@@ -345,6 +345,14 @@ def under_dynamo(settings: dict[str, Any], step: Callable[[], Any], backend: str
     return patched
 
 
+def ddp_reducer(wrapped: nn.Module) -> str | None:
+    """Which reducer a DDP-wrapped model runs ("python" when built in python_reducer mode: none of DDP's C++
+    one), None for a model DDP does not wrap."""
+    if not hasattr(wrapped, "_use_python_reducer"):
+        return None
+    return "python" if wrapped._use_python_reducer else "c++"
+
+
 @contextlib.contextmanager
 def dynamo_inlining_kept() -> Iterator[None]:
     """DDP built in python_reducer mode adds its own module to dynamo's list of modules to inline, for
@@ -419,7 +427,7 @@ def compiled_variant(
         result["cudagraph_skips"] = counters["inductor"]["cudagraph_skips"]
     if settings.get("compiled_autograd"):  # backwards compiled autograd traced (0: none was, the variant is void)
         result["compiled_autograd_captures"] = counters["compiled_autograd"]["captures"]
-        result["reducer"] = "python" if getattr(built.wrapped, "_use_python_reducer", False) else "c++"
+        result["reducer"] = ddp_reducer(built.wrapped)
     return result
 
 

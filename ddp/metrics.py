@@ -75,6 +75,10 @@ class StepStats:
                 self.norm_sum += norm
                 self.norm_steps += 1
                 self.norm_max = max(self.norm_max, norm)
+        self._empty()
+
+    def _empty(self) -> None:
+        """The journal emptied: its rows are written over from the first."""
         self._steps.clear()
         self._norms = 0
 
@@ -85,8 +89,7 @@ class StepStats:
                 self._first_non_finite)  # fmt: skip
 
     def restore(self, snapshot: tuple) -> None:
-        self._steps.clear()
-        self._norms = 0
+        self._empty()  # the journalled steps since the snapshot are not counted
         (self.loss_sum, self.image_count, self.norm_sum, self.norm_steps, self.norm_max, self._last_finite,
          self._first_non_finite) = snapshot  # fmt: skip
 
@@ -102,8 +105,7 @@ class StepStats:
 
     def load(self, partial: torch.Tensor | None, grad_norms: torch.Tensor | None) -> None:
         """A checkpoint's partial() and norms_partial(), each where it has one (a resume, before any step)."""
-        self._steps.clear()
-        self._norms = 0
+        self._empty()
         if partial is not None:
             loss_sum, images = partial.tolist()
             self.loss_sum, self.image_count = loss_sum, int(images)

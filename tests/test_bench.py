@@ -75,14 +75,17 @@ def test_host_cost_counts_top_level_operators_per_thread_and_tells_the_stop_flag
     assert counts["collectives"] == 1 / 2 and counts["collective_kinds"] == ["gloo:all_reduce"]
 
 
-def test_a_ddp_step_of_ours_reads_nothing_from_the_device_and_broadcasts_no_buffers(tmp_path):
+def test_a_ddp_step_of_ours_reads_nothing_from_the_device_broadcasts_no_buffers_and_divides_nothing_by_one(tmp_path):
     """ddp/train.py under torchrun at 2 ranks, profiled: the gradients' all-reduce and the stop
     agreement are a step's only collectives (no buffer broadcast: train.dist_bn=broadcast makes rank
-    0's statistics everyone's at the boundaries), and no tensor of the device is read in a step."""
+    0's statistics everyone's at the boundaries), and no tensor of the device is read in a step. With
+    one micro-batch the loss is not divided by 1: that was a kernel forward and one backward, a step."""
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     counts = host_cost.ours(torchrun, tmp_path / "ours")
     assert counts["collective_kinds"] == ["gloo:all_reduce"] and counts["collectives"] <= 2
     assert counts["device_reads"] == 0 and counts["flag_reads"] <= 1
+    trace = json.loads((tmp_path / "ours" / "profile" / "rank0.json").read_text())["traceEvents"]
+    assert not [e["name"] for e in trace if e.get("name") in ("aten::div", "DivBackward0")]
 
 
 def test_a_bench_cut_off_keeps_the_json_of_the_sections_it_finished(tmp_path, monkeypatch):

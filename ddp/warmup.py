@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from ddp import checkpoint, distributed, metrics, rng
+from ddp import checkpoint, distributed, logs, metrics, rng
 
 
 def throwaway_steps(
@@ -31,6 +31,8 @@ def throwaway_steps(
     full = distributed.full_state(trained.model, trained.optimizer)
     kept = copy.deepcopy(checkpoint.build_state(trained, position, [], checkpoints.info, None, full))
     kept_stats, kept_rng = stats.snapshot(), rng.get_state(device)
+    if checkpoints.world.is_main:  # compiles and autotuning can take a minute: say what the wait is
+        logs.say(f"warm-up: {steps} throwaway step{'s' * (steps != 1)} and an evaluation before epoch 1, then put back")
     metrics.synchronize(device)
     started = time.perf_counter()
     for _ in range(steps):
@@ -41,4 +43,6 @@ def throwaway_steps(
         checkpoint.restore(kept, trained)  # in place: DDP's and the compiled model's weights too
     stats.restore(kept_stats)
     rng.set_state(kept_rng, device)
+    if checkpoints.world.is_main:
+        logs.say(f"warm-up: {seconds:.1f} s (in metrics.jsonl as warmup_s; not in the epochs' seconds)")
     return seconds

@@ -1,5 +1,7 @@
 """The loop in one process: real data, the speed switches, what a run leaves behind, and run.warmup_steps."""
 
+import re
+
 import pytest
 import torch
 from conftest import TINY, TRAIN, metrics, ok, torchrun
@@ -64,8 +66,11 @@ def test_warmup_steps_are_put_back_and_the_run_trains_as_one_without_them(tmp_pa
     metrics as without, bit for bit; its seconds in the first epoch's record only."""
     run = [str(TRAIN), *TINY, "model.name=fast", "model.width=0.25", "model.whiten=true", "train.ema_decay=0.9",
            "train.lookahead_every=2", "optim.norm_bias_lr_scale=4", "run.progress=false"]  # fmt: skip
+    said = {}
     for name, steps in (("cold", "run.warmup_steps=0"), ("warm", "run.warmup_steps=3")):
-        ok(torchrun(2, *run, f"run.out_dir={tmp_path / name}", steps))
+        said[name] = ok(torchrun(2, *run, f"run.out_dir={tmp_path / name}", steps)).stdout
+    assert said["warm"].count("warm-up: 3 throwaway steps and an evaluation before epoch 1") == 1  # rank 0's
+    assert re.search(r"^warm-up: \d+\.\d s ", said["warm"], re.M) and "warm-up" not in said["cold"]
     cold, warm = (torch.load(tmp_path / n / "checkpoints" / "last.pt", weights_only=True) for n in ("cold", "warm"))
     for part in ("model", "optimizer", "scheduler", "ema", "lookahead"):
         a, b = cold[part], warm[part]

@@ -252,10 +252,21 @@ def read(cfg: DataConfig, world: World) -> Data:
         check_labels(_where(cfg), f"y_{name}", split.labels, classes, named)
     if not named:
         check_counted_classes(_where(cfg), train, test, len(classes))
-    pixels = train.images.double().div_(255)
-    mean = tuple(pixels.mean(dim=(0, 2, 3)).tolist())
-    std = tuple(pixels.std(dim=(0, 2, 3)).tolist())
+    mean, std = channel_statistics(_where(cfg), train.images)
     return Data(train, test, classes, mean, std)
+
+
+def channel_statistics(where: str, images: torch.Tensor) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Each channel's mean and standard deviation over uint8 `images` (N, C, H, W), in [0, 1]. A channel of
+    one value (a grey image's unused colour) is centred, not divided by its std of 0 (every input NaN, the loss
+    too: "training diverged"); training images of one value in every channel are an error: nothing to learn."""
+    pixels = images.double().div_(255)
+    mean, std = pixels.mean(dim=(0, 2, 3)).tolist(), pixels.std(dim=(0, 2, 3)).tolist()
+    if not any(s > 0 for s in std):
+        colour = ", ".join(f"{m * 255:.0f}" for m in mean)
+        raise UsageError(f"{where}: every pixel of every training image is the same colour ({colour}): nothing to "
+                         "learn from; was the file written right?")  # fmt: skip
+    return tuple(mean), tuple(s if s > 0 else 1.0 for s in std)
 
 
 def _some(names: list[str]) -> str:

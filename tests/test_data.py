@@ -14,7 +14,7 @@ import pytest
 import torch
 from torchvision import datasets as tv_datasets
 
-from ddp import datasets, models
+from ddp import datasets, loaders, models
 from ddp.config import DataConfig
 from ddp.devices import World
 from ddp.errors import UsageError
@@ -55,6 +55,21 @@ def test_npz_with_and_without_class_names(tmp_path):
     assert d.classes == [f"c{i}" for i in range(10)]
     np.savez(path, x_train=x, y_train=y, x_test=xt, y_test=yt)
     assert datasets.read(DataConfig(dataset="npz", path=str(path)), CPU).classes == [str(i) for i in range(10)]
+
+
+def test_a_channel_of_one_value_is_centred_not_divided_by_zero_and_one_colour_everywhere_is_refused(tmp_path):
+    """Grey images stored as RGB with the colours left 0: before, their std of 0 made every input NaN and the run
+    stopped as "training diverged: try a lower optim.lr". Images all of one colour are a file written wrong."""
+    x, y, xt, yt = arrays()
+    x[..., 1:] = 0  # green and blue unused
+    path = tmp_path / "grey.npz"
+    np.savez(path, x_train=x, y_train=y, x_test=xt, y_test=yt)
+    d = datasets.read(DataConfig(dataset="npz", path=str(path)), CPU)
+    assert d.std[1:] == (1.0, 1.0) and d.mean[1:] == (0.0, 0.0) and 0.25 < d.std[0] < 0.35
+    assert torch.isfinite(loaders.input_fn(d.mean, d.std, CPU.device, False)(d.test.images)).all()
+    np.savez(path, x_train=np.full_like(x, 7), y_train=y, x_test=xt, y_test=yt)
+    with pytest.raises(UsageError, match=r"grey.npz: every pixel of every training image is the same colour \(7, 7, 7"):
+        datasets.read(DataConfig(dataset="npz", path=str(path)), CPU)
 
 
 def test_npz_mistakes_name_data_path(tmp_path):

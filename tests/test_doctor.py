@@ -33,7 +33,7 @@ def test_a_single_process_setup_is_reported_and_ok(tmp_path):
 
 
 def test_data_the_run_could_not_read_is_a_problem_and_data_it_can_is_counted(tmp_path):
-    images = np.zeros((6, 32, 32, 3), np.uint8)
+    images = np.arange(6 * 32 * 32 * 3).astype(np.uint8).reshape(6, 32, 32, 3)  # any pattern: not one colour
     np.savez(tmp_path / "good.npz", x_train=images[:4], y_train=np.arange(4), x_test=images[4:], y_test=np.arange(2))
     proc = ok(doctor(f"run.out_dir={tmp_path / 'run'}", "data.dataset=npz", f"data.path={tmp_path / 'good.npz'}"))
     assert "data: 4 training and 2 test images, 4 classes" in proc.stdout

@@ -250,6 +250,10 @@ def read(cfg: DataConfig, world: World) -> Data:
         classes = [str(i) for i in range(int(max(train.labels.max(), test.labels.max())) + 1)]
     for name, split in (("train", train), ("test", test)):  # a negative label first: it is no count's fault
         check_labels(_where(cfg), f"y_{name}", split.labels, classes, named)
+    present = train.labels.unique()
+    if len(present) < 2:  # a loss of 0 from the first step: nothing is learned
+        raise UsageError(f"{_where(cfg)}: every training image is of class {classes[int(present[0])]!r}: a classifier "
+                         "learns from two classes or more")  # fmt: skip
     if not named:
         check_counted_classes(_where(cfg), train, test, len(classes))
     mean, std = channel_statistics(_where(cfg), train.images)

@@ -72,6 +72,17 @@ def test_a_channel_of_one_value_is_centred_not_divided_by_zero_and_one_colour_ev
         datasets.read(DataConfig(dataset="npz", path=str(path)), CPU)
 
 
+def test_training_images_of_one_class_are_refused(tmp_path):
+    """Before: "1 classes", a loss of 0 from the first step and a test accuracy of 100% or 0%."""
+    x, _, xt, yt = arrays()
+    path = tmp_path / "one.npz"
+    named = {"classes": list("abcdefghij")}
+    for y, names, shown in ((np.zeros(len(x)), {}, "'0'"), (np.full(len(x), 3), named, "'d'")):
+        np.savez(path, x_train=x, y_train=y, x_test=xt, y_test=yt, **names)
+        with pytest.raises(UsageError, match=f"one.npz: every training image is of class {shown}: a classifier"):
+            datasets.read(DataConfig(dataset="npz", path=str(path)), CPU)
+
+
 def test_npz_mistakes_name_data_path(tmp_path):
     path = tmp_path / "d.npz"
     np.savez(path, x_train=np.zeros((2, 32, 32, 3), np.uint8), y_train=np.zeros(2))

@@ -134,9 +134,9 @@ def restore(state: dict[str, Any], trained: Trained) -> None:
     """Load a checkpoint into objects built for this run's device: the weights, then optimizer,
     scheduler and scaler (optimizer state follows the parameters' device). Before compile and wrap;
     every rank, with the same state (a sharded model takes its slice)."""
-    with optim.implementation_kept(trained.optimizer):  # fused or not, as this machine chose, whatever the file says
+    with optim.settings_kept(trained.optimizer, trained.scheduler):  # this run's LRs, momentum, fused or not, ...
         distributed.load_full_state(trained.model, trained.optimizer, _unprefixed(state["model"]), state["optimizer"])
-    trained.scheduler.load_state_dict(state["scheduler"])
+        trained.scheduler.load_state_dict(state["scheduler"])  # its position: the step
     if state["scaler"] is not None and trained.scaler.is_enabled():
         trained.scaler.load_state_dict(state["scaler"])
     if trained.ema and state.get("ema"):  # else the average starts at its first update, from these weights
@@ -201,11 +201,12 @@ class Checkpoints:
         if state is None:
             return None
         check_compatible(state, self.info, path)
+        changes = changed(state["config"], self.info.config)
+        optim.check_groups(state["optimizer"], self.trained.optimizer, path, changes)  # before a ValueError
         restore(state, self.trained)  # model.load_state_dict(...): the raw model, as it was saved
         same_world = restore_rank(state, world, stats)
         accum_steps = state["config"]["train"].get("grad_accum_steps", 1)
         position = Position(state["epoch"], state["step"], state["global_step"])
-        changes = changed(state["config"], self.info.config)
         return Resumed(path, position, state["metrics"], state["world_size"], accum_steps, same_world, changes)
 
     def due(self, position: Position, steps_per_epoch: int, stopping: bool) -> bool:
@@ -299,7 +300,8 @@ def changed(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
 def check_compatible(state: dict[str, Any], info: RunInfo, path: str | Path) -> None:
     """Refuse to continue a run of another model, dataset or batch in this one."""
     defaults = config.to_dict(config.Config())  # for keys a checkpoint of an older version lacks
-    for section, key in (("model", "name"), ("model", "width"), ("data", "dataset"), ("train", "batch_size")):
+    for section, key in (("model", "name"), ("model", "width"), ("data", "dataset"), ("train", "batch_size"),
+                         ("optim", "name")):  # fmt: skip
         old, new = state["config"][section].get(key, defaults[section][key]), info.config[section][key]
         if old != new:
             raise UsageError(

@@ -8,11 +8,13 @@ import math
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 from torch import nn
 
 from ddp.config import OptimConfig
+from ddp.errors import UsageError
 
 
 def make_optimizer(
@@ -86,7 +88,7 @@ IMPLEMENTATION = ("fused", "foreach")  # a parameter group's settings that say h
 
 def portable(state: dict) -> dict:
     """An optimizer's state dict with its groups' IMPLEMENTATION settings as torch's defaults (None),
-    as a file holds it: the machine that loads it chooses its own (implementation_kept). An empty one
+    as a file holds it: the machine that loads it chooses its own (settings_kept). An empty one
     (FSDP2's ranks other than 0) stays empty."""
     if "param_groups" not in state:
         return state
@@ -95,14 +97,36 @@ def portable(state: dict) -> dict:
 
 
 @contextmanager
-def implementation_kept(optimizer: torch.optim.Optimizer) -> Iterator[None]:
-    """Loading a checkpoint's optimizer state inside keeps the implementation chosen for this machine
-    (fused or not): load_state_dict takes each group's settings from the file, the saving machine's,
-    whose fused kernel this device, this torch or FSDP2's sharded parameters may not have."""
-    chosen = [{k: group[k] for k in IMPLEMENTATION if k in group} for group in optimizer.param_groups]
+def settings_kept(
+    optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
+) -> Iterator[None]:
+    """Loading a checkpoint's optimizer state (and schedule) inside keeps this run's settings. load_state_dict
+    takes each group's settings from the file: the LR, momentum and weight decay it was saved with (a resume
+    with optim.lr=0.02 went on at the old LR, while its resume line said "changed since: optim.lr ... -> 0.02"),
+    and the saving machine's implementation (IMPLEMENTATION), whose fused kernel this device, this torch or
+    FSDP2's sharded parameters may not have. Only the state (momentum buffers, step counts) and the schedule's
+    position come from the file: each group's LR is then this run's peak times the schedule at that position."""
+    chosen = [{k: v for k, v in group.items() if k not in ("params", "lr")} for group in optimizer.param_groups]
     yield
     for group, keep in zip(optimizer.param_groups, chosen, strict=True):  # load_state_dict's new groups
         group.update(keep)
+    if scheduler is not None:
+        scheduler.base_lrs = [group["initial_lr"] for group in optimizer.param_groups]  # the peaks of this run
+        for group, peak, factor in zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas, strict=True):
+            group["lr"] = peak * factor(scheduler.last_epoch)  # what LambdaLR's step computes
+        scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]  # get_last_lr(): no public setter
+
+
+def check_groups(saved: dict, optimizer: torch.optim.Optimizer, where: str | Path, changes: list[str]) -> None:
+    """A UsageError unless an optimizer state dict puts as many parameters in as many groups as `optimizer` does
+    (`changes`, "section.key old -> new", name the settings that may have changed them: model.whiten,
+    optim.norm_bias_lr_scale, ...). An empty one (FSDP2's ranks other than 0) does not say."""
+    if "param_groups" not in saved:
+        return
+    if [len(g["params"]) for g in saved["param_groups"]] != [len(g["params"]) for g in optimizer.param_groups]:
+        settings = ", ".join(c for c in changes if c.startswith(("optim.", "model.")))
+        raise UsageError(f"{where}'s optimizer groups the parameters otherwise than this run's settings do (changed "
+                         f"since: {settings}): set them back to continue, or start a new run.out_dir")  # fmt: skip
 
 
 def norm_layers(model: nn.Module) -> list[nn.Module]:

@@ -15,7 +15,7 @@ import torch
 from conftest import REPO, TINY, TRAIN, clean_env, metrics, ok, python
 
 from ddp import checkpoint, config, models, optim, rundir, train
-from ddp.errors import WriteFailed
+from ddp.errors import UsageError, WriteFailed
 
 RUN = [*TINY, "train.epochs=2", "run.save_every_steps=3", "run.keep_last=2"]
 
@@ -173,16 +173,31 @@ def test_an_export_never_replaces_a_file_made_by_a_second_export_meanwhile(tmp_p
     assert out.read_bytes() == b"the other export's" and [p.name for p in tmp_path.iterdir()] == ["model.pt"]
 
 
-def test_resuming_with_other_settings_lists_every_one_that_changed(tmp_path):
+def test_resuming_with_other_settings_lists_every_one_that_changed_and_trains_with_them(tmp_path):
+    """The LR, momentum and weight decay typed for the resume are what it steps with (before: the checkpoint's
+    own, while the resume line said they had changed); settings that group the parameters otherwise, or another
+    optimizer, are refused in one line (before: torch's ValueError, or a KeyError at the first step)."""
     train.main([f"run.out_dir={tmp_path}", *TINY, "train.epochs=1"])
-    proc = ok(python(str(TRAIN), f"run.out_dir={tmp_path}", *TINY, "optim.lr=0.02", "optim.clip_grad_norm=2"))
+    for setting, refusal in (
+        ("optim.norm_bias_lr_scale=4", "optimizer groups the parameters otherwise than this run's settings do "
+         "(changed since: optim.norm_bias_lr_scale 1.0 -> 4.0): set them back to continue"),
+        ("optim.name=adamw", "was trained with optim.name=sgd but this run has optim.name=adamw; set it back"),
+    ):  # fmt: skip
+        with pytest.raises(UsageError, match=re.escape(refusal)):
+            train.main([f"run.out_dir={tmp_path}", *TINY, setting])
+    changes = ("optim.lr=0.02", "optim.clip_grad_norm=2", "optim.momentum=0.5", "optim.weight_decay=0.001",
+               "optim.schedule=constant")  # fmt: skip
+    proc = ok(python(str(TRAIN), f"run.out_dir={tmp_path}", *TINY, *changes))
     line = next(line for line in proc.stdout.splitlines() if line.startswith("resumed from"))
     assert "; changed since: " in line
     for change in ("train.epochs 1 -> 2", "optim.lr 0.05 -> 0.02", "optim.clip_grad_norm 0.0 -> 2.0"):
         assert change in line, line
+    state = checkpoint.load(rundir.last_path(tmp_path))
+    groups = state["optimizer"]["param_groups"]
+    assert [(g["initial_lr"], g["momentum"], g["weight_decay"]) for g in groups] == [(0.02, 0.5, 0.001)] * len(groups)
+    assert state["scheduler"]["base_lrs"] == [0.02] * len(groups) and metrics(tmp_path)[-1]["lr"] == 0.02
     assert "run.seed" not in line and "model.name" not in line
-    same = ok(python(str(TRAIN), f"run.out_dir={tmp_path}", *TINY, "optim.lr=0.02", "optim.clip_grad_norm=2",
-                     "train.epochs=3"))  # fmt: skip
+    same = ok(python(str(TRAIN), f"run.out_dir={tmp_path}", *TINY, *changes, "train.epochs=3"))
     line = next(line for line in same.stdout.splitlines() if line.startswith("resumed from"))
     assert line.endswith("changed since: train.epochs 2 -> 3")
 

@@ -44,7 +44,7 @@ def test_the_optimizer_is_fused_where_torch_has_it_and_keeps_its_own_choice_when
         other.step()
     saved = other.state_dict()
     assert all(not g.get("fused") for g in saved["param_groups"])
-    with optim.implementation_kept(optimizer):
+    with optim.settings_kept(optimizer):
         optimizer.load_state_dict(saved)
     assert all(g["fused"] is has_fused(kind) for g in optimizer.param_groups)
     assert optimizer.state_dict()["state"].keys() == saved["state"].keys()
@@ -52,7 +52,7 @@ def test_the_optimizer_is_fused_where_torch_has_it_and_keeps_its_own_choice_when
     file = optim.portable(optimizer.state_dict())  # as a checkpoint holds it: no machine's implementation
     assert all(g["fused"] is None and g["foreach"] is None for g in file["param_groups"]) and optim.portable({}) == {}
     assert all(g["fused"] is has_fused(kind) for g in optimizer.param_groups)  # the optimizer's own: as it was
-    with optim.implementation_kept(other):  # and the other way: a fused machine's file into a default one
+    with optim.settings_kept(other):  # and the other way: a fused machine's file into a default one
         other.load_state_dict(optimizer.state_dict())
     assert all(not g.get("fused") for g in other.param_groups)
     other.step()

@@ -200,13 +200,12 @@ class Checkpoints:
             raise UsageError(f"ranks found different checkpoints in {run.out_dir}: is it on a shared filesystem?")
         if state is None:
             return None
-        check_compatible(state, self.info, path)
-        changes = changed(state["config"], self.info.config)
-        optim.check_groups(state["optimizer"], self.trained.optimizer, path, changes)  # before a ValueError
+        check_compatible(state, self.info, path, self.trained.optimizer)
         restore(state, self.trained)  # model.load_state_dict(...): the raw model, as it was saved
         same_world = restore_rank(state, world, stats)
         accum_steps = state["config"]["train"].get("grad_accum_steps", 1)
         position = Position(state["epoch"], state["step"], state["global_step"])
+        changes = changed(state["config"], self.info.config)
         return Resumed(path, position, state["metrics"], state["world_size"], accum_steps, same_world, changes)
 
     def due(self, position: Position, steps_per_epoch: int, stopping: bool) -> bool:
@@ -297,8 +296,11 @@ def changed(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     return [f"{s}.{k} {was[s][k]!r} -> {v!r}" for s in new for k, v in new[s].items() if was[s][k] != v]
 
 
-def check_compatible(state: dict[str, Any], info: RunInfo, path: str | Path) -> None:
-    """Refuse to continue a run of another model, dataset or batch in this one."""
+def check_compatible(
+    state: dict[str, Any], info: RunInfo, path: str | Path, optimizer: torch.optim.Optimizer | None = None
+) -> None:
+    """Refuse to continue a run of another model, dataset, batch or optimizer in this one; or one whose
+    optimizer groups the parameters otherwise than `optimizer` (settings changed since: a ValueError in torch)."""
     defaults = config.to_dict(config.Config())  # for keys a checkpoint of an older version lacks
     for section, key in (("model", "name"), ("model", "width"), ("data", "dataset"), ("train", "batch_size"),
                          ("optim", "name")):  # fmt: skip
@@ -314,6 +316,8 @@ def check_compatible(state: dict[str, Any], info: RunInfo, path: str | Path) -> 
         if old != new:
             raise UsageError(f"{path} was trained on {old} {what}, this data has {new}: use the same data, or start "
                              "a new run.out_dir")  # fmt: skip
+    if optimizer is not None:
+        optim.check_groups(state["optimizer"], optimizer, path, changed(state["config"], info.config))
 
 
 def load(path: str | Path) -> dict[str, Any]:

@@ -242,16 +242,18 @@ def test_graphs_split_dry_run_writes_both_tables_and_leaves_out_the_steps_labels
     assert [r["launch"] for r in rows] == [
         "bare",
         "ddp",
+        "ddp, one graph",
         "bare, compiled autograd",
         "ddp, python reducer, compiled autograd",
     ]
     assert all(r["graphs_step_s"] > 0 and r["profiled"]["host_span_ms"] > 0 for r in rows), rows
     assert all(r["profiled"]["kernels"] == 0 for r in rows)  # no CUDA
-    assert [r.get("compiled_autograd_captures", 0) >= 1 for r in rows] == [False, False, True, True]
-    assert [r.get("reducer") for r in rows] == [None, "c++", None, "python"]
+    assert [r.get("compiled_autograd_captures", 0) >= 1 for r in rows] == [False, False, False, True, True]
+    assert [r.get("reducer") for r in rows] == [None, "c++", "c++", None, "python"]
     assert "| launch, profiled | kernels + copies a step |" in (pair := (tmp_path / "pair.md").read_text())
     assert "DDP over the bare model, both with CUDA graphs:" in pair and "| kernels DDP adds to the step |" in pair
     assert "DDP over the bare model, both with CUDA graphs, both with compiled autograd:" in pair
+    assert "DDP over the bare model, both with CUDA graphs, DDP's step one graph (optimize_ddp=False):" in pair
     wrong = subprocess.run([sys.executable, "bench/graphs_split.py", str(tmp_path / "x"), "pairs"], cwd=REPO,
                            env=clean_env(PYTHONPATH=str(REPO)), capture_output=True, text=True, timeout=60)  # fmt: skip
     said = wrong.stderr.strip().splitlines()[-1]

@@ -27,18 +27,21 @@
 #          kernels, their device time by kind, spans, each one's top kernels; recipe-steps.md and .json
 #   overhead     the bench's DDP-overhead section alone (DDP at world size 1 against the bare model, each
 #          compiled-DDP variant): a second sample of its figures; ddp-overhead.md and .json
+#   steps        configs/fast.yaml as gpu-check's fast step runs it, 3 epochs, its first 12 steps profiled
+#          (run.profile=1:13), step by step (bench/step_times.py): which step of the first epoch, which part
+#          of it, costs that epoch twice a later one's seconds (2026-11-27); steps.md (the trace not kept)
 # Each run's epoch lines (and profile tables) go to $OUT/probe-<step>.log; the fast-* runs' metrics.jsonl
 # to $OUT/<run>/.
 #   fsdp   FSDP2 at one rank took 4.1x DDP's step (resnet18, batch 256, bf16, 2026-11-25): the same with
 #          --amp off (bf16 shards each BatchNorm on its own: 27 FSDP2 units instead of 8)
 #   bash bench/gpu_probe.sh [ddp] [tune] [mfu] [graphs] [fast-graphs] [fast-seeds] [fast-fp16] [graphs-split] [recipe-steps]
-#          [overhead] [fsdp]
+#          [overhead] [steps] [fsdp]
 # Exit status: 1 if a probe (or one run of it) failed, named in the last line.
 #   bash bench/gpu_probe.sh --check PROBES...   the names and MFU_MODES / MFU_MODELS checked, nothing run: one
 #          line and exit 64 for a bad one (gpu_lease.sh asks first, so a typo costs no device time)
 set -uo pipefail
 cd "$(dirname "$0")/.."
-probes=" ddp tune mfu graphs fast-graphs fast-seeds fast-fp16 graphs-split recipe-steps overhead fsdp "
+probes=" ddp tune mfu graphs fast-graphs fast-seeds fast-fp16 graphs-split recipe-steps overhead steps fsdp "
 modes=" default reduce-overhead max-autotune max-autotune-no-cudagraphs "  # torch.compile's (run.compile_mode)
 bad() { echo "gpu_probe.sh: $*" >&2; exit 64; }
 for s in ${*#--check}; do [[ $probes == *" $s "* ]] || bad "no probe '$s' (the probes: $(echo $probes))"; done
@@ -147,6 +150,14 @@ for mode in sys.argv[2].split():
         echo "== fast.yaml on the subset, run.amp=fp16" >"$out/probe-fast-fp16.log"
         python3 ddp/train.py "${subset[@]}" run.amp=fp16 "run.out_dir=$out/fast-fp16" >>"$out/probe-fast-fp16.log" 2>&1 ||
           failed+=" fast-fp16"
+        ;;
+      steps)
+        rm -rf "$out/steps"
+        echo "== fast.yaml on the subset, 3 epochs, steps 1-12 profiled" >"$out/probe-steps.log"
+        { python3 ddp/train.py "${subset[@]}" train.epochs=3 run.profile=1:13 "run.out_dir=$out/steps" &&
+          python3 bench/step_times.py "$out/steps/profile/rank0.json" 1 --out "$out/steps.md"; } \
+          >>"$out/probe-steps.log" 2>&1 || failed+=" steps"
+        rm -rf "$out/steps/profile"  # tens of MB on a GPU: steps.md is what comes back
         ;;
       overhead)
         python3 -c 'import json, sys

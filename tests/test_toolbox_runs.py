@@ -55,6 +55,29 @@ def test_the_profile_has_a_trace_per_rank_that_names_the_all_reduce(cifar100_run
     assert "Self CPU" in table and len([line for line in table.splitlines() if "aten::" in line]) >= 5
 
 
+def test_step_times_splits_the_profiled_steps_into_their_parts(cifar100_run, tmp_path, capsys):
+    """bench/step_times.py on rank 0's trace: a line for each of steps 2 and 3, its labelled parts inside its
+    span; a file that is no trace, or a trace of no steps, is one line."""
+    from bench import step_times
+
+    out, _ = cifar100_run
+    assert step_times.main([str(out / "profile" / "rank0.json"), "2", "--out", str(tmp_path / "steps.md")]) == 0
+    lines = [line for line in (tmp_path / "steps.md").read_text().splitlines() if line.startswith("| ")]
+    assert lines[0].startswith("| step | host ms | data | forward | backward |") and len(lines) == 4
+    for n, line in zip((2, 3), lines[2:]):
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        host, parts, between = float(cells[1]), [float(c) for c in cells[2:10]], float(cells[10])
+        assert (
+            cells[0] == str(n) and host > 0 and parts[1] > 0 and parts[2] > 0 and parts[6] > 0
+        )  # forward, backward, ema
+        assert abs(host - sum(parts) - between) < 0.01 and cells[11] == "0"  # no kernels on a CPU
+    (tmp_path / "bad.json").write_text("{")
+    (tmp_path / "empty.json").write_text('{"traceEvents": []}')
+    for name, said in (("bad.json", "cannot read"), ("empty.json", "no 'data' label in the trace")):
+        with pytest.raises(SystemExit, match=said):
+            step_times.main([str(tmp_path / name), "1"])
+
+
 def evaluate(out: Path, capsys, *args: str) -> dict:
     """`python -m ddp.evaluate --json` run in this process (its main, through the command wrapper)."""
     assert command(ddp_evaluate.main, ["--checkpoint", str(out / "checkpoints" / "last.pt"), "--json", *args]) == 0

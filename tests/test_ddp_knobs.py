@@ -109,3 +109,17 @@ def test_sync_bn_under_data_parallel_is_refused():
         UsageError, match=r"train.sync_bn=true needs DDP \(nn.DataParallel computes BatchNorm per GPU\)"
     ):
         checks.check_combinations(cfg, world)
+
+
+def test_compiled_ddp_with_buckets_under_a_mib_is_refused_in_one_line():
+    """torch's compiled DDP asserts its buckets are no smaller than the first (1 MiB): an AssertionError from
+    deep in the first forward before; eager DDP and the compiled bare model take any size."""
+    world = World(0, 0, 2, torch.device("cpu"), "ddp")
+    said = r"ddp.bucket_cap_mb=0.5 with run.compile=true: compiled DDP needs buckets no smaller than DDP's first one"
+    with pytest.raises(UsageError, match=said + r" \(1 MiB\); use ddp.bucket_cap_mb >= 1$"):
+        checks.check_combinations(config.load(None, ["ddp.bucket_cap_mb=0.5", "run.compile=true"]), world)
+    for fine in (["ddp.bucket_cap_mb=0.5"], ["ddp.bucket_cap_mb=1", "run.compile=true"]):
+        checks.check_combinations(config.load(None, fine), world)
+    checks.check_combinations(
+        config.load(None, ["ddp.bucket_cap_mb=0.5", "run.compile=true"]), World(0, 0, 1, torch.device("cpu"), "none")
+    )

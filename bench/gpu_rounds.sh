@@ -29,6 +29,7 @@ else
   [ -f "$data" ] && [ -n "$airbench" ] || { echo "gpu_rounds.sh: no .gpu/ subset or airbench: make gpu-carry" >&2; exit 64; }
   sizes=(data.dataset=npz "data.path=$data")
 fi
+[ "$(realpath -m "$work")" = "$(realpath -m "$dest")" ] && { echo "gpu_rounds.sh: GPU_ROUNDS_DIR is \$OUT: name another" >&2; exit 64; }
 [ -e "$work" ] && [ ! -f "$work/.gpu-rounds" ] && { echo "gpu_rounds.sh: $work is not this script's" >&2; exit 64; }
 rm -rf "$work" && mkdir -p "$work" "$dest" && touch "$work/.gpu-rounds" || exit 64
 

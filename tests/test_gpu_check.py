@@ -235,6 +235,7 @@ def test_gpu_rounds_dry_run_sets_each_rounds_runs_beside_each_other_and_refuses_
         (["0"], {}, "ROUNDS must be a whole number >= 1, not '0'"),
         (["x"], {}, "ROUNDS must be a whole number >= 1, not 'x'"),
         (["1"], {"GPU_ROUNDS_DIR": str(REPO / "ddp")}, f"{REPO / 'ddp'} is not this script's"),
+        (["1"], {"GPU_ROUNDS_DIR": str(tmp_path / "out")}, "GPU_ROUNDS_DIR is $OUT: name another"),
     ):
         wrong = subprocess.run(["bash", "bench/gpu_rounds.sh", "--dry-run", *args], cwd=REPO, env={**env, **more},
                                capture_output=True, text=True, timeout=30)  # fmt: skip

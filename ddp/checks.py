@@ -92,10 +92,12 @@ def check_combinations(cfg: Config, world: World) -> None:
     if cfg.run.compile_mode != "default" and not cfg.run.compile:
         raise UsageError(f"run.compile_mode={cfg.run.compile_mode} is torch.compile's mode: add run.compile=true")
     first = dist._DEFAULT_FIRST_BUCKET_BYTES / 2**20  # DDP's first bucket: 1 MiB
-    if world.parallel == "ddp" and cfg.run.compile and cfg.ddp.bucket_cap_mb < first:  # compiled DDP's assert
+    if not cfg.ddp.split_graph and not cfg.run.compile:
+        raise UsageError("ddp.split_graph=false is how compiled DDP's graph is cut: add run.compile=true")
+    if world.parallel == "ddp" and cfg.run.compile and cfg.ddp.split_graph and cfg.ddp.bucket_cap_mb < first:
         raise UsageError(
             f"ddp.bucket_cap_mb={cfg.ddp.bucket_cap_mb} with run.compile=true: compiled DDP needs buckets no smaller "
-            f"than DDP's first one ({first:g} MiB); use ddp.bucket_cap_mb >= {first:g}"
+            f"than DDP's first one ({first:g} MiB); use ddp.bucket_cap_mb >= {first:g} (or ddp.split_graph=false)"
         )
     if cfg.run.deterministic and cfg.run.cudnn_benchmark:
         raise UsageError("run.deterministic=true and run.cudnn_benchmark=true: cuDNN's autotuning is not deterministic")

@@ -119,18 +119,18 @@ def shard(model: nn.Module, world: World, amp: torch.dtype | None) -> nn.Module:
 
 
 def wrap(model: nn.Module, world: World, knobs: DdpConfig) -> nn.Module:
-    """What forward is called on: DistributedDataParallel (one rank per device: its gradients are
-    all-reduced in the backward), nn.DataParallel (one process over every visible GPU), or the model
-    itself (under fsdp, sharded already: shard). The raw `model` is what is saved, never this wrapper."""
+    """What forward is called on: DistributedDataParallel (one rank per device: its gradients are all-reduced in
+    the backward), nn.DataParallel (one process over every visible GPU), or the model itself (under fsdp, sharded
+    already: shard). The raw `model` is what is saved, never this wrapper."""
     if world.parallel == "ddp":
         device_ids = [world.device.index] if world.device.type == "cuda" else None  # cuda:<local_rank>
+        _graph_cut(knobs.split_graph)  # run.compile's, before DDP is built (DDP reads the mode too)
         wrapped = DistributedDataParallel(
             model, device_ids=device_ids, bucket_cap_mb=knobs.bucket_cap_mb, static_graph=knobs.static_graph,
             find_unused_parameters=knobs.find_unused_parameters, gradient_as_bucket_view=knobs.gradient_as_bucket_view,
             **({} if knobs.broadcast_buffers else _NO_FORWARD_BUFFER_SYNC),
         )  # fmt: skip
-        if knobs.comm_hook == "allreduce":  # copy each gradient into its bucket, divide the bucket, all-reduce;
-            # torch's own divides each gradient on its way in: 5 operators a parameter, 1 so (bench/host_cost.py)
+        if knobs.comm_hook == "allreduce":  # each bucket divided once; torch's own divides each gradient (host_cost)
             wrapped._register_builtin_comm_hook(dist.BuiltinCommHookType.ALLREDUCE)
         elif knobs.comm_hook != "none":
             wrapped.register_comm_hook(None, _compress_hook(knobs.comm_hook, world))
@@ -138,6 +138,13 @@ def wrap(model: nn.Module, world: World, knobs: DdpConfig) -> nn.Module:
     if world.parallel == "dp":
         return nn.DataParallel(model)
     return model
+
+
+def _graph_cut(split: bool) -> None:
+    """ddp.split_graph=false: dynamo compiles the step as one graph, DDP's all-reduces after its backward (torch's
+    way cuts it at DDP's buckets); read as run.compile's graph is compiled, at the first step: one model a process."""
+    if not split:
+        torch._dynamo.config.optimize_ddp = False  # (the bench's whole_graph rows: bench/harness.py COMPILED_DDP)
 
 
 def _compress_hook(name: str, world: World) -> Callable[..., Any]:

@@ -116,10 +116,29 @@ def test_compiled_ddp_with_buckets_under_a_mib_is_refused_in_one_line():
     deep in the first forward before; eager DDP and the compiled bare model take any size."""
     world = World(0, 0, 2, torch.device("cpu"), "ddp")
     said = r"ddp.bucket_cap_mb=0.5 with run.compile=true: compiled DDP needs buckets no smaller than DDP's first one"
-    with pytest.raises(UsageError, match=said + r" \(1 MiB\); use ddp.bucket_cap_mb >= 1$"):
+    with pytest.raises(UsageError, match=said + r" \(1 MiB\); use ddp.bucket_cap_mb >= 1 \(or ddp.split_graph=false\)"):
         checks.check_combinations(config.load(None, ["ddp.bucket_cap_mb=0.5", "run.compile=true"]), world)
     for fine in (["ddp.bucket_cap_mb=0.5"], ["ddp.bucket_cap_mb=1", "run.compile=true"]):
         checks.check_combinations(config.load(None, fine), world)
     checks.check_combinations(
         config.load(None, ["ddp.bucket_cap_mb=0.5", "run.compile=true"]), World(0, 0, 1, torch.device("cpu"), "none")
     )
+
+
+def test_split_graph_false_compiles_ddp_as_one_graph_and_trains_the_same_weights(tmp_path):
+    """ddp.split_graph=false: no DDPOptimizer (dynamo's log says when it cuts the graph at DDP's buckets), the
+    same weights as torch's way on this one-bucket net, and buckets under 1 MiB allowed (nothing to cut);
+    without run.compile it is refused."""
+    runs = {}
+    for name, knobs in (("split", ()), ("whole", ("ddp.split_graph=false", "ddp.bucket_cap_mb=0.5"))):
+        args = (str(TRAIN), *TINY, "model.name=tutorial", "train.epochs=1", "run.parallel=ddp", "run.compile=true")
+        proc = ok(torchrun(1, *args, *knobs, f"run.out_dir={tmp_path / name}", env=clean_env(TORCH_LOGS="dynamo")))
+        runs[name] = torch.load(tmp_path / name / "checkpoints" / "last.pt", map_location="cpu", weights_only=True)
+        assert proc.stderr.count("DDPOptimizer used bucket cap") == (name == "split"), proc.stderr[-2000:]
+    assert all(torch.equal(runs["split"]["model"][k], w) for k, w in runs["whole"]["model"].items())
+    with pytest.raises(UsageError, match=r"^ddp.split_graph=false is how compiled DDP's graph is cut: add run"):
+        checks.check_combinations(
+            config.load(None, ["ddp.split_graph=false"]), World(0, 0, 1, torch.device("cpu"), "none")
+        )
+    with pytest.raises(UsageError, match=r"ddp.split_graph: expected bool, got 'whole'"):
+        config.load(None, ["ddp.split_graph=whole"])

@@ -91,9 +91,9 @@ def check_combinations(cfg: Config, world: World) -> None:
         )
     if cfg.run.compile_mode != "default" and not cfg.run.compile:
         raise UsageError(f"run.compile_mode={cfg.run.compile_mode} is torch.compile's mode: add run.compile=true")
-    first = dist._DEFAULT_FIRST_BUCKET_BYTES / 2**20  # DDP's first bucket: 1 MiB
     if not cfg.ddp.split_graph and not cfg.run.compile:
         raise UsageError("ddp.split_graph=false is how compiled DDP's graph is cut: add run.compile=true")
+    first = getattr(dist, "_DEFAULT_FIRST_BUCKET_BYTES", 2**20) / 2**20  # DDP's first bucket: 1 MiB
     if world.parallel == "ddp" and cfg.run.compile and cfg.ddp.split_graph and cfg.ddp.bucket_cap_mb < first:
         raise UsageError(
             f"ddp.bucket_cap_mb={cfg.ddp.bucket_cap_mb} with run.compile=true: compiled DDP needs buckets no smaller "

@@ -22,7 +22,7 @@
 #          step's GPU time goes at the MFU rows' batches; pair.md, fused.md, split.md (GRAPHS_SPLIT: which of the
 #          three parts, default all); the pair also with each backward compiled by compiled autograd, DDP's
 #          all-reduce traced into it (python_reducer); at most 300 s
-#   recipe-steps bench/recipe_steps.py: configs/fast.yaml's eager step, bf16 and fp16, against airbench94's own
+#   recipe-steps bench/recipe_steps.py: configs/fast.yaml's eager step, bf16, fp16 and fp16-weights, against airbench94's own
 #          (epochs 2-10: 0.0405 against 0.0272 s, 2026-11-26; on the CPU both dispatch about as many operators):
 #          kernels, their device time by kind, spans, each one's top kernels; recipe-steps.md and .json
 #   overhead     the bench's DDP-overhead section alone (DDP at world size 1 against the bare model, each

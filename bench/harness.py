@@ -98,7 +98,8 @@ def job(name: str, global_batch: int, images: int, world: World, *extra: str) ->
     data = datasets.read(cfg.data, world)
     per_rank = checks.split_batch(global_batch, world.world_size, "batch", cfg.train.grad_accum_steps)
     steps = checks.steps_per_epoch(cfg, images)
-    built, _ = train.build(cfg, world, data, checks.Plan(per_rank, steps, checks.autocast_dtype(amp, world.device)))
+    precision = checks.precision(amp, world.device, global_batch)  # autocast, weights, loss scale
+    built, _ = train.build(cfg, world, data, checks.Plan(per_rank, steps, *precision))
     built.train_loader.sampler.set_epoch(1, start_step=0)
     return built
 

@@ -4,7 +4,7 @@ goes (issue 33: epochs 2-10 took 0.0405 s a mean epoch for ours and 0.0272 s for
 
 Each is profiled over its steps FIRST..END-1 (bench/host_cost.py's window) of one epoch of synthetic images:
 ours is ddp/train.py --config configs/fast.yaml (its augmentation, bf16, channels_last, cudnn.benchmark) with
-run.profile, and on a GPU once more with run.amp=fp16; airbench94 its train94 at the same widths and batch,
+run.profile, and on a GPU again with run.amp=fp16 and fp16-weights; airbench94 its train94 at the same widths and batch,
 its augmentation, fp16. Per step: host
 operators (top level and all), GPU kernels and copies, their device time by kind (bench/graphs_split.py's
 kinds), the span from the window's first kernel to its last (the step's wall when the GPU never waits), the
@@ -43,8 +43,9 @@ def measure(work: Path) -> dict[str, dict]:
         f"train.batch_size={BATCH}", f"data.synthetic_train={BATCH * host_cost.END}",
     )  # fmt: skip
     rows = {"ours (configs/fast.yaml)": ("ours", ())}
-    if GPU:  # fp16 takes cuDNN's BatchNorm, as airbench94's fp16 does (bf16 takes torch's own), and adds a GradScaler
-        rows["ours, run.amp=fp16"] = ("ours-fp16", ("run.amp=fp16",))
+    if GPU:  # fp16 takes cuDNN's BatchNorm, as airbench94's fp16 does (bf16 takes torch's own), and adds a GradScaler;
+        rows["ours, run.amp=fp16"] = ("ours-fp16", ("run.amp=fp16",))  # fp16-weights: airbench's, no autocast
+        rows["ours, run.amp=fp16-weights"] = ("ours-fp16w", ("run.amp=fp16-weights",))
     measured = {}
     for label, (name, extra) in rows.items():
         counts = host_cost.ours([sys.executable], work / name, *ours_args, *extra)

@@ -47,6 +47,7 @@ class Trained:
     scaler: torch.amp.GradScaler  # enabled for fp16 only
     ema: EMA | None = None  # the weights' moving average (train.ema_decay > 0)
     lookahead: Lookahead | None = None  # the slow weights of lookahead (train.lookahead_every > 0)
+    loss_scale: float = 1.0  # run.amp=fp16-weights' (the optimizer's LR / it, its momentum x it: never in a file)
 
 
 @dataclass
@@ -86,7 +87,7 @@ def build_state(
         "step": position.step_in_epoch,  # global batches done in epoch + 1; 0 at an epoch's end
         "global_step": position.global_step,
         "model": model,  # the raw module's: no "module." / "_orig_mod." prefix; whole, also under FSDP2
-        "optimizer": optim.portable(optimizer),  # no machine's implementation (fused or not): the same file from any
+        "optimizer": optim.portable(optimizer, trained.loss_scale),  # no machine's implementation (fused or not)
         "scheduler": trained.scheduler.state_dict(),
         "scaler": trained.scaler.state_dict() if trained.scaler.is_enabled() else None,
         "ema": trained.ema.state_dict() if trained.ema else None,  # {"weights": the model's keys, "updates"}
@@ -105,11 +106,8 @@ def build_state(
 
 def rank_state(device: torch.device, stats: StepStats | None) -> dict[str, Any]:
     """This rank's part: its RNG states, an unfinished epoch's loss sums and gradient norms (or None)."""
-    return {
-        "rng": rng.get_state(device),
-        "partial": stats.partial() if stats is not None else None,
-        "grad_norms": stats.norms_partial() if stats is not None else None,
-    }
+    partial, norms = (None, None) if stats is None else (stats.partial(), stats.norms_partial())
+    return {"rng": rng.get_state(device), "partial": partial, "grad_norms": norms}
 
 
 def weights(state: dict[str, Any], raw: bool = False) -> dict[str, torch.Tensor]:
@@ -135,7 +133,8 @@ def restore(state: dict[str, Any], trained: Trained) -> None:
     scheduler and scaler (optimizer state follows the parameters' device). Before compile and wrap;
     every rank, with the same state (a sharded model takes its slice)."""
     with optim.settings_kept(trained.optimizer, trained.scheduler):  # this run's LRs, momentum, fused or not, ...
-        distributed.load_full_state(trained.model, trained.optimizer, _unprefixed(state["model"]), state["optimizer"])
+        saved = optim.from_portable(state["optimizer"], trained.loss_scale)
+        distributed.load_full_state(trained.model, trained.optimizer, _unprefixed(state["model"]), saved)
         trained.scheduler.load_state_dict(state["scheduler"])  # its position: the step
     if state["scaler"] is not None and trained.scaler.is_enabled():
         trained.scaler.load_state_dict(state["scaler"])

@@ -4,6 +4,7 @@ stop signals, the steps to profile. Settings that each parse but do not go toget
 
 from __future__ import annotations
 
+import math
 import signal
 from dataclasses import dataclass
 
@@ -21,6 +22,8 @@ class Plan:
     per_rank_batch: int  # images per rank per optimizer step: the global batch / world_size
     steps_per_epoch: int  # global batches per epoch (the last, partial one is dropped)
     amp: torch.dtype | None = None  # autocast dtype, None for float32
+    weights: torch.dtype = torch.float32  # the model's and its inputs' (run.amp=fp16-weights: fp16, BatchNorm's not)
+    loss_scale: float = 1.0  # the loss's factor before the backward (run.amp=fp16-weights: loss_scale)
     stop_signals: tuple[signal.Signals, ...] = ()  # each asks for a stop at the next step boundary
     profile_steps: range | None = None  # global steps to trace (run.profile), None for none
 
@@ -79,11 +82,23 @@ def autocast_dtype(amp: str, device: torch.device) -> torch.dtype | None:
     return torch.bfloat16 if amp == "bf16" else torch.float16
 
 
+def precision(amp: str, device: torch.device, global_batch: int) -> tuple[torch.dtype | None, torch.dtype, float]:
+    """run.amp's Plan.amp (autocast), Plan.weights and Plan.loss_scale. fp16-weights: fp16 weights and inputs, and
+    the loss x the power of 2 nearest the global batch, as if the batch's losses were summed (airbench's way: fp16
+    gradients that large neither underflow nor lose their digits); optim.make_optimizer divides the LR and multiplies
+    the weight decay by it, which undoes it exactly (a power of 2)."""
+    if amp != "fp16-weights":
+        return autocast_dtype(amp, device), torch.float32, 1.0
+    return None, torch.float16, float(2 ** round(math.log2(global_batch)))
+
+
 def check_combinations(cfg: Config, world: World) -> None:
     """Settings that each parse but do not work together."""
     models.check(cfg.model.name, cfg.model.dropout, cfg.model.width, cfg.model.whiten)
     if world.parallel == "fsdp":
         check_fsdp(cfg)
+    if cfg.run.amp == "fp16-weights":
+        check_fp16_weights(cfg)
     if cfg.train.sync_bn and world.parallel == "dp":
         raise UsageError(
             "train.sync_bn=true needs DDP (nn.DataParallel computes BatchNorm per GPU): "
@@ -118,7 +133,7 @@ def check_fsdp(cfg: Config) -> None:
         "train.lookahead_every": (t.lookahead_every > 0, "lookahead keeps whole copies of the weights"),
         "run.channels_last": (run.channels_last, "FSDP2 shards contiguous weights only"),
         "run.warmup_steps": (run.warmup_steps > 0, "the warm-up puts back whole state dicts, not sharded ones"),
-        "run.amp": (run.amp == "fp16", "fp16's GradScaler does not take sharded gradients: use run.amp=bf16"),
+        "run.amp": (run.amp.startswith("fp16"), "no GradScaler for sharded gradients, no fp16 weights: use bf16"),
     }
     for key, (on, why) in refused.items():
         if on:
@@ -130,3 +145,16 @@ def check_fsdp(cfg: Config) -> None:
             f"ddp.{tuned[0]} tunes DistributedDataParallel, which run.parallel=fsdp does not use: leave ddp.* at "
             "their defaults"
         )
+
+
+def check_fp16_weights(cfg: Config) -> None:
+    """What run.amp=fp16-weights (SGD on fp16 weights, no float32 copy: airbench's) does not do, with why."""
+    refused = {
+        "optim.name=adamw": (cfg.optim.name == "adamw", "its squared gradients overflow fp16"),
+        "train.ema_decay": (cfg.train.ema_decay > 0, "a moving average's small steps vanish in fp16 weights"),
+        "train.sync_bn": (cfg.train.sync_bn, "the synchronised BatchNorm hands float32 to fp16 convolutions"),
+        "optim.clip_grad_norm": (cfg.optim.clip_grad_norm > 0, "the norm of gradients x the batch overflows fp16"),
+    }
+    for key, (on, why) in refused.items():
+        if on:
+            raise UsageError(f"{key} does not work with run.amp=fp16-weights ({why}); use run.amp=bf16 for it")

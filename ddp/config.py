@@ -92,11 +92,8 @@ class ModelConfig:
     name: str = opt("resnet18", models.described(), tuple(models.MODELS))
     dropout: float = opt(0.0, "dropout probability inside each residual block (Wide ResNet's; wrn*, preact_resnet18)",
                          valid=FRACTION)  # fmt: skip
-    width: float = opt(
-        1.0,
-        "channel counts x this, for small and fast (parameters grow as its square)",
-        valid=Range(0, 8, low_open=True),
-    )
+    width: float = opt(1.0, "channel counts x this, for small and fast (parameters grow as its square)",
+                       valid=Range(0, 8, low_open=True))  # fmt: skip
     whiten: bool = opt(False, "fast's 2x2 stem whitens the first 5,000 training images' patches, frozen (airbench)")
 
 
@@ -205,7 +202,8 @@ class RunConfig:
         ("auto", "torchrun", "accelerate", "slurm", "none"),
     )  # fmt: skip
     seed: int = opt(0, "seed for weights, data order and augmentation", valid=Range(0, 2**32 - 1))
-    amp: str = opt("off", "autocast precision (fp16 adds a GradScaler; CUDA only)", ("off", "bf16", "fp16"))
+    amp: str = opt("off", "autocast dtype (fp16 adds a GradScaler; CUDA only) | fp16-weights: airbench's: fp16 weights "
+                   "but BatchNorm's, no autocast, loss x batch", ("off", "bf16", "fp16", "fp16-weights"))  # fmt: skip
     compile: bool = opt(False, "torch.compile the model (before the DDP wrap)")
     compile_mode: str = opt("default", "torch.compile's mode (reduce-overhead: CUDA graphs, the fastest step on a GPU)",
                             ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"))  # fmt: skip

@@ -293,11 +293,15 @@ class DeviceEvalLoader:
 
 
 def input_fn(
-    mean: tuple[float, ...], std: tuple[float, ...], device: torch.device, channels_last: bool
+    mean: tuple[float, ...],
+    std: tuple[float, ...],
+    device: torch.device,
+    channels_last: bool,
+    dtype: torch.dtype = torch.float32,
 ) -> Callable[[torch.Tensor], torch.Tensor]:
-    """uint8 batch -> float32 on `device`, normalised by the per-channel `mean` and `std` (0..1
-    scale). The conversion runs there, not on the host, and the statistics go to the device once
-    here, not once per step."""
+    """uint8 batch -> `dtype` (float32; fp16 for run.amp=fp16-weights) on `device`, normalised by the per-channel
+    `mean` and `std` (0..1 scale). The conversion runs there, not on the host, and the statistics go to the
+    device once here, not once per step."""
     mean = torch.tensor(mean, device=device).view(1, 3, 1, 1)
     std = torch.tensor(std, device=device).view(1, 3, 1, 1)
     layout = torch.channels_last if channels_last else torch.contiguous_format
@@ -312,9 +316,9 @@ def input_fn(
         if size not in constants:
             full = (1, *size)
             constants[size] = tuple(
-                c.expand(full).contiguous(memory_format=layout) for c in (1 / (255 * std), -mean / std)
+                c.expand(full).contiguous(memory_format=layout).to(dtype) for c in (1 / (255 * std), -mean / std)
             )
         scale, shift = constants[size]
-        return x.float().mul_(scale).add_(shift)  # float32 keeps x's memory format
+        return x.to(dtype).mul_(scale).add_(shift)  # keeps x's memory format
 
     return to_input

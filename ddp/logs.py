@@ -70,6 +70,8 @@ def start_line(cfg: Config, world: World, data: Data, params: int, resumed: Resu
         f"cudnn_benchmark={cfg.run.cudnn_benchmark} "
         f"threads={torch.get_num_threads()} deterministic={cfg.run.deterministic}"
     )
+    if cfg.run.amp == "fp16-weights" and world.device.type == "cpu":
+        lines.append("note: run.amp=fp16-weights on a CPU: its fp16 convolutions are 100x slower than float32 there")
     return "\n".join(lines)
 
 

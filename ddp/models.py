@@ -159,6 +159,16 @@ def whiten(conv: nn.Conv2d, images: torch.Tensor, eps: float = 5e-4) -> None:
     conv.weight.requires_grad_(False)
 
 
+def fp16_weights(model: nn.Module) -> nn.Module:
+    """run.amp=fp16-weights, as airbench94's make_net: every parameter and buffer in fp16 but BatchNorm's, which
+    stay float32 (its statistics and biases need the digits; torch's BatchNorm takes fp16 in, gives fp16 out)."""
+    model.half()
+    for module in model.modules():
+        if isinstance(module, nn.modules.batchnorm._NormBase):
+            module.float()
+    return model
+
+
 def torchvision(needed_for: str) -> ModuleType:
     """torchvision, imported here, not at the top (1-2 s of every start that does not use it); a
     UsageError naming `needed_for` when it is missing or not built for this torch (PyPI's CUDA build
@@ -282,7 +292,11 @@ def check(name: str, dropout: float = 0.0, width: float = 1.0, whiten: bool = Fa
         )
 
 
-def build(name: str, num_classes: int, dropout: float = 0.0, width: float = 1.0) -> nn.Module:
+def build(
+    name: str, num_classes: int, dropout: float = 0.0, width: float = 1.0, weights: torch.dtype = torch.float32
+) -> nn.Module:
+    """The model `name`; with weights=torch.float16, in fp16_weights' layout (run.amp=fp16-weights)."""
     check(name, dropout, width)
     builder = MODELS[name]
-    return builder(num_classes, dropout, width) if name in HAS_WIDTH else builder(num_classes, dropout)
+    model = builder(num_classes, dropout, width) if name in HAS_WIDTH else builder(num_classes, dropout)
+    return fp16_weights(model) if weights == torch.float16 else model

@@ -18,12 +18,21 @@ from ddp.errors import UsageError
 
 
 def make_optimizer(
-    model: nn.Module, o: OptimConfig, total_steps: int, steps_per_epoch: int, whitened: nn.Conv2d | None = None
+    model: nn.Module,
+    o: OptimConfig,
+    total_steps: int,
+    steps_per_epoch: int,
+    whitened: nn.Conv2d | None = None,
+    loss_scale: float = 1.0,
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
     """The optimizer over the model's learning parameters and its per-step schedule. Freezes
     BatchNorm's weights first if optim.freeze_norm_weights (before the DDP wrap, which registers
     only the parameters that learn). `whitened`: model.whiten's stem, whose bias learns in the first
-    optim.whiten_bias_epochs epochs only (its learning rate is 0 after them: no step moves it)."""
+    optim.whiten_bias_epochs epochs only (its learning rate is 0 after them: no step moves it).
+    `loss_scale` (SGD; a power of 2, checks.loss_scale): the gradients come that many times too large, so each
+    group's LR is / it and its weight decay x it: the same steps, bit for bit; the momentum is x it too."""
+    if loss_scale != 1.0 and o.name != "sgd":
+        raise ValueError(f"a loss scale undone by the LR is SGD's, not {o.name}'s")
     norms = norm_layers(model)
     if o.freeze_norm_weights:
         freeze_norm_weights(model)
@@ -42,9 +51,11 @@ def make_optimizer(
         groups.setdefault((scale, decay, id(p) == whiten_bias), []).append(p)
     # the group at optim.lr first: get_last_lr()[0], the LR a run reports, is its
     ordered = sorted(groups.items(), key=lambda group: group[0][0] != 1.0 or group[0][2])
-    params = [{"params": ps, "lr": o.lr * scale, "weight_decay": decay} for (scale, decay, _), ps in ordered]
+    params = [{"params": ps, "lr": o.lr * scale / loss_scale, "weight_decay": decay * loss_scale}
+              for (scale, decay, _), ps in ordered]  # fmt: skip
     if o.name == "sgd":
-        optimizer = fused(torch.optim.SGD, params, lr=o.lr, momentum=o.momentum, nesterov=o.nesterov and o.momentum > 0)
+        nesterov = o.nesterov and o.momentum > 0
+        optimizer = fused(torch.optim.SGD, params, lr=o.lr / loss_scale, momentum=o.momentum, nesterov=nesterov)
     else:
         optimizer = fused(torch.optim.AdamW, params, lr=o.lr, weight_decay=o.weight_decay)
     factor = lr_factor(o, total_steps, steps_per_epoch)
@@ -86,14 +97,32 @@ def steps_fused(kind: type[torch.optim.Optimizer], params: list[dict]) -> bool:
 IMPLEMENTATION = ("fused", "foreach")  # a parameter group's settings that say how the machine steps, not what
 
 
-def portable(state: dict) -> dict:
+def portable(state: dict, loss_scale: float = 1.0) -> dict:
     """An optimizer's state dict with its groups' IMPLEMENTATION settings as torch's defaults (None),
-    as a file holds it: the machine that loads it chooses its own (settings_kept). An empty one
-    (FSDP2's ranks other than 0) stays empty."""
+    as a file holds it: the machine that loads it chooses its own (settings_kept). A run with a `loss_scale`
+    (make_optimizer) has its momentum there in float32 and / it, its LRs x it and weight decay / it: as a run
+    without one has them (exact: a power of 2; from_portable scales the momentum back, the rest is the loading
+    run's own). An empty one (FSDP2's ranks other than 0) stays empty."""
     if "param_groups" not in state:
         return state
-    groups = [{**group, **dict.fromkeys(IMPLEMENTATION)} for group in state["param_groups"]]
-    return {**state, "param_groups": groups}
+    unscaled = {"lr": loss_scale, "initial_lr": loss_scale, "weight_decay": 1 / loss_scale}
+    groups = [{**group, **{k: group[k] * unscaled[k] for k in unscaled if k in group}, **dict.fromkeys(IMPLEMENTATION)}
+              for group in state["param_groups"]]  # fmt: skip
+    return {**state, "param_groups": groups, "state": _momentum_times(state["state"], 1 / loss_scale)}
+
+
+def from_portable(state: dict, loss_scale: float = 1.0) -> dict:
+    """portable()'s state dict for an optimizer with `loss_scale`: its momentum x it, in float32 still
+    (load_state_dict casts it to each parameter's dtype: fp16's, exactly)."""
+    return {**state, "state": _momentum_times(state["state"], loss_scale)} if "state" in state else state
+
+
+def _momentum_times(state: dict, factor: float) -> dict:
+    """SGD's per-parameter state with its momentum buffers x `factor`, in float32 at least (as it is for 1)."""
+    if factor == 1.0:
+        return state
+    return {key: {name: value.float() * factor if name == "momentum_buffer" and value is not None else value
+                  for name, value in per_param.items()} for key, per_param in state.items()}  # fmt: skip
 
 
 @contextmanager
@@ -159,12 +188,15 @@ def lr_factor(o: OptimConfig, total_steps: int, steps_per_epoch: int) -> Callabl
     return factor
 
 
-def clip_gradients(model: nn.Module, max_norm: float) -> torch.Tensor:
+def clip_gradients(model: nn.Module, max_norm: float, loss_scale: float = 1.0) -> torch.Tensor:
     """The total L2 norm of the model's gradients, before clipping them to `max_norm` (0 = no clipping).
-    Under FSDP2 the gradients are sharded DTensors: their norm is reduced over the ranks, then read whole."""
+    Under FSDP2 the gradients are sharded DTensors: their norm is reduced over the ranks, then read whole.
+    With a `loss_scale` (make_optimizer; no clipping) the gradients are x it: the norm returned is / it,
+    summed in float32 (fp16's per-tensor norms; fp16's largest number is 65504)."""
     if max_norm > 0:
         norm = nn.utils.clip_grad_norm_(model.parameters(), max_norm)
     else:
         grads = [p.grad for p in model.parameters() if p.grad is not None]
-        norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))) if grads else torch.zeros(())
-    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)).float()) if grads else torch.zeros(())
+    norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+    return norm / loss_scale if loss_scale != 1.0 else norm

@@ -105,7 +105,7 @@ def checked(cfg: Config, world: World) -> Iterator[tuple[datasets.Data, Plan]]:
     if t.micro_batch_size:  # the accumulation follows from the world size this run (or restart) got
         t.grad_accum_steps = checks.accumulation(t.batch_size, world.world_size, t.micro_batch_size)
     per_rank_batch = checks.split_batch(t.batch_size, world.world_size, "train.batch_size", t.grad_accum_steps)
-    amp = checks.autocast_dtype(cfg.run.amp, world.device)
+    precision = checks.precision(cfg.run.amp, world.device, t.batch_size)  # autocast, weights, loss scale
     checks.check_combinations(cfg, world)
     stop_signals = tuple(preemption.parse_signals(cfg.run.stop_signal))
     if cfg.run.tensorboard:
@@ -115,7 +115,7 @@ def checked(cfg: Config, world: World) -> Iterator[tuple[datasets.Data, Plan]]:
         data = datasets.read(cfg.data, world)  # a file that lies stops every rank alike, before the group
         steps = checks.steps_per_epoch(cfg, len(data.train.labels))
         profile_steps = profiling.parse(cfg.run.profile, steps * cfg.train.epochs)
-        yield data, Plan(per_rank_batch, steps, amp, stop_signals, profile_steps)
+        yield data, Plan(per_rank_batch, steps, *precision, stop_signals, profile_steps)
 
 
 @dataclass
@@ -149,8 +149,8 @@ def build(cfg: Config, world: World, data: datasets.Data, plan: Plan) -> tuple[J
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = cfg.run.tf32
     torch.backends.cudnn.benchmark = cfg.run.cudnn_benchmark
     m, steps = cfg.model, plan.steps_per_epoch
-    model = models.build(m.name, data.num_classes, m.dropout, m.width).to(world.device)  # the raw one we save
-    to_input = loaders.input_fn(data.mean, data.std, world.device, cfg.run.channels_last)
+    model = models.build(m.name, data.num_classes, m.dropout, m.width, plan.weights).to(world.device)  # the raw one
+    to_input = loaders.input_fn(data.mean, data.std, world.device, cfg.run.channels_last, plan.weights)
     whitened = model[0] if m.whiten else None  # fast's stem (models.check: the one model with it)
     if whitened is not None:  # the same images on every rank, the same filters (DDP's wrap broadcasts rank 0's)
         models.whiten(whitened, to_input(data.train.images[: models.WHITEN_IMAGES]))
@@ -160,11 +160,11 @@ def build(cfg: Config, world: World, data: datasets.Data, plan: Plan) -> tuple[J
         model = model.to(memory_format=torch.channels_last)
     model = distributed.shard(model, world, plan.amp)  # fsdp: fully_shard per block, in place; the rest: as it is
     t, total_steps = cfg.train, cfg.train.epochs * steps
-    optimizer, scheduler = optim.make_optimizer(model, cfg.optim, total_steps, steps, whitened)
+    optimizer, scheduler = optim.make_optimizer(model, cfg.optim, total_steps, steps, whitened, plan.loss_scale)
     scaler = torch.amp.GradScaler(world.device.type, enabled=cfg.run.amp == "fp16")
     average = ema.EMA(model, t.ema_decay, t.ema_warmup) if t.ema_decay > 0 else None
     lookahead = ema.Lookahead(model, t.lookahead_every, t.lookahead_decay, total_steps) if t.lookahead_every else None
-    trained = checkpoint.Trained(model, optimizer, scheduler, scaler, average, lookahead)
+    trained = checkpoint.Trained(model, optimizer, scheduler, scaler, average, lookahead, plan.loss_scale)
     normalize = {"mean": list(data.mean), "std": list(data.std)}
     info = checkpoint.RunInfo(config.to_dict(cfg), world.world_size, len(data.train.labels), normalize, data.classes)
     checkpoints = checkpoint.Checkpoints(cfg.run, world, trained, info)
@@ -274,7 +274,7 @@ def train_epoch(
             saved = job.checkpoints.save(position, job.stats, last_metrics)
             if stopping:
                 preemption.finish_stop(stop.received, saved, world)
-        progress.update(loss, job.trained.scheduler.get_last_lr()[0], len(labels))
+        progress.update(loss, job.trained.scheduler.get_last_lr()[0] * job.plan.loss_scale, len(labels))
     agreement.wait()  # the last step's: the epoch's end asks again
     return position
 
@@ -284,7 +284,7 @@ def train_step(job: Job, images: torch.Tensor, labels: torch.Tensor, mix: mixing
     micro-batches: forward and backward of each (DDP averages the gradients over the ranks in the
     last one's backward), then the gradients' norm (clipped to optim.clip_grad_norm), step, schedule,
     the moving average. Returns the batch's mean loss, still on the device (reading it syncs)."""
-    accum, device, amp = job.cfg.train.grad_accum_steps, job.world.device, job.plan.amp
+    accum, device, amp, scale = job.cfg.train.grad_accum_steps, job.world.device, job.plan.amp, job.plan.loss_scale
     optimizer, scaler = job.trained.optimizer, job.trained.scaler
     optimizer.zero_grad(set_to_none=True)
     with record_function("data"):
@@ -297,11 +297,11 @@ def train_step(job: Job, images: torch.Tensor, labels: torch.Tensor, mix: mixing
                 loss = job.criterion(forward(job.wrapped, xs), ys)
                 loss = loss / accum if accum > 1 else loss  # the big batch's mean (/ 1: 2 kernels for nothing)
             with record_function("backward"):
-                scaler.scale(loss).backward()
+                scaler.scale(loss * scale if scale != 1.0 else loss).backward()  # fp16-weights: x the batch
         total = loss.detach() if total is None else total + loss.detach()
     with record_function("clip"):
         scaler.unscale_(optimizer)  # the true gradients' norm, not fp16's scaled ones
-        job.stats.add_grad_norm(optim.clip_gradients(job.trained.model, job.cfg.optim.clip_grad_norm))
+        job.stats.add_grad_norm(optim.clip_gradients(job.trained.model, job.cfg.optim.clip_grad_norm, scale))
     with record_function("optimizer"):
         scaler.step(optimizer)
         scaler.update()
@@ -354,9 +354,8 @@ def epoch_metrics(
             confusion = test_confusion(job, job.trained.ema.module)
     train_loss = job.stats.mean_over_ranks(world)
     return metrics.epoch_record(
-        epoch, train_loss, confusion, job.data.classes, world, lr=job.trained.scheduler.get_last_lr()[0],
-        **speed, seconds=metrics.elapsed(started, world.device),
-        **job.stats.grad_norm(), **extra,
+        epoch, train_loss, confusion, job.data.classes, world, **speed, seconds=metrics.elapsed(started, world.device),
+        lr=job.trained.scheduler.get_last_lr()[0] * job.plan.loss_scale, **job.stats.grad_norm(), **extra,
     )  # fmt: skip
 
 
@@ -382,11 +381,11 @@ def stop_if_diverged(job: Job, position: Position) -> None:
     what = f"the loss was not finite at global step {min(steps)}" if steps else "the weights were not finite"
     newest = rundir.step_files(job.cfg.run.out_dir)
     kept = f"the newest checkpoint, {newest[0]}, is finite" if newest else "no checkpoint was written"
-    fp16 = ", or run.amp=bf16 instead of fp16" if job.cfg.run.amp == "fp16" else ""
+    fix = {"fp16": "optim.clip_grad_norm=1.0, or run.amp=bf16 instead of fp16", "fp16-weights": "run.amp=bf16"}
     raise Diverged(
-        f"training diverged: {what} (step {position.global_step} now; last finite loss {ranks[0][1]:.4g}, "
-        f"lr {job.trained.scheduler.get_last_lr()[0]:.3g}); nothing was saved after it and {kept}. "
-        f"Try a lower optim.lr (now {job.cfg.optim.lr:g}), optim.clip_grad_norm=1.0{fp16}"
+        f"training diverged: {what} (step {position.global_step} now; last finite loss {ranks[0][1]:.4g}, lr "
+        f"{job.trained.scheduler.get_last_lr()[0] * job.plan.loss_scale:.3g}); nothing was saved after it and {kept}. "
+        f"Try a lower optim.lr (now {job.cfg.optim.lr:g}), {fix.get(job.cfg.run.amp, 'optim.clip_grad_norm=1.0')}"
     )
 
 

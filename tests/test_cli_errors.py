@@ -113,8 +113,14 @@ def test_bad_input_for_want_of_a_gpu_exits_2_with_one_line(args, fragments, tmp_
             ],
         ),  # fmt: skip
         ([*TINY, "train.micro_batch_size=8", "--preflight", "3"], ["3 x 8 = 24", "a train.batch_size that 3 divides"]),
+        (["run.amp=fp16-weight"], ["run.amp: 'fp16-weight' is not one of off, bf16, fp16, fp16-weights"]),
+        (["run.amp=fp16-weights", "optim.name=adamw"], ["optim.name=adamw does not work with run.amp=fp16-weights "
+                                                         "(its squared gradients overflow fp16); use run.amp=bf16"]),
+        (["run.amp=fp16-weights", "train.ema_decay=0.99"], ["train.ema_decay does not work with run.amp=fp16-weights"]),
+        (["run.amp=fp16-weights", "train.sync_bn=true"], ["train.sync_bn does not work with run.amp=fp16-weights"]),
+        (["run.amp=fp16-weights", "optim.clip_grad_norm=1"], ["optim.clip_grad_norm does not work with run.amp=fp16"]),
     ],
-)
+)  # fmt: skip
 def test_bad_input_exits_2_with_one_line(args, fragments, tmp_path, capsys, monkeypatch):
     """train.cli, the whole command but the interpreter around it (a python process costs 2 s here),
     from the repository as the process above runs (relative paths), launcher variables removed

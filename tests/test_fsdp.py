@@ -110,11 +110,12 @@ def test_what_fsdp_does_not_do_is_one_line_before_any_process_starts(args, messa
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and message in proc.stderr, proc.stderr
 
 
-def test_fp16_is_refused_with_bf16_named():
+@pytest.mark.parametrize("amp", ["fp16", "fp16-weights"])
+def test_fp16_is_refused_with_bf16_named(amp):
     """(On this CPU run.amp=fp16 stops earlier, for want of CUDA: the check itself, here.)"""
-    fp16 = r"run.amp does not work with run.parallel=fsdp \(fp16's GradScaler .* run.amp=bf16"
+    fp16 = r"run.amp does not work with run.parallel=fsdp \(no GradScaler for sharded gradients, .* use bf16"
     with pytest.raises(UsageError, match=fp16):
-        checks.check_fsdp(config.load(None, ["run.amp=fp16"]))
+        checks.check_fsdp(config.load(None, [f"run.amp={amp}"]))
 
 
 def test_fsdp_without_a_launcher_says_how_to_start_one():

@@ -111,7 +111,7 @@ def test_fp16_clipping_unscales_first(tmp_path):
         settings = [f"run.out_dir={tmp_path / amp}", "run.resume=never", "optim.clip_grad_norm=0.01", f"run.amp={amp}"]
         cfg = config.load(None, [*TINY, *settings])
         world = World(0, 0, 1, torch.device("cuda", 0), "none")
-        plan = Plan(32, 8, checks.autocast_dtype(amp, world.device))
+        plan = Plan(32, 8, *checks.precision(amp, world.device, 32))
         job, _ = train.build(cfg, world, datasets.read(cfg.data, world), plan)
         assert job.trained.scaler.is_enabled() == (amp == "fp16")
         job.trained.scaler = torch.amp.GradScaler("cuda", init_scale=256.0, enabled=amp == "fp16")  # no skipped step

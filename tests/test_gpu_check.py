@@ -218,19 +218,19 @@ def test_airbench_per_epoch_table_is_read_and_set_beside_ours(tmp_path):
 
 
 def test_gpu_rounds_dry_run_sets_each_rounds_runs_beside_each_other_and_refuses_bad_values(tmp_path):
-    """bench/gpu_rounds.sh --dry-run: a round's two fast runs (warm-up 3 and 5) on the CPU at toy sizes,
+    """bench/gpu_rounds.sh --dry-run: a round's two fast runs (bf16 and fp16 weights: float32 here) at toy sizes,
     its table and each run's first epoch in rounds.md, packed; a bad ROUNDS or another's folder refused."""
     env = clean_env(OUT=str(tmp_path / "out"), GPU_ROUNDS_DIR=str(tmp_path / "work"), PYTHON=sys.executable)
     proc = subprocess.run(["bash", "bench/gpu_rounds.sh", "--dry-run", "1"], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=120)  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     said = (tmp_path / "out" / "rounds.md").read_text()
-    assert said.startswith("## round 1 (airbench fast fast-w5)")
-    assert "| fast | 2 | " in said and "| fast-w5 | 2 | " in said
-    assert "fast: epoch 1 " in said and "fast-w5: epoch 1 " in said and "warm-up" in said
+    assert said.startswith("## round 1 (airbench fast fast-fp16w)")
+    assert "| fast | 2 | " in said and "| fast-fp16w | 2 | " in said
+    assert "fast: epoch 1 " in said and "fast-fp16w: epoch 1 " in said and "warm-up" in said
     with tarfile.open(tmp_path / "out" / "gpu-rounds.tgz") as archive:
         names = archive.getnames()
-    assert "work/round1/fast-w5/metrics.jsonl" in names and not any(n.endswith(".pt") for n in names)
+    assert "work/round1/fast-fp16w/metrics.jsonl" in names and not any(n.endswith(".pt") for n in names)
     for args, more, told in (
         (["0"], {}, "ROUNDS must be a whole number >= 1, not '0'"),
         (["x"], {}, "ROUNDS must be a whole number >= 1, not 'x'"),

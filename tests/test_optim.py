@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from ddp import config, optim
+from ddp import config, models, optim
 
 
 def test_schedule_warms_up_then_decays_to_zero():
@@ -85,3 +85,49 @@ def test_a_fused_step_under_the_grad_scaler_skips_an_overflow_as_the_default_doe
         weights.append(torch.stack(seen))
     assert implementations == [has_fused(torch.optim.SGD), None]
     torch.testing.assert_close(weights[0], weights[1])
+
+
+AIRBENCH_SGD = config.OptimConfig(lr=1.5, momentum=0.85, nesterov=True, weight_decay=1.33e-3, norm_bias_lr_scale=64,
+                                  warmup_epochs=1, warmup_from=0.2)  # fmt: skip
+
+
+def scaled_run(loss_scale: float, fp16: bool = False, steps: int = 4):
+    """A conv + BatchNorm + linear net, SGD with airbench's groups (Nesterov, weight decay, BatchNorm biases at 64x
+    the LR), `steps` steps on fixed images with the loss x `loss_scale`; fp16: models.fp16_weights' layout."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, bias=False), torch.nn.BatchNorm2d(8), torch.nn.GELU(),
+                              torch.nn.Flatten(), torch.nn.Linear(8 * 6 * 6, 10))  # fmt: skip
+    if fp16:
+        models.fp16_weights(net)
+    optimizer, scheduler = optim.make_optimizer(net, AIRBENCH_SGD, 8, 2, loss_scale=loss_scale)
+    x, y = torch.randn(16, 3, 8, 8, dtype=torch.float16 if fp16 else torch.float32), torch.arange(16) % 10
+    for _ in range(steps):
+        optimizer.zero_grad(set_to_none=True)
+        (torch.nn.functional.cross_entropy(net(x), y, label_smoothing=0.2) * loss_scale).backward()
+        optimizer.step()
+        scheduler.step()
+    return net, optimizer, scheduler
+
+
+def test_a_loss_scale_undone_by_the_lr_and_decay_steps_bit_for_bit_as_none_and_files_hold_neither():
+    """run.amp=fp16-weights' loss x 1024 (a power of 2), the LR / it and the weight decay x it: in float32 the
+    same weights as without, to the bit (fused SGD here where torch has it); portable() writes the same optimizer
+    state either way (momentum / it, in float32); from_portable puts an fp16 run's momentum back exactly."""
+    plain, scaled = scaled_run(1.0), scaled_run(1024.0)
+    for a, b in zip(plain[0].state_dict().values(), scaled[0].state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+    assert scaled[1].param_groups[0]["lr"] * 1024 == plain[1].param_groups[0]["lr"]
+    files = optim.portable(plain[1].state_dict()), optim.portable(scaled[1].state_dict(), 1024.0)
+    assert files[0]["param_groups"] == files[1]["param_groups"]
+    for a, b in zip(files[0]["state"].values(), files[1]["state"].values(), strict=True):
+        assert torch.equal(a["momentum_buffer"], b["momentum_buffer"])
+    net, optimizer, scheduler = scaled_run(1024.0, fp16=True)
+    assert {p.dtype for p in net.parameters()} == {torch.float16, torch.float32}
+    file = optim.portable(optimizer.state_dict(), 1024.0)
+    assert {s["momentum_buffer"].dtype for s in file["state"].values()} == {torch.float32}
+    again, _ = optim.make_optimizer(net, AIRBENCH_SGD, 8, 2, loss_scale=1024.0)
+    again.load_state_dict(optim.from_portable(file, 1024.0))
+    for key, state in optimizer.state.items():
+        assert torch.equal(again.state[key]["momentum_buffer"], state["momentum_buffer"])
+    with pytest.raises(ValueError, match="SGD's"):
+        optim.make_optimizer(net, config.OptimConfig(name="adamw"), 8, 2, loss_scale=1024.0)

@@ -113,3 +113,30 @@ def tensors(state) -> list[torch.Tensor]:
     if isinstance(state, (list, tuple)):
         return [t for item in state for t in tensors(item)]
     return [torch.tensor(float(state))] if isinstance(state, (int, float)) and not isinstance(state, bool) else []
+
+
+def test_fp16_weights_train_warm_up_and_resume_bit_for_bit_and_the_file_loads_as_float32(tmp_path, capsys):
+    """run.amp=fp16-weights (airbench's: fp16 weights but BatchNorm's, the loss x 32 here, the LR / 32): with
+    lookahead, a warm-up and a resume from the middle of epoch 1 it ends on the same checkpoint to the bit; the file
+    holds fp16 weights, float32 BatchNorm and float32 momentum as a run without the scale has it; a float32 run
+    (run.amp=off) continues from it."""
+    run = [*TINY, "model.width=0.25", "run.amp=fp16-weights", "train.lookahead_every=3", "run.save_every_steps=3",
+           "run.keep_last=10", "run.progress=false"]  # fmt: skip
+    whole = train.main([f"run.out_dir={tmp_path / 'whole'}", *run])
+    assert "note: run.amp=fp16-weights on a CPU" in capsys.readouterr().out and whole["train_loss"] < 2.0
+    train.main([f"run.out_dir={tmp_path / 'warm'}", *run, "run.warmup_steps=2"])
+    step_3 = tmp_path / "whole" / "checkpoints" / "step-000000003.pt"
+    train.main([f"run.out_dir={tmp_path / 'resumed'}", *run, f"run.resume={step_3}"])
+    ends = {n: torch.load(tmp_path / n / "checkpoints" / "last.pt", weights_only=True) for n in ("whole", "warm",
+                                                                                                "resumed")}  # fmt: skip
+    for part in ("model", "optimizer", "scheduler", "lookahead"):
+        for name in ("warm", "resumed"):
+            assert all(torch.equal(a, b) for a, b in zip(tensors(ends["whole"][part]), tensors(ends[name][part]),
+                                                         strict=True)), (name, part)  # fmt: skip
+    weights = ends["whole"]["model"]
+    assert weights["0.0.weight"].dtype == torch.float16 and weights["0.1.weight"].dtype == torch.float32  # conv, BN
+    assert {s["momentum_buffer"].dtype for s in ends["whole"]["optimizer"]["state"].values()} == {torch.float32}
+    as_float = train.main([f"run.out_dir={tmp_path / 'float'}", *run[:-5], "train.lookahead_every=3", "train.epochs=3",
+                           f"run.resume={tmp_path / 'whole' / 'checkpoints' / 'last.pt'}"])  # fmt: skip
+    assert as_float["epoch"] == 3 and as_float["train_loss"] < whole["train_loss"]
+    assert "run.amp 'fp16-weights' -> 'off'" in capsys.readouterr().out.split("changed since: ")[-1]

@@ -256,8 +256,8 @@ def _reading(path: Path, skipped: list[str] | None = None) -> Iterator[None]:
         except FileNotFoundError:
             raise UsageError(f"checkpoint not found: {path}") from None
         except IsADirectoryError:
-            found = rundir.last_path(path)
-            hint = f"its newest checkpoint is {found}" if found.is_file() else "name a checkpoint file"
+            found = rundir.newest_in(path)
+            hint = f"its newest checkpoint is {found}" if found else "name a checkpoint file"
             raise UsageError(f"{path} is a directory: {hint}") from None
         except UsageError:  # CorruptCheckpoint is one: the file's own checks said what is wrong
             raise

@@ -49,6 +49,12 @@ def last_path(out_dir: str | Path) -> Path:
     return checkpoint_dir(out_dir) / "last.pt"
 
 
+def newest_in(directory: str | Path) -> Path | None:
+    """The newest checkpoint of a directory named where a checkpoint file was wanted: a run.out_dir's, or that of
+    its checkpoints/ folder itself; None if it has none."""
+    return next((p for p in (last_path(directory), Path(directory) / "last.pt") if p.is_file()), None)
+
+
 def config_path(out_dir: str | Path) -> Path:
     return Path(out_dir) / "config.yaml"
 
@@ -130,7 +136,7 @@ def check_resume_setting(resume: str, out_dir: str) -> None:
     if resume == "auto":
         return
     if resume != "never" and not Path(resume).is_file():
-        newest = f"; its newest checkpoint is {last_path(resume)}" if last_path(resume).is_file() else ""
+        newest = f"; its newest checkpoint is {newest_in(resume)}" if newest_in(resume) else ""
         raise UsageError(f"run.resume={resume}: no such checkpoint file (use auto, never or a path){newest}")
     existing = step_files(out_dir)
     if not existing:

@@ -342,9 +342,10 @@ def test_export_never_replaces_a_file_a_typo_named(run_dir, tmp_path, capsys):
         assert command(checkpoint.main, ["export", str(last), str(out), "--state-dict"]) == 2, out
         assert capsys.readouterr().err == f"error: OUT={out} {said}\n"
     assert {p: p.read_bytes() for p in before} == before
-    for argv in (["inspect", str(run_dir)], ["export", str(run_dir), str(tmp_path / "model.pt")]):  # PATH: a run
-        assert command(checkpoint.main, argv) == 2, argv
-        assert capsys.readouterr().err == f"error: {run_dir} is a directory: its newest checkpoint is {last}\n"
+    for path in (run_dir, last.parent):  # PATH: a run, or its checkpoints/
+        for argv in (["inspect", str(path)], ["export", str(path), str(tmp_path / "model.pt")]):
+            assert command(checkpoint.main, argv) == 2, argv
+            assert capsys.readouterr().err == f"error: {path} is a directory: its newest checkpoint is {last}\n"
 
 
 def test_inspect_into_a_closed_pipe_ends_without_a_traceback(run_dir):

@@ -193,6 +193,9 @@ def test_resume_from_an_older_file_of_the_same_out_dir_is_refused(tmp_path, caps
     assert train.cli([f"run.out_dir={tmp_path}", *TINY, f"run.resume={rundir.last_path(tmp_path)}"]) == 0
     assert train.cli([f"run.out_dir={tmp_path / 'next'}", *TINY, f"run.resume={tmp_path}"]) == 2  # the run, not a file
     assert capsys.readouterr().err.endswith(f"; its newest checkpoint is {rundir.last_path(tmp_path)}\n")
+    folder = rundir.checkpoint_dir(tmp_path)  # the run's checkpoints/ itself
+    assert train.cli([f"run.out_dir={tmp_path / 'next'}", *TINY, f"run.resume={folder}"]) == 2
+    assert capsys.readouterr().err.endswith(f"; its newest checkpoint is {rundir.last_path(tmp_path)}\n")
 
 
 @pytest.mark.parametrize(

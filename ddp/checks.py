@@ -23,7 +23,7 @@ class Plan:
     steps_per_epoch: int  # global batches per epoch (the last, partial one is dropped)
     amp: torch.dtype | None = None  # autocast dtype, None for float32
     weights: torch.dtype = torch.float32  # the model's and its inputs' (run.amp=fp16-weights: fp16, BatchNorm's not)
-    loss_scale: float = 1.0  # the loss's factor before the backward (run.amp=fp16-weights: loss_scale)
+    loss_scale: float = 1.0  # the loss's factor before the backward (run.amp=fp16-weights: see precision)
     stop_signals: tuple[signal.Signals, ...] = ()  # each asks for a stop at the next step boundary
     profile_steps: range | None = None  # global steps to trace (run.profile), None for none
 

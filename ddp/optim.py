@@ -29,7 +29,7 @@ def make_optimizer(
     BatchNorm's weights first if optim.freeze_norm_weights (before the DDP wrap, which registers
     only the parameters that learn). `whitened`: model.whiten's stem, whose bias learns in the first
     optim.whiten_bias_epochs epochs only (its learning rate is 0 after them: no step moves it).
-    `loss_scale` (SGD; a power of 2, checks.loss_scale): the gradients come that many times too large, so each
+    `loss_scale` (SGD; a power of 2, checks.precision): the gradients come that many times too large, so each
     group's LR is / it and its weight decay x it: the same steps, bit for bit; the momentum is x it too."""
     if loss_scale != 1.0 and o.name != "sgd":
         raise ValueError(f"a loss scale undone by the LR is SGD's, not {o.name}'s")

@@ -98,9 +98,10 @@ class Lookahead:
         if not moves and self.steps != self.total_steps:
             return  # the other N-1 steps: nothing to do, not even listing the weights (26 operators, fast net)
         weights = [p.detach() for p in self._learning(model)]
-        if moves:
-            torch._foreach_lerp_(self.slow, weights, 1.0 - self.kept_at(self.steps))
-        torch._foreach_copy_(weights, self.slow)
+        for slow, now in by_dtype(self.slow, weights):  # fp16 weights beside float32 BatchNorm: two calls each
+            if moves:
+                torch._foreach_lerp_(slow, now, 1.0 - self.kept_at(self.steps))
+            torch._foreach_copy_(now, slow)
 
     def state_dict(self) -> dict[str, Any]:
         return {"slow": self.slow, "steps": self.steps}
@@ -112,3 +113,14 @@ class Lookahead:
         for mine, saved in zip(self.slow, state["slow"], strict=True):
             mine.copy_(saved)
         self.steps = int(state["steps"])
+
+
+def by_dtype(*lists: list[torch.Tensor]) -> list[tuple[list[torch.Tensor], ...]]:
+    """`lists` (of one length) cut into groups of one dtype each (the first list's), in the order first met:
+    torch's multi-tensor (_foreach_) kernels take one dtype a call on a GPU, and a call of several goes tensor
+    by tensor. run.amp=fp16-weights' fp16 weights beside float32 BatchNorm make two groups, any other run one."""
+    groups: dict[torch.dtype, tuple[list[torch.Tensor], ...]] = {}
+    for tensors in zip(*lists, strict=True):
+        for group, tensor in zip(groups.setdefault(tensors[0].dtype, tuple([] for _ in lists)), tensors):
+            group.append(tensor)
+    return list(groups.values())

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from ddp.config import OptimConfig
+from ddp.ema import by_dtype
 from ddp.errors import UsageError
 
 
@@ -192,11 +193,13 @@ def clip_gradients(model: nn.Module, max_norm: float, loss_scale: float = 1.0) -
     """The total L2 norm of the model's gradients, before clipping them to `max_norm` (0 = no clipping).
     Under FSDP2 the gradients are sharded DTensors: their norm is reduced over the ranks, then read whole.
     With a `loss_scale` (make_optimizer; no clipping) the gradients are x it: the norm returned is / it,
-    summed in float32 (fp16's per-tensor norms; fp16's largest number is 65504)."""
+    summed in float32 (fp16's per-tensor norms; fp16's largest number is 65504), one multi-tensor call per dtype."""
     if max_norm > 0:
         norm = nn.utils.clip_grad_norm_(model.parameters(), max_norm)
     else:
         grads = [p.grad for p in model.parameters() if p.grad is not None]
-        norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)).float()) if grads else torch.zeros(())
+        norms = [torch.linalg.vector_norm(torch.stack(torch._foreach_norm(g)).float()) for (g,) in by_dtype(grads)]
+        norms = norms or [torch.zeros(())]
+        norm = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
     norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
     return norm / loss_scale if loss_scale != 1.0 else norm

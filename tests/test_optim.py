@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from ddp import config, models, optim
+from ddp import config, ema, models, optim
 
 
 def test_schedule_warms_up_then_decays_to_zero():
@@ -131,3 +131,24 @@ def test_a_loss_scale_undone_by_the_lr_and_decay_steps_bit_for_bit_as_none_and_f
         assert torch.equal(again.state[key]["momentum_buffer"], state["momentum_buffer"])
     with pytest.raises(ValueError, match="SGD's"):
         optim.make_optimizer(net, config.OptimConfig(name="adamw"), 8, 2, loss_scale=1024.0)
+
+
+def test_fp16_weights_lookahead_and_the_gradient_norm_make_one_multi_tensor_call_per_dtype(monkeypatch):
+    """fp16 weights beside float32 BatchNorm: torch's _foreach_ kernels take one dtype a call on a GPU (a call of
+    two goes tensor by tensor), so lookahead's lerp and copy and the gradient norm make a call per dtype; the
+    same norm as over every gradient at once, and one call each for a float32 net."""
+    seen: list[tuple[str, set]] = []
+    for name in ("_foreach_lerp_", "_foreach_copy_", "_foreach_norm"):
+        op = getattr(torch, name)
+        monkeypatch.setattr(torch, name, lambda ts, *a, _op=op, _n=name: seen.append((_n, {t.dtype for t in ts}))
+                            or _op(ts, *a))  # fmt: skip
+    for fp16, calls in ((True, 2), (False, 1)):
+        net, _, _ = scaled_run(1024.0 if fp16 else 1.0, fp16=fp16, steps=1)
+        seen.clear()
+        lookahead = ema.Lookahead(net, 1, 0.5, 10)
+        lookahead.update(net)
+        norm = optim.clip_gradients(net, 0.0, 1024.0 if fp16 else 1.0)
+        assert [n for n, _ in seen] == ["_foreach_lerp_", "_foreach_copy_"] * calls + ["_foreach_norm"] * calls
+        assert all(len(dtypes) == 1 for _, dtypes in seen)
+        every = torch.linalg.vector_norm(torch.stack([p.grad.float().norm() for p in net.parameters()]))
+        torch.testing.assert_close(norm * (1024.0 if fp16 else 1.0), every, rtol=1e-3, atol=0)

@@ -37,6 +37,20 @@ def test_fp16_uses_a_grad_scaler(tmp_path):
 
 
 @needs_gpu
+def test_fp16_weights_train_on_the_gpu_with_lookahead_and_continue_on_the_cpu(tmp_path):
+    """run.amp=fp16-weights where it is meant to run: cuDNN's fp16 convolutions, its BatchNorm with fp16 inputs
+    and float32 weights in channels_last, lookahead over both dtypes; the file continues as a float32 CPU run."""
+    run = [*TINY, "model.name=fast", "model.width=0.25", "model.whiten=true", "train.lookahead_every=3",
+           "run.channels_last=true", "run.cudnn_benchmark=true"]  # fmt: skip
+    last = train.main([f"run.out_dir={tmp_path}", *run, "run.amp=fp16-weights"])
+    assert last["device"] == "cuda:0" and last["test_acc"] > 0.3 and last["train_loss"] < 2.2
+    state = torch.load(tmp_path / "checkpoints" / "last.pt", map_location="cpu", weights_only=True)
+    assert {t.dtype for t in state["model"].values() if t.is_floating_point()} == {torch.float16, torch.float32}
+    more = train.main([f"run.out_dir={tmp_path}", *run, "train.epochs=3", "run.device=cpu"])
+    assert more["epoch"] == 3 and more["train_loss"] == more["train_loss"]
+
+
+@needs_gpu
 def test_cpu_checkpoint_resumes_on_gpu(tmp_path):
     train.main([f"run.out_dir={tmp_path}", *TINY, "train.epochs=1", "run.device=cpu"])
     last = train.main([f"run.out_dir={tmp_path}", *TINY, "run.device=cuda"])

@@ -47,7 +47,7 @@ class Trained:
     scaler: torch.amp.GradScaler  # enabled for fp16 only
     ema: EMA | None = None  # the weights' moving average (train.ema_decay > 0)
     lookahead: Lookahead | None = None  # the slow weights of lookahead (train.lookahead_every > 0)
-    loss_scale: float = 1.0  # run.amp=fp16-weights' (the optimizer's LR / it, its momentum x it: never in a file)
+    loss_scale: float = 1.0  # run.amp=fp16-weights' (the optimizer's LR / it, its momentum x it: a file holds neither)
 
 
 @dataclass
@@ -88,7 +88,7 @@ def build_state(
         "global_step": position.global_step,
         "model": model,  # the raw module's: no "module." / "_orig_mod." prefix; whole, also under FSDP2
         "optimizer": optim.portable(optimizer, trained.loss_scale),  # no machine's implementation (fused or not)
-        "scheduler": trained.scheduler.state_dict(),
+        "scheduler": optim.portable_schedule(trained.scheduler.state_dict(), trained.loss_scale),  # its position
         "scaler": trained.scaler.state_dict() if trained.scaler.is_enabled() else None,
         "ema": trained.ema.state_dict() if trained.ema else None,  # {"weights": the model's keys, "updates"}
         "lookahead": trained.lookahead.state_dict() if trained.lookahead else None,  # {"slow": [tensors], "steps"}

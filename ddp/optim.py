@@ -112,6 +112,15 @@ def portable(state: dict, loss_scale: float = 1.0) -> dict:
     return {**state, "param_groups": groups, "state": _momentum_times(state["state"], 1 / loss_scale)}
 
 
+def portable_schedule(state: dict, loss_scale: float = 1.0) -> dict:
+    """An LR schedule's state dict as a file holds it: its LRs x `loss_scale`, as a run without one has them (a run
+    that loads it takes its own LRs anyway: settings_kept)."""
+    if loss_scale == 1.0:
+        return state
+    scaled = {key: [lr * loss_scale for lr in state[key]] for key in ("base_lrs", "_last_lr") if key in state}
+    return {**state, **scaled}
+
+
 def from_portable(state: dict, loss_scale: float = 1.0) -> dict:
     """portable()'s state dict for an optimizer with `loss_scale`: its momentum x it, in float32 still
     (load_state_dict casts it to each parameter's dtype: fp16's, exactly)."""

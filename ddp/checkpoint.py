@@ -88,7 +88,7 @@ def build_state(
         "global_step": position.global_step,
         "model": model,  # the raw module's: no "module." / "_orig_mod." prefix; whole, also under FSDP2
         "optimizer": optim.portable(optimizer, trained.loss_scale),  # no machine's implementation (fused or not)
-        "scheduler": optim.portable_schedule(trained.scheduler.state_dict(), trained.loss_scale),  # its position
+        "scheduler": trained.scheduler.state_dict(),
         "scaler": trained.scaler.state_dict() if trained.scaler.is_enabled() else None,
         "ema": trained.ema.state_dict() if trained.ema else None,  # {"weights": the model's keys, "updates"}
         "lookahead": trained.lookahead.state_dict() if trained.lookahead else None,  # {"slow": [tensors], "steps"}

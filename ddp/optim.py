@@ -25,7 +25,7 @@ def make_optimizer(
     steps_per_epoch: int,
     whitened: nn.Conv2d | None = None,
     loss_scale: float = 1.0,
-) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+) -> tuple[torch.optim.Optimizer, Schedule]:
     """The optimizer over the model's learning parameters and its per-step schedule. Freezes
     BatchNorm's weights first if optim.freeze_norm_weights (before the DDP wrap, which registers
     only the parameters that learn). `whitened`: model.whiten's stem, whose bias learns in the first
@@ -69,7 +69,29 @@ def make_optimizer(
     # fp16's GradScaler skips a step whose gradients overflow (often the first: its scale starts at 2**16) and
     # the schedule advances per global step all the same: torch's warning about that order tells a user nothing
     warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before `optimizer\.step")
-    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factors)
+    return optimizer, Schedule(optimizer, factors, loss_scale)
+
+
+class Schedule(torch.optim.lr_scheduler.LambdaLR):
+    """torch's LambdaLR, seen from outside as if there were no loss scale (make_optimizer divides the optimizer's
+    LRs by it): get_last_lr() is the LR as optim.lr means it, and the state dict holds such LRs, as a file does
+    (the loading run's own LRs replace them anyway: settings_kept). The scale itself is never in the state."""
+
+    LRS = ("base_lrs", "_last_lr")
+
+    def __init__(self, optimizer: torch.optim.Optimizer, factors: list[Callable[[int], float]], loss_scale: float):
+        self._scale = loss_scale  # before LambdaLR's first step
+        super().__init__(optimizer, factors)
+
+    def get_last_lr(self) -> list[float]:
+        return [lr * self._scale for lr in super().get_last_lr()]
+
+    def state_dict(self) -> dict:
+        state = {k: v for k, v in super().state_dict().items() if k != "_scale"}
+        return {**state, **{k: [lr * self._scale for lr in state[k]] for k in self.LRS if k in state}}
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict({**state, **{k: [lr / self._scale for lr in state[k]] for k in self.LRS if k in state}})
 
 
 def fused(kind: type[torch.optim.Optimizer], params: list[dict], **settings: float | bool) -> torch.optim.Optimizer:
@@ -110,15 +132,6 @@ def portable(state: dict, loss_scale: float = 1.0) -> dict:
     groups = [{**group, **{k: group[k] * unscaled[k] for k in unscaled if k in group}, **dict.fromkeys(IMPLEMENTATION)}
               for group in state["param_groups"]]  # fmt: skip
     return {**state, "param_groups": groups, "state": _momentum_times(state["state"], 1 / loss_scale)}
-
-
-def portable_schedule(state: dict, loss_scale: float = 1.0) -> dict:
-    """An LR schedule's state dict as a file holds it: its LRs x `loss_scale`, as a run without one has them (a run
-    that loads it takes its own LRs anyway: settings_kept)."""
-    if loss_scale == 1.0:
-        return state
-    scaled = {key: [lr * loss_scale for lr in state[key]] for key in ("base_lrs", "_last_lr") if key in state}
-    return {**state, **scaled}
 
 
 def from_portable(state: dict, loss_scale: float = 1.0) -> dict:

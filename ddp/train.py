@@ -274,7 +274,7 @@ def train_epoch(
             saved = job.checkpoints.save(position, job.stats, last_metrics)
             if stopping:
                 preemption.finish_stop(stop.received, saved, world)
-        progress.update(loss, job.trained.scheduler.get_last_lr()[0] * job.plan.loss_scale, len(labels))
+        progress.update(loss, job.trained.scheduler.get_last_lr()[0], len(labels))
     agreement.wait()  # the last step's: the epoch's end asks again
     return position
 
@@ -355,7 +355,7 @@ def epoch_metrics(
     train_loss = job.stats.mean_over_ranks(world)
     return metrics.epoch_record(
         epoch, train_loss, confusion, job.data.classes, world, **speed, seconds=metrics.elapsed(started, world.device),
-        lr=job.trained.scheduler.get_last_lr()[0] * job.plan.loss_scale, **job.stats.grad_norm(), **extra,
+        lr=job.trained.scheduler.get_last_lr()[0], **job.stats.grad_norm(), **extra,
     )  # fmt: skip
 
 
@@ -384,7 +384,7 @@ def stop_if_diverged(job: Job, position: Position) -> None:
     fix = {"fp16": "optim.clip_grad_norm=1.0, or run.amp=bf16 instead of fp16", "fp16-weights": "run.amp=bf16"}
     raise Diverged(
         f"training diverged: {what} (step {position.global_step} now; last finite loss {ranks[0][1]:.4g}, lr "
-        f"{job.trained.scheduler.get_last_lr()[0] * job.plan.loss_scale:.3g}); nothing was saved after it and {kept}. "
+        f"{job.trained.scheduler.get_last_lr()[0]:.3g}); nothing was saved after it and {kept}. "
         f"Try a lower optim.lr (now {job.cfg.optim.lr:g}), {fix.get(job.cfg.run.amp, 'optim.clip_grad_norm=1.0')}"
     )
 

@@ -328,14 +328,14 @@ def load(path: str | Path) -> dict[str, Any]:
 def export(path: str | Path, out: str | Path, raw: bool = False, state_dict: bool = False) -> dict[str, Any]:
     """The model alone, for inference: with what rebuilding it needs (name, classes, normalisation),
     or with `state_dict` the bare state dict of the tutorial's `net.load_state_dict(torch.load(PATH))`.
-    The moving average's weights when the run kept one, unless `raw`. Never replaces a file (a typo
-    could name the checkpoint itself, or another run's). Returns the checkpoint."""
+    The moving average's weights when the run kept one, unless `raw`; in float32 (fp16-weights'
+    widened, exactly). Never replaces a file (a typo could name the checkpoint, or another run's). Returns the state."""
     if Path(out).is_dir():
         raise UsageError(f"OUT={out} is a directory: name the file to write, e.g. {Path(out) / 'model.pt'}")
     if Path(out).exists():
         raise UsageError(f"OUT={out} exists, and export never replaces a file: name a new one, or remove it first")
     state = load(path)
-    exported = weights(state, raw)
+    exported = {k: v.float() if v.dtype == torch.float16 else v for k, v in weights(state, raw).items()}
     if not state_dict:
         model = state["config"]["model"]  # models.build(model_name, len(classes), dropout, width) rebuilds it
         exported = {"format": "ddp-cifar-weights/1", "model_name": model["name"], "width": model.get("width", 1.0),

@@ -118,8 +118,8 @@ def tensors(state) -> list[torch.Tensor]:
 def test_fp16_weights_train_warm_up_and_resume_bit_for_bit_and_the_file_loads_as_float32(tmp_path, capsys):
     """run.amp=fp16-weights (airbench's: fp16 weights but BatchNorm's, the loss x 32 here, the LR / 32): with
     lookahead, a warm-up and a resume from the middle of epoch 1 it ends on the same checkpoint to the bit; the file
-    holds fp16 weights, float32 BatchNorm and float32 momentum as a run without the scale has it; a float32 run
-    (run.amp=off) continues from it."""
+    holds fp16 weights, float32 BatchNorm and float32 momentum as a run without the scale has it; its export holds
+    float32 weights; a float32 run (run.amp=off) continues from it."""
     run = [*TINY, "model.width=0.25", "run.amp=fp16-weights", "train.lookahead_every=3", "run.save_every_steps=3",
            "run.keep_last=10", "run.progress=false"]  # fmt: skip
     whole = train.main([f"run.out_dir={tmp_path / 'whole'}", *run])
@@ -136,6 +136,10 @@ def test_fp16_weights_train_warm_up_and_resume_bit_for_bit_and_the_file_loads_as
     weights = ends["whole"]["model"]
     assert weights["0.0.weight"].dtype == torch.float16 and weights["0.1.weight"].dtype == torch.float32  # conv, BN
     assert {s["momentum_buffer"].dtype for s in ends["whole"]["optimizer"]["state"].values()} == {torch.float32}
+    checkpoint.export(tmp_path / "whole" / "checkpoints" / "last.pt", tmp_path / "net.pth", state_dict=True)
+    exported = torch.load(tmp_path / "net.pth", weights_only=True)  # for inference anywhere: float32, widened exactly
+    assert {v.dtype for v in exported.values() if v.is_floating_point()} == {torch.float32}
+    assert all(torch.equal(exported[k], v.float()) for k, v in weights.items())
     as_float = train.main([f"run.out_dir={tmp_path / 'float'}", *run[:-5], "train.lookahead_every=3", "train.epochs=3",
                            f"run.resume={tmp_path / 'whole' / 'checkpoints' / 'last.pt'}"])  # fmt: skip
     assert as_float["epoch"] == 3 and as_float["train_loss"] < whole["train_loss"]

@@ -82,14 +82,19 @@ def autocast_dtype(amp: str, device: torch.device) -> torch.dtype | None:
     return torch.bfloat16 if amp == "bf16" else torch.float16
 
 
+MAX_LOSS_SCALE_LOG2 = 10  # fp16-weights' loss scale: at most 2**10 = airbench94's batch (see precision)
+
+
 def precision(amp: str, device: torch.device, global_batch: int) -> tuple[torch.dtype | None, torch.dtype, float]:
     """run.amp's Plan.amp (autocast), Plan.weights and Plan.loss_scale. fp16-weights: fp16 weights and inputs, and
     the loss x the power of 2 nearest the global batch, as if the batch's losses were summed (airbench's way: fp16
-    gradients that large neither underflow nor lose their digits); optim.make_optimizer divides the LR and multiplies
-    the weight decay by it, which undoes it exactly (a power of 2)."""
+    gradients that large neither underflow nor lose their digits), at most 1024 (airbench94's batch): the gradients'
+    size is the scale's (a mean loss's x it), kept where airbench's trains, and from a batch of 46341 the scale itself,
+    the fp16 loss's gradient, would be 65536, over fp16's largest number: a NaN step. optim.make_optimizer divides
+    the LR and multiplies the weight decay by it, which undoes it exactly (a power of 2)."""
     if amp != "fp16-weights":
         return autocast_dtype(amp, device), torch.float32, 1.0
-    return None, torch.float16, float(2 ** round(math.log2(global_batch)))
+    return None, torch.float16, float(2 ** min(round(math.log2(global_batch)), MAX_LOSS_SCALE_LOG2))
 
 
 def check_combinations(cfg: Config, world: World) -> None:
@@ -153,7 +158,7 @@ def check_fp16_weights(cfg: Config) -> None:
         "optim.name=adamw": (cfg.optim.name == "adamw", "its squared gradients overflow fp16"),
         "train.ema_decay": (cfg.train.ema_decay > 0, "a moving average's small steps vanish in fp16 weights"),
         "train.sync_bn": (cfg.train.sync_bn, "the synchronised BatchNorm hands float32 to fp16 convolutions"),
-        "optim.clip_grad_norm": (cfg.optim.clip_grad_norm > 0, "the norm of gradients x the batch overflows fp16"),
+        "optim.clip_grad_norm": (cfg.optim.clip_grad_norm > 0, "the norm of gradients x the loss scale overflows fp16"),
     }
     for key, (on, why) in refused.items():
         if on:

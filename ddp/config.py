@@ -202,8 +202,9 @@ class RunConfig:
         ("auto", "torchrun", "accelerate", "slurm", "none"),
     )  # fmt: skip
     seed: int = opt(0, "seed for weights, data order and augmentation", valid=Range(0, 2**32 - 1))
-    amp: str = opt("off", "autocast dtype (fp16 adds a GradScaler; CUDA only) | fp16-weights: airbench's: fp16 weights "
-                   "but BatchNorm's, no autocast, loss x batch", ("off", "bf16", "fp16", "fp16-weights"))  # fmt: skip
+    amp: str = opt("off", "autocast dtype (fp16 adds a GradScaler; CUDA only) | fp16-weights: airbench's: fp16 "
+                   "weights but BatchNorm's, no autocast, loss x batch (at most 1024)",
+                   ("off", "bf16", "fp16", "fp16-weights"))  # fmt: skip
     compile: bool = opt(False, "torch.compile the model (before the DDP wrap)")
     compile_mode: str = opt("default", "torch.compile's mode (reduce-overhead: CUDA graphs, the fastest step on a GPU)",
                             ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"))  # fmt: skip

@@ -297,7 +297,7 @@ def train_step(job: Job, images: torch.Tensor, labels: torch.Tensor, mix: mixing
                 loss = job.criterion(forward(job.wrapped, xs), ys)
                 loss = loss / accum if accum > 1 else loss  # the big batch's mean (/ 1: 2 kernels for nothing)
             with record_function("backward"):
-                scaler.scale(loss * scale if scale != 1.0 else loss).backward()  # fp16-weights: x the batch
+                scaler.scale(loss * scale if scale != 1.0 else loss).backward()  # fp16-weights: x the loss scale
         total = loss.detach() if total is None else total + loss.detach()
     with record_function("clip"):
         scaler.unscale_(optimizer)  # the true gradients' norm, not fp16's scaled ones

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from ddp import config, ema, models, optim
+from ddp import checks, config, ema, models, optim
 
 
 def test_schedule_warms_up_then_decays_to_zero():
@@ -136,6 +136,19 @@ def test_a_loss_scale_undone_by_the_lr_and_decay_steps_bit_for_bit_as_none_and_f
         assert torch.equal(again.state[key]["momentum_buffer"], state["momentum_buffer"])
     with pytest.raises(ValueError, match="SGD's"):
         optim.make_optimizer(net, config.OptimConfig(name="adamw"), 8, 2, loss_scale=1024.0)
+
+
+def test_the_fp16_weights_loss_scale_stops_at_1024_so_that_a_large_batchs_fp16_gradients_stay_finite():
+    """The loss scale is the power of 2 nearest the global batch, at most 1024 (airbench94's batch). At a global
+    batch of 65536 (64 GPUs x 1024) the nearest, 65536, is the fp16 loss's gradient and over fp16's largest number:
+    every gradient came back NaN. Scaled by 1024 the mean loss's gradients are finite."""
+    scales = {b: checks.precision("fp16-weights", torch.device("cpu"), b)[2] for b in (1, 3, 32, 1000, 4096, 65536)}
+    assert scales == {1: 1.0, 3: 4.0, 32: 32.0, 1000: 1024.0, 4096: 1024.0, 65536: 1024.0}
+    torch.manual_seed(0)
+    net = torch.nn.Linear(16, 10).half()
+    x, y = torch.randn(65536, 16).half(), torch.randint(0, 10, (65536,))
+    (torch.nn.CrossEntropyLoss(label_smoothing=0.2)(net(x), y) * scales[65536]).backward()
+    assert all(p.grad.isfinite().all() for p in net.parameters())
 
 
 def test_fp16_weights_lookahead_and_the_gradient_norm_make_one_multi_tensor_call_per_dtype(monkeypatch):

@@ -30,23 +30,27 @@
 #   steps        configs/fast.yaml as gpu-check's fast step runs it, 3 epochs, its first 12 steps profiled
 #          (run.profile=1:13), step by step (bench/step_times.py): which step of the first epoch, which part
 #          of it, costs that epoch twice a later one's seconds (2026-11-27); steps.md (the trace not kept)
+#   pairs        bench/epoch_pairs.py: airbench94, fast.yaml (bf16) and fast.yaml with fp16-weights PAIRS times each
+#          (default 8) in ONE process, in turns: epochs 2-10 against airbench94's without the up to 31% between
+#          processes (2026-11-27); pairs.md and .jsonl, the runs' logs in pairs/
 # Each run's epoch lines (and profile tables) go to $OUT/probe-<step>.log; the fast-* runs' metrics.jsonl
 # to $OUT/<run>/.
 #   fsdp   FSDP2 at one rank took 4.1x DDP's step (resnet18, batch 256, bf16, 2026-11-25): the same with
 #          --amp off (bf16 shards each BatchNorm on its own: 27 FSDP2 units instead of 8)
 #   bash bench/gpu_probe.sh [ddp] [tune] [mfu] [graphs] [fast-graphs] [fast-seeds] [fast-fp16] [graphs-split] [recipe-steps]
-#          [overhead] [steps] [fsdp]
+#          [overhead] [steps] [pairs] [fsdp]
 # Exit status: 1 if a probe (or one run of it) failed, named in the last line.
 #   bash bench/gpu_probe.sh --check PROBES...   the names and MFU_MODES / MFU_MODELS checked, nothing run: one
 #          line and exit 64 for a bad one (gpu_lease.sh asks first, so a typo costs no device time)
 set -uo pipefail
 cd "$(dirname "$0")/.."
-probes=" ddp tune mfu graphs fast-graphs fast-seeds fast-fp16 graphs-split recipe-steps overhead steps fsdp "
+probes=" ddp tune mfu graphs fast-graphs fast-seeds fast-fp16 graphs-split recipe-steps overhead steps pairs fsdp "
 modes=" default reduce-overhead max-autotune max-autotune-no-cudagraphs "  # torch.compile's (run.compile_mode)
 bad() { echo "gpu_probe.sh: $*" >&2; exit 64; }
 for s in ${*#--check}; do [[ $probes == *" $s "* ]] || bad "no probe '$s' (the probes: $(echo $probes))"; done
 for m in ${MFU_MODES:-default}; do [[ $modes == *" $m "* ]] || bad "MFU_MODES: '$m' is no run.compile_mode (one of: $(echo $modes))"; done
 for p in ${GRAPHS_SPLIT:-pair}; do [[ " pair fused split " == *" $p "* ]] || bad "GRAPHS_SPLIT: no part '$p' (the parts: pair fused split)"; done
+[[ ${PAIRS:-8} =~ ^[1-9][0-9]*$ ]] || bad "PAIRS: '$PAIRS' is not a whole number >= 1 (the pairs probe's count)"
 for r in ${MFU_MODELS:-fast:1}; do
   [[ $r =~ ^[a-z0-9_]+:[1-9][0-9]*$ ]] || bad "MFU_MODELS: '$r' is not MODEL:BATCH (fast:8192, say)"
 done
@@ -150,6 +154,9 @@ for mode in sys.argv[2].split():
         echo "== fast.yaml on the subset, run.amp=fp16" >"$out/probe-fast-fp16.log"
         python3 ddp/train.py "${subset[@]}" run.amp=fp16 "run.out_dir=$out/fast-fp16" >>"$out/probe-fast-fp16.log" 2>&1 ||
           failed+=" fast-fp16"
+        ;;
+      pairs)
+        python3 bench/epoch_pairs.py "$out" --pairs "${PAIRS:-8}" >"$out/probe-pairs.log" 2>&1 || failed+=" pairs"
         ;;
       steps)
         rm -rf "$out/steps"

@@ -364,3 +364,34 @@ def test_the_fp16_emulation_computes_a_cpu_fp16_convolution_in_float32_as_the_cp
     for ours, theirs in zip((outputs[0], *grads[0]), (outputs[1], *grads[1]), strict=True):  # here: 1 ulp at most
         torch.testing.assert_close(ours, theirs, atol=1e-3, rtol=1e-3)
     assert torch.equal(fp16_cpu.conv2d(x, w, None, 1, 1), torch.nn.functional.conv2d(x, w, None, 1, 1))
+
+
+def test_epoch_pairs_runs_ours_in_turns_in_one_process_and_sets_each_pair_against_airbench94(tmp_path, capsys):
+    """bench/epoch_pairs.py's dry run (CPU, toy sizes, no airbench94): both arms of ours in each pair, the order
+    reversed in the second, each with its later epochs, epoch 1 and accuracy, checkpoints removed; the report, with
+    airbench94's figures put in as a GPU has them, sets each arm against the airbench94 of its pair; a run that fails
+    is one cell and the pairs go on; bad values are one line."""
+    from bench import epoch_pairs
+
+    assert epoch_pairs.main([str(tmp_path), "--dry-run", "--pairs", "2"]) == 0
+    pairs = [json.loads(line) for line in (tmp_path / "pairs.jsonl").read_text().splitlines()]
+    assert [p["order"] for p in pairs] == [["airbench94", "fast", "fast-fp16w"], ["fast-fp16w", "fast", "airbench94"]]
+    assert all(p[a]["later_s"] > 0 and 0 <= p[a]["accuracy"] <= 1 for p in pairs for a in epoch_pairs.ARMS)
+    assert not list((tmp_path / "pairs").glob("*/checkpoints"))
+    assert "| 2 | fast-fp16w, fast, airbench94 | - |" in (tmp_path / "pairs.md").read_text()
+    pairs[0].update(airbench94={"later_s": 0.03, "epoch1_s": 0.031, "accuracy": 0.7}, fast={"later_s": 0.033,
+                    "epoch1_s": 0.06, "accuracy": 0.71}, **{"fast-fp16w": epoch_pairs.ours(tmp_path / "bad", None,
+                    ("run.amp=nope",), 1)})  # fmt: skip
+    pairs[1].update(airbench94={"later_s": 0.04, "epoch1_s": 0.04, "accuracy": 0.69}, fast={"later_s": 0.036,
+                    "epoch1_s": 0.05, "accuracy": 0.7})  # fmt: skip
+    table = "\n".join(epoch_pairs.report(pairs, "# pairs"))
+    assert "| 1 | airbench94, fast, fast-fp16w | 0.0300 (epoch 1 0.0310, 70.00%) | 0.0330 (epoch 1 0.0600, 71.00%) " \
+           "| 1.10x | failed (UsageError: run.amp: 'nope' is not one of" in table  # fmt: skip
+    assert "- fast: median 0.0345 s an epoch over 2 runs (0.0330-0.0360); against airbench94 of the same pair: " \
+           "median 1.00x (0.90x-1.10x), no slower in 1 of 2" in table  # fmt: skip
+    for argv, told in ((["--pairs", "0"], "--pairs must be at least 1, not 0"), ([], "no CUDA device")):
+        if argv or not torch.cuda.is_available():
+            with pytest.raises(SystemExit) as refused:
+                epoch_pairs.main([str(tmp_path / "refused"), *argv])
+            assert refused.value.code == 2 and told in capsys.readouterr().err
+    assert not (tmp_path / "refused").exists()

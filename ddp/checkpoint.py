@@ -357,8 +357,8 @@ def describe(path: str | Path) -> tuple[str, bool]:
     lines = [
         f"{size} ok",
         f"  epoch {state['epoch']} done, step {state['step']} of the next, global step {state['global_step']}",
-        f"  world_size {state['world_size']}, global batch {state['global_batch']}, "
-        f"model {config['model']['name']}, dataset {config['data']['dataset']}",
+        f"  world_size {state['world_size']}, global batch {state['global_batch']}, model {config['model']['name']}, "
+        f"dataset {config['data']['dataset']}, run.amp {config['run'].get('amp', 'off')}",
         f"  versions {state['versions']}",
     ]
     if metrics:

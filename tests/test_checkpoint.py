@@ -123,7 +123,7 @@ def test_a_file_that_is_no_checkpoint_says_what_it_holds_in_one_plain_line(write
 def test_inspect_and_export(run_dir, tmp_path):
     shown = ok(python("-m", "ddp.checkpoint", "inspect", str(rundir.last_path(run_dir)))).stdout
     assert "checksum ok" in shown and "epoch 2 done, step 0" in shown and "world_size 1" in shown
-    assert "test_acc" in shown and "MB" in shown
+    assert "test_acc" in shown and "MB" in shown and "run.amp off" in shown
     out = tmp_path / "weights.pt"
     ok(python("-m", "ddp.checkpoint", "export", str(rundir.last_path(run_dir)), str(out)))
     weights = torch.load(out, map_location="cpu", weights_only=True)

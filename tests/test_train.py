@@ -136,6 +136,7 @@ def test_fp16_weights_train_warm_up_and_resume_bit_for_bit_and_the_file_loads_as
     weights = ends["whole"]["model"]
     assert weights["0.0.weight"].dtype == torch.float16 and weights["0.1.weight"].dtype == torch.float32  # conv, BN
     assert {s["momentum_buffer"].dtype for s in ends["whole"]["optimizer"]["state"].values()} == {torch.float32}
+    assert "model small, dataset synthetic, run.amp fp16-weights" in checkpoint.describe(step_3)[0]  # inspect's
     checkpoint.export(tmp_path / "whole" / "checkpoints" / "last.pt", tmp_path / "net.pth", state_dict=True)
     exported = torch.load(tmp_path / "net.pth", weights_only=True)  # for inference anywhere: float32, widened exactly
     assert {v.dtype for v in exported.values() if v.is_floating_point()} == {torch.float32}

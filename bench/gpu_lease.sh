@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # One device call of GPU work whose results come back even when the call runs out of time:
 #   bash bench/gpu_lease.sh [--dry-run] [SECONDS]
-# runs `bash bench/gpu_check.sh $CHECK_STEPS` (default: fast airbench, the figures issue 33 still needs;
-# empty: none), then `bash bench/gpu_probe.sh $PROBES` (default: fast-fp16 recipe-steps graphs-split fast-graphs
-# fast-seeds overhead, what the eager step and DDP at world size 1 still miss; graphs-split's pair alone unless GRAPHS_SPLIT
+# runs `bash bench/gpu_check.sh $CHECK_STEPS` (default: none; `fast airbench` until 2026-11-27, whose figures are
+# in), then `bash bench/gpu_probe.sh $PROBES` (default: pairs recipe-steps steps graphs-split, what issue 33 still
+# needs: fast.yaml's epochs, bf16 and fp16-weights, against airbench94's in one process; fp16-weights' kernels a step;
+# the first epoch step by step; DDP at world size 1 with one graph; graphs-split's pair alone unless GRAPHS_SPLIT
 # names its parts; an mfu probe named there runs at MFU_MODES=max-autotune-no-cudagraphs
 # MFU_MODELS=resnet18:4096 unless set; none with
 # --dry-run: the probes need CUDA), all of it within SECONDS (default 540: a device call's 600 s less
@@ -24,8 +25,8 @@ budget=${1:-540}
 [[ $budget =~ ^[1-9][0-9]*$ ]] || { echo "gpu_lease.sh: SECONDS must be a whole number >= 1, not '$budget'" >&2; exit 64; }
 every=${GPU_LEASE_PACK_S:-20}
 [[ $every =~ ^[1-9][0-9]*$ ]] || { echo "gpu_lease.sh: GPU_LEASE_PACK_S must be a whole number >= 1, not '$every'" >&2; exit 64; }
-check=${CHECK_STEPS-fast airbench}
-probes=${PROBES-fast-fp16 recipe-steps graphs-split fast-graphs fast-seeds overhead}
+check=${CHECK_STEPS-}
+probes=${PROBES-pairs recipe-steps steps graphs-split}
 export MFU_MODES="${MFU_MODES-max-autotune-no-cudagraphs}" MFU_MODELS="${MFU_MODELS-resnet18:4096}"
 export GRAPHS_SPLIT="${GRAPHS_SPLIT-pair}"  # the fused A/B and the MFU split were measured; the pair's profile not yet
 [ -z "$probes" ] || bash bench/gpu_probe.sh --check $probes || exit 64  # a typo found now, not after the check
@@ -72,6 +73,7 @@ if [ ${#runs[@]} -gt 0 ] || [ -e "$work/check/fast" ] || [ -e "$work/check/airbe
     "${runs[@]}" >"$work/later-epochs.md" 2>&1
   cat "$work/later-epochs.md"
 fi
+[ -f "$work/probe/pairs.md" ] && cat "$work/probe/pairs.md"  # the epochs against airbench94's, in one process
 pack
 echo "gpu_lease.sh: $(tar tzf "$dest/gpu-lease.tgz" | grep -vc '/$') files in $dest/gpu-lease.tgz (exit $code)"
 exit $code

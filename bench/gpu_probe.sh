@@ -29,7 +29,8 @@
 #          compiled-DDP variant): a second sample of its figures; ddp-overhead.md and .json
 #   steps        configs/fast.yaml as gpu-check's fast step runs it, 3 epochs, its first 12 steps profiled
 #          (run.profile=1:13), step by step (bench/step_times.py): which step of the first epoch, which part
-#          of it, costs that epoch twice a later one's seconds (2026-11-27); steps.md (the trace not kept)
+#          of it, costs that epoch twice a later one's seconds (2026-11-27); steps.md (the trace not kept); again
+#          after a warm-up of 50 steps (steps-warm50.md): a GPU still ramping its clocks up, or a code path
 #   pairs        bench/epoch_pairs.py: airbench94, fast.yaml (bf16) and fast.yaml with fp16-weights PAIRS times each
 #          (default 8) in ONE process, in turns: epochs 2-10 against airbench94's without the up to 31% between
 #          processes (2026-11-27); pairs.md and .jsonl, the runs' logs in pairs/
@@ -165,6 +166,15 @@ for mode in sys.argv[2].split():
           python3 bench/step_times.py "$out/steps/profile/rank0.json" 1 --out "$out/steps.md"; } \
           >>"$out/probe-steps.log" 2>&1 || failed+=" steps"
         rm -rf "$out/steps/profile"  # tens of MB on a GPU: steps.md is what comes back
+        # the same after 50 throwaway steps (10 epochs' worth, as airbench94's warm-up is a whole run): a first epoch
+        # that pays for a GPU not yet at speed (its clocks) is a normal one here; one that pays for a code path is not
+        rm -rf "$out/steps-warm50"
+        echo "== the same with run.warmup_steps=50" >>"$out/probe-steps.log"
+        { python3 ddp/train.py "${subset[@]}" train.epochs=3 run.profile=1:13 run.warmup_steps=50 \
+          "run.out_dir=$out/steps-warm50" &&
+          python3 bench/step_times.py "$out/steps-warm50/profile/rank0.json" 1 --out "$out/steps-warm50.md"; } \
+          >>"$out/probe-steps.log" 2>&1 || failed+=" steps (warm-up 50)"
+        rm -rf "$out/steps-warm50/profile"
         ;;
       overhead)
         python3 -c 'import json, sys

@@ -10,9 +10,11 @@ airbench94's timer), its epoch 1 and its final test accuracy (airbench94's with 
 and pairs.md after each run, so a call cut off keeps what it finished; the runs' logs and metrics.jsonl to
 OUT_DIR/pairs/.
 
-    python bench/epoch_pairs.py OUT_DIR [--pairs N] [--data .gpu/cifar10-subset.npz] [--airbench ARCHIVE]
-    python bench/epoch_pairs.py OUT_DIR --dry-run [--pairs N]    (the CPU, toy sizes, float32 both, no airbench94)
+    python bench/epoch_pairs.py OUT_DIR [--pairs N] [--arms A,B] [--data .gpu/cifar10-subset.npz] [--airbench ARCHIVE]
+    python bench/epoch_pairs.py OUT_DIR --dry-run [--pairs N] [--arms A,B]  (the CPU, toy sizes, every arm float32
+                                                                           and eager, no airbench94)
 
+--arms: which of ours (default fast,fast-fp16w; also fast-graphs and fast-fp16w-graphs, compiled with CUDA graphs).
 ARCHIVE: airbench's source archive (default .gpu/airbench-*.tar.gz: make gpu-carry).
 """
 
@@ -37,7 +39,10 @@ from bench import airbench_subset  # noqa: E402
 from ddp import train  # noqa: E402
 from ddp.plot import read_run  # noqa: E402
 
-ARMS = {"fast": (), "fast-fp16w": ("run.amp=fp16-weights",)}  # ours, beside "airbench94"
+GRAPHS = ("run.compile=true", "run.compile_mode=reduce-overhead")  # CUDA graphs, compiled in the warm-up
+ARMS = {"fast": (), "fast-fp16w": ("run.amp=fp16-weights",), "fast-graphs": GRAPHS,
+        "fast-fp16w-graphs": ("run.amp=fp16-weights", *GRAPHS)}  # fmt: skip
+DEFAULT_ARMS = "fast,fast-fp16w"  # ours, beside "airbench94"; a compiled arm compiles in each run's warm-up (39.6 s)
 TOY = ("data.dataset=synthetic", "data.synthetic_train=128", "data.synthetic_test=64", "train.epochs=2",
        "train.batch_size=64", "model.width=0.25", "run.device=cpu", "run.amp=off", "run.channels_last=false",
        "run.cudnn_benchmark=false")  # fmt: skip
@@ -100,18 +105,18 @@ def ratio(a: dict | None, b: dict | None) -> float | None:
     return a["later_s"] / b["later_s"] if ok else None
 
 
-def report(pairs: list[dict], header: str) -> list[str]:
+def report(pairs: list[dict], header: str, arms: list[str]) -> list[str]:
     """The pairs' table, then per arm the median of its later epochs and of its ratios to airbench94."""
-    head = ["pair", "order", "airbench94 s an epoch, epoch 2 on", *(x for a in ARMS for x in (a, f"{a} / airbench94"))]
+    head = ["pair", "order", "airbench94 s an epoch, epoch 2 on", *(x for a in arms for x in (a, f"{a} / airbench94"))]
     lines = [header, "", "| " + " | ".join(head) + " |", "| --- | --- |" + " ---: |" * (len(head) - 2)]
     for p in pairs:
         cells = [str(p["pair"]), ", ".join(p["order"]), cell(p.get("airbench94"))]
-        for a in ARMS:
+        for a in arms:
             r = ratio(p.get(a), p.get("airbench94"))
             cells += [cell(p.get(a)), f"{r:.2f}x" if r else "-"]
         lines.append("| " + " | ".join(cells) + " |")
     lines.append("")
-    for arm in ("airbench94", *ARMS):
+    for arm in ("airbench94", *arms):
         later = [p[arm]["later_s"] for p in pairs if (p.get(arm) or {}).get("later_s")]
         if not later:
             continue
@@ -132,10 +137,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pairs", type=int, default=8)
     parser.add_argument("--data", type=Path, default=ROOT / ".gpu" / "cifar10-subset.npz")
     parser.add_argument("--airbench", type=Path, default=next((ROOT / ".gpu").glob("airbench-*.tar.gz"), None))
+    parser.add_argument("--arms", default=DEFAULT_ARMS, help=f"ours, comma-separated, of: {', '.join(ARMS)}")
     parser.add_argument("--dry-run", action="store_true")
     args = parser.parse_args(argv)
     if args.pairs < 1:
         parser.error(f"--pairs must be at least 1, not {args.pairs}")
+    arms = args.arms.split(",")
+    unknown = [a for a in arms if a not in ARMS]
+    if unknown or len(set(arms)) < len(arms):
+        parser.error(f"--arms={args.arms}: each once, of {', '.join(ARMS)} ({', '.join(unknown) or 'a repeat'})")
     if not args.dry_run and not torch.cuda.is_available():
         parser.error("no CUDA device: airbench94 trains on a GPU only (--dry-run: ours alone, on the CPU, toy sizes)")
     if not args.dry_run and not (args.data.is_file() and args.airbench and args.airbench.is_file()):
@@ -150,18 +160,18 @@ def main(argv: list[str] | None = None) -> int:
               "test accuracy)")  # fmt: skip
     pairs: list[dict] = []
     for k in range(1, args.pairs + 1):
-        order = ["airbench94", *ARMS] if k % 2 else [*reversed(ARMS), "airbench94"]
+        order = ["airbench94", *arms] if k % 2 else [*reversed(arms), "airbench94"]
         pair = {"pair": k, "order": order}
         pairs.append(pair)
         for arm in order:
             where = out / "pairs" / f"{k}-{arm}"
             if arm != "airbench94":
-                settings = () if args.dry_run else ARMS[arm]  # float32 both on a CPU: fp16 convolutions are 100x slower
+                settings = () if args.dry_run else ARMS[arm]  # dry: float32, eager (fp16 convolutions: 100x slower)
                 pair[arm] = ours(where, data, settings, k)
             elif theirs:
                 pair[arm] = theirs.run(where)
             (out / "pairs.jsonl").write_text("".join(json.dumps(p) + "\n" for p in pairs))
-            (out / "pairs.md").write_text("\n".join(report(pairs, header)) + "\n")
+            (out / "pairs.md").write_text("\n".join(report(pairs, header, arms)) + "\n")
     print((out / "pairs.md").read_text(), end="")
     return 0
 

@@ -33,7 +33,8 @@
 #          after a warm-up of 50 steps (steps-warm50.md): a GPU still ramping its clocks up, or a code path
 #   pairs        bench/epoch_pairs.py: airbench94, fast.yaml (bf16) and fast.yaml with fp16-weights PAIRS times each
 #          (default 8) in ONE process, in turns: epochs 2-10 against airbench94's without the up to 31% between
-#          processes (2026-11-27); pairs.md and .jsonl, the runs' logs in pairs/
+#          processes (2026-11-27); pairs.md and .jsonl, the runs' logs in pairs/; PAIRS_ARMS: which of ours
+#          (bench/epoch_pairs.py --arms; fast-graphs, fast-fp16w-graphs: compiled with CUDA graphs)
 # Each run's epoch lines (and profile tables) go to $OUT/probe-<step>.log; the fast-* runs' metrics.jsonl
 # to $OUT/<run>/.
 #   fsdp   FSDP2 at one rank took 4.1x DDP's step (resnet18, batch 256, bf16, 2026-11-25): the same with
@@ -52,6 +53,11 @@ for s in ${*#--check}; do [[ $probes == *" $s "* ]] || bad "no probe '$s' (the p
 for m in ${MFU_MODES:-default}; do [[ $modes == *" $m "* ]] || bad "MFU_MODES: '$m' is no run.compile_mode (one of: $(echo $modes))"; done
 for p in ${GRAPHS_SPLIT:-pair}; do [[ " pair fused split " == *" $p "* ]] || bad "GRAPHS_SPLIT: no part '$p' (the parts: pair fused split)"; done
 [[ ${PAIRS:-8} =~ ^[1-9][0-9]*$ ]] || bad "PAIRS: '$PAIRS' is not a whole number >= 1 (the pairs probe's count)"
+arms=${PAIRS_ARMS:-fast,fast-fp16w}
+for a in ${arms//,/ }; do  # bench/epoch_pairs.py's ARMS
+  [[ " fast fast-fp16w fast-graphs fast-fp16w-graphs " == *" $a "* ]] ||
+    bad "PAIRS_ARMS: no arm '$a' (the arms: fast fast-fp16w fast-graphs fast-fp16w-graphs, comma-separated)"
+done
 for r in ${MFU_MODELS:-fast:1}; do
   [[ $r =~ ^[a-z0-9_]+:[1-9][0-9]*$ ]] || bad "MFU_MODELS: '$r' is not MODEL:BATCH (fast:8192, say)"
 done
@@ -157,7 +163,8 @@ for mode in sys.argv[2].split():
           failed+=" fast-fp16"
         ;;
       pairs)
-        python3 bench/epoch_pairs.py "$out" --pairs "${PAIRS:-8}" >"$out/probe-pairs.log" 2>&1 || failed+=" pairs"
+        python3 bench/epoch_pairs.py "$out" --pairs "${PAIRS:-8}" --arms "$arms" \
+          >"$out/probe-pairs.log" 2>&1 || failed+=" pairs"
         ;;
       steps)
         rm -rf "$out/steps"

@@ -389,6 +389,10 @@ def test_epoch_pairs_runs_ours_in_turns_in_one_process_and_sets_each_pair_agains
            "| 1.10x | failed (UsageError: run.amp: 'nope' is not one of" in table  # fmt: skip
     assert "- fast: median 0.0345 s an epoch over 2 runs (0.0330-0.0360); against airbench94 of the same pair: " \
            "median 1.00x (0.90x-1.10x), no slower in 1 of 2" in table  # fmt: skip
+    broken = object.__new__(epoch_pairs.Airbench)  # airbench94 failing (an OOM, say) is a cell too
+    broken.airbench, broken.loader = type("Airbench", (), {"train94": staticmethod(lambda **kwargs: 1 / 0)}), None
+    assert broken.run(tmp_path / "ab") == {"failed": "ZeroDivisionError: division by zero"}
+    assert (tmp_path / "ab.log").is_file()
     unknown_arm = "--arms=fast,fast-graph: each once, of fast, fast-fp16w, fast-graphs, fast-fp16w-graphs (fast-graph)"
     refusals = ((["--pairs", "0"], "--pairs must be at least 1, not 0"), ([], "no CUDA device"),
                 (["--arms", "fast,fast-graph"], unknown_arm), (["--arms", "fast,fast"], "(a repeat)"))  # fmt: skip

@@ -66,7 +66,7 @@ clean:
 gpu-check:
 	bash bench/gpu_check.sh $(ARGS)
 
-# make gpu-lease: gpu-check's steps, then the probes (bench/gpu_probe.sh), in one device call, their logs brought
+# make gpu-lease: gpu-check's steps (CHECK_STEPS), then the probes (bench/gpu_probe.sh), in one device call, their logs brought
 # back packed in $$OUT/gpu-lease.tgz even when the call runs out of time (bench/gpu_lease.sh says how).
 gpu-lease:
 	bash bench/gpu_lease.sh $(ARGS)

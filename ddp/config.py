@@ -340,7 +340,8 @@ def _read_yaml(path: str) -> dict[str, Any]:
     except (yaml.YAMLError, UnicodeDecodeError) as e:  # the second: not a text file
         mark = getattr(e, "problem_mark", None)
         where = f" line {mark.line + 1}:" if mark else ""
-        raise UsageError(f"{path}:{where} invalid YAML: {getattr(e, 'problem', e)}") from None
+        said = " ".join(str(getattr(e, "problem", None) or e).split())  # one line (a reader error's is two)
+        raise UsageError(f"{path}:{where} invalid YAML: {said}") from None
     if doc is None:
         return {}
     if not isinstance(doc, dict) or not all(isinstance(v, dict) for v in doc.values()):

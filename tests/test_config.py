@@ -128,8 +128,13 @@ def test_bad_yaml_names_the_line(tmp_path):
         ),
         ("optim:\n  lr: 0.1\n  lr: 0.2\n", "line 3: invalid YAML: 'lr' is given twice"),
         (b"\xa3\x00 binary", "invalid YAML: 'utf-8' codec can't decode byte 0xa3 in position 0"),
+        (
+            b"\x00\x01 binary",
+            "invalid YAML: unacceptable character #x0000: special characters are not allowed in "
+            '"<unicode string>", position 0',
+        ),  # fmt: skip
     ],
-    ids=["a-section-twice", "a-key-twice", "not-text"],
+    ids=["a-section-twice", "a-key-twice", "not-text", "text-but-not-yaml"],
 )
 def test_a_config_that_says_a_thing_twice_or_is_no_text_is_refused(text, said, tmp_path):
     """PyYAML keeps the last of a key given twice: the first optim section's lr was dropped without a word.
@@ -138,7 +143,7 @@ def test_a_config_that_says_a_thing_twice_or_is_no_text_is_refused(text, said, t
     path.write_bytes(text) if isinstance(text, bytes) else path.write_text(text)
     with pytest.raises(UsageError) as refused:
         config.load(str(path))
-    assert str(refused.value).startswith(f"{path}: {said}"), refused.value
+    assert str(refused.value).startswith(f"{path}: {said}") and "\n" not in str(refused.value), refused.value
     merged = write(tmp_path, "run:\n  <<: {seed: 5, progress: false}\n  seed: 7\n")
     assert (config.load(merged).run.seed, config.load(merged).run.progress) == (7, False)
 

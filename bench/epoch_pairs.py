@@ -36,6 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # `bench` and `ddp` from the checkout
 
 from bench import airbench_subset  # noqa: E402
+from bench.gpu_summary import airbench_later_epoch_s, later_epoch_s  # noqa: E402
 from ddp import train  # noqa: E402
 from ddp.plot import read_run  # noqa: E402
 
@@ -65,9 +66,7 @@ def ours(out: Path, data: Path | None, settings: tuple[str, ...], seed: int) -> 
             return {"failed": f"{type(e).__name__}: {e}"[:200]}
     shutil.rmtree(out / "checkpoints", ignore_errors=True)
     rows = read_run(out)
-    later = [r["train_s"] for r in rows[1:]]
-    return {"later_s": sum(later) / len(later) if later else None, "epoch1_s": rows[0]["train_s"],
-            "accuracy": rows[-1].get("test_acc")}  # fmt: skip
+    return {"later_s": later_epoch_s(rows), "epoch1_s": rows[0]["train_s"], "accuracy": rows[-1].get("test_acc")}
 
 
 class Airbench:
@@ -90,13 +89,14 @@ class Airbench:
         try:
             with contextlib.redirect_stdout(printed):
                 model = self.airbench.train94(train_loader=self.loader, verbose=True)
-            times = [r["total_time_seconds"] for r in airbench_subset.per_epoch(printed.getvalue())]
+            per_epoch = airbench_subset.per_epoch(printed.getvalue())  # its table: an empty one fails the run
             accuracy = float(self.airbench.evaluate(model, self.test, tta_level=self.hyp["net"]["tta_level"]))
+            first = per_epoch[0]["total_time_seconds"]
         except Exception as e:  # a failed arm is reported, and the pairs go on
             return {"failed": f"{type(e).__name__}: {e}"[:200]}
         finally:
             Path(f"{out}.log").write_text(printed.getvalue())
-        return {"later_s": (times[-1] - times[0]) / (len(times) - 1), "epoch1_s": times[0], "accuracy": accuracy}
+        return {"later_s": airbench_later_epoch_s(per_epoch), "epoch1_s": first, "accuracy": accuracy}
 
 
 def cell(r: dict | None) -> str:

@@ -100,11 +100,10 @@ def later_epochs(out: Path, more: list[Path]) -> list[str]:
     if r == NOT_WHOLE:
         lines.append(f"| airbench94 | - | {NOT_WHOLE} | - | - | - | - |")
     per_epoch = r.get("per_epoch", []) if isinstance(r, dict) else []
-    times = [a["total_time_seconds"] for a in per_epoch]
-    if len(times) > 1:
-        theirs = (times[-1] - times[0]) / (len(times) - 1)
+    theirs = airbench_later_epoch_s(per_epoch)
+    if theirs is not None:
         their_70 = first_at_70([(a["val_acc"], a["total_time_seconds"], a["epoch"]) for a in per_epoch])
-        lines.append(f"| airbench94 | {len(times)} | {theirs:.4f} | 1.00x | {shown(their_70)} "
+        lines.append(f"| airbench94 | {len(per_epoch)} | {theirs:.4f} | 1.00x | {shown(their_70)} "
                      f"| {'1.00x' if their_70 else '-'} | {100 * r['accuracy']:.2f}% (its TTA) |")  # fmt: skip
     for run in [out / "fast", *more]:
         try:
@@ -112,15 +111,28 @@ def later_epochs(out: Path, more: list[Path]) -> list[str]:
         except UsageError:  # the run failed before an epoch ended
             lines.append(f"| {run.name} | - | no finished epoch | - | - | - | - |")
             continue
-        later = [row["train_s"] for row in rows[1:] if "train_s" in row]
-        mean = f"{sum(later) / len(later):.4f}" if later else "-"
-        ratio = f"{sum(later) / len(later) / theirs:.2f}x" if theirs and later else "-"
+        later = later_epoch_s(rows)
+        mean = f"{later:.4f}" if later is not None else "-"
+        ratio = f"{later / theirs:.2f}x" if theirs and later is not None else "-"
         trained = itertools.accumulate(row.get("train_s", float("nan")) for row in rows)
         ours_70 = first_at_70([(row.get("test_acc", 0.0), s, row["epoch"]) for row, s in zip(rows, trained)])
         ratio_70 = f"{ours_70[0] / their_70[0]:.2f}x" if ours_70 and their_70 else "-"
         acc = f"{100 * rows[-1]['test_acc']:.2f}%" if "test_acc" in rows[-1] else "-"
         lines.append(f"| {run.name} | {len(rows)} | {mean} | {ratio} | {shown(ours_70)} | {ratio_70} | {acc} |")
     return lines
+
+
+def later_epoch_s(rows: list[dict]) -> float | None:
+    """Our run's training seconds a mean epoch from epoch 2 on (metrics.jsonl's train_s); None with one epoch."""
+    later = [row["train_s"] for row in rows[1:] if "train_s" in row]
+    return sum(later) / len(later) if later else None
+
+
+def airbench_later_epoch_s(per_epoch: list[dict]) -> float | None:
+    """airbench94's, from its per-epoch rows (bench/airbench_subset.py: its timer's seconds so far at each epoch's
+    end); None with fewer than two epochs."""
+    times = [a["total_time_seconds"] for a in per_epoch]
+    return (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None
 
 
 def first_at_70(epochs: list[tuple[float, float, int]]) -> tuple[float, int] | None:

@@ -262,7 +262,7 @@ def _reading(path: Path, skipped: list[str] | None = None) -> Iterator[None]:
         except UsageError:  # CorruptCheckpoint is one: the file's own checks said what is wrong
             raise
         except Exception as e:  # truncated, not a checkpoint, or a pickle that wants to run code
-            why = first_line(e, typed=True)
+            why = files.torch_file_problem(path) or first_line(e, typed=True)
             if code := re.search(r"Unsupported global: GLOBAL (\S+)", str(e)):  # torch.save(model): a class, pickled
                 why = f"it holds Python objects ({code[1]}), as torch.save(model) writes, not only tensors"
             raise CorruptCheckpoint(f"{path} is not a loadable checkpoint ({why})") from None

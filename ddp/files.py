@@ -2,7 +2,8 @@
 file beside its target, fsynced, then renamed over it (`replace`, `atomic`, `link`); `append` cuts a
 failed addition off. A failure is one WriteFailed: the file, the bytes it needed, the space free.
 
-`digest` is the checksum a checkpoint holds of its own content."""
+`digest` is the checksum a checkpoint holds of its own content; `torch_file_problem` tells
+torch.save's whole files from others."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import io
 import os
 import shutil
 import tempfile
+import zipfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -176,3 +178,20 @@ def digest(obj: Any) -> str:
 
     walk(obj)
     return h.hexdigest()
+
+
+def torch_file_problem(path: Path) -> str | None:
+    """What makes `path` no whole file of torch.save's, from its bytes: another kind of file, or its zip cut
+    short; None when it looks whole (a zip, its format, or a pickle, its legacy one) or cannot be read (then
+    torch.load's error says why)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4)
+        if not head:
+            return "an empty file"
+        if head == b"PK\x03\x04":
+            whole = zipfile.is_zipfile(path)  # it finds the zip's end record, the last bytes torch.save writes
+            return None if whole else "cut short: a zip without its end, as an interrupted copy leaves"
+    except OSError:
+        return None
+    return None if head[:1] == b"\x80" else "not a file that torch.save wrote"

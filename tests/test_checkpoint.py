@@ -102,17 +102,26 @@ def test_a_checkpoint_that_would_run_code_is_refused_not_executed(tmp_path):
     assert not marker.exists()
 
 
+def cut_short(path):
+    """A torch.save file that a copy or a write stopped in: the first 3/5 of it."""
+    torch.save({"model": {"w": torch.zeros(10_000)}, "epoch": 1}, path)
+    path.write_bytes(path.read_bytes()[: path.stat().st_size * 3 // 5])
+
+
 @pytest.mark.parametrize(
     "write, why",
     [
         (lambda f: torch.save(torch.nn.Linear(2, 2), f),  # the tutorial's other way: torch.save(model, PATH)
          "(it holds Python objects (torch.nn.modules.linear.Linear), as torch.save(model) writes, not only tensors)"),
-        (lambda f: f.write_bytes(b""), "(EOFError)"),  # was "(EOFError: EOFError)"
+        (lambda f: f.write_bytes(b""), "(an empty file)"),  # was "(EOFError: EOFError)", then "(EOFError)"
+        (lambda f: f.write_text('{"epoch": 1}\n'), "(not a file that torch.save wrote)"),  # metrics.jsonl, say
+        (cut_short, "(cut short: a zip without its end, as an interrupted copy leaves)"),  # was "(OSError: [Errno 22]"
     ],
 )  # fmt: skip
 def test_a_file_that_is_no_checkpoint_says_what_it_holds_in_one_plain_line(write, why, tmp_path):
     """torch.load's refusal of a pickled model is many lines with terminal colours, and its advice is to
-    load with weights_only=False (which runs the file's code): the line says what the file holds instead."""
+    load with weights_only=False (which runs the file's code), for a text file too: the line says what the
+    file holds instead."""
     path = tmp_path / "model.pt"
     write(path)
     with pytest.raises(checkpoint.CorruptCheckpoint) as raised:

@@ -41,7 +41,13 @@ def measure(path: str, device: str, batch_size: int, overrides: list[str], raw: 
     except UsageError as e:  # what the user typed here is --device
         raise UsageError(str(e).replace("run.device", "--device")) from None
     classes = state["classes"]
-    test = datasets.read_test(cfg.data, world, classes)  # no training set needed
+    try:
+        test = datasets.read_test(cfg.data, world, classes)  # no training set needed
+    except UsageError as e:  # the run's data settings, as it named them where it ran (a relative path, say)
+        if any(o.startswith(("data.path=", "data.root=", "data.dataset=")) for o in overrides):
+            raise
+        key = "data.path=FILE.npz" if cfg.data.dataset == "npz" else "data.root=DIR"
+        raise UsageError(f"{e} (the run's data, as its checkpoint names it: give this machine's, {key})") from None
     model = models.build(cfg.model.name, len(classes), cfg.model.dropout, cfg.model.width).to(world.device)
     checkpoint.load_weights(state, model, raw)
     loader = loaders.eval_loader(test, batch_size, world, 0, "device")

@@ -88,6 +88,27 @@ def test_a_checkpoint_of_a_newer_version_says_so(ddp_run, tmp_path, capsys):
     )
 
 
+def test_the_runs_data_missing_here_names_the_key_that_gives_it(ddp_run, tmp_path, capsys):
+    """A run given a relative data.path, evaluated from another directory or machine: the line says the path came
+    from the checkpoint and which key gives this machine's copy (was "data.path=...: no such file" alone)."""
+    from ddp import evaluate as ddp_evaluate
+    from ddp import files
+    from ddp.cli import command
+
+    state = torch.load(ddp_run / "checkpoints" / "last.pt", map_location="cpu", weights_only=True)
+    del state["checksum"]
+    state["config"]["data"].update(dataset="npz", path="../data/subset.npz")
+    state["checksum"] = files.digest(state)
+    torch.save(state, tmp_path / "elsewhere.pt")
+    assert command(ddp_evaluate.main, ["--checkpoint", str(tmp_path / "elsewhere.pt")]) == 2
+    assert capsys.readouterr().err == (
+        "error: data.path=../data/subset.npz: no such file (the run's data, as its checkpoint names it: give this "
+        "machine's, data.path=FILE.npz)\n"
+    )
+    assert command(ddp_evaluate.main, ["--checkpoint", str(tmp_path / "elsewhere.pt"), "data.path=/no/such.npz"]) == 2
+    assert capsys.readouterr().err == "error: data.path=/no/such.npz: no such file\n"  # what the user typed, as typed
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none visible on this machine)")
 def test_a_cpu_checkpoint_evaluates_on_the_gpu(ddp_run):
     env = {k: v for k, v in __import__("os").environ.items() if k != "CUDA_VISIBLE_DEVICES"}

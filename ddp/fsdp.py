@@ -47,8 +47,8 @@ def shard(model: nn.Module, amp: torch.dtype | None) -> nn.Module:
 
 def is_sharded(model: nn.Module) -> bool:
     """Whether fully_shard made this module sharded (without importing FSDP2 where nothing used it)."""
-    api = sys.modules.get("torch.distributed.fsdp")
-    return api is not None and isinstance(model, api.FSDPModule)
+    kind = getattr(sys.modules.get("torch.distributed.fsdp"), "FSDPModule", None)  # none before torch 2.6
+    return kind is not None and isinstance(model, kind)
 
 
 def full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -5,6 +5,7 @@ with -9 resumed bit for bit, and one line for what it does not do."""
 import json
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from conftest import REPO, REPORT, TRAIN, clean_env, max_diff, metrics, ok, pyth
 from test_equivalence import SMALL
 from test_resume import JOB, RNG, STEPS, assert_bitwise, final_state, train_cmd
 
-from ddp import checks, config, models
+from ddp import checks, config, fsdp, models
 from ddp.errors import UsageError
 
 # Beside test_resume's job (BatchNorm, augmentation, a checkpoint every 5 steps): clipping reads the
@@ -127,3 +128,10 @@ def test_a_torch_without_fully_shard_is_told_the_version_it_needs(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch.distributed.fsdp", None)  # `from torch.distributed.fsdp import` fails
     with pytest.raises(UsageError, match=r"needs torch >= 2.6 \(torch.distributed.fsdp.fully_shard\); this is torch"):
         checks.check_fsdp(config.load(None, []))
+
+
+def test_a_torch_before_fsdp2_saves_the_checkpoints_of_other_runs(monkeypatch):
+    """torch 2.4 and 2.5 have torch.distributed.fsdp (FSDP1's) without FSDP2's FSDPModule: every checkpoint of a
+    DDP or one-process run asked is_sharded and failed on it (AttributeError; 13 tests failed with torch 2.4.1)."""
+    monkeypatch.setitem(sys.modules, "torch.distributed.fsdp", types.ModuleType("torch.distributed.fsdp"))
+    assert not fsdp.is_sharded(torch.nn.Linear(2, 2))

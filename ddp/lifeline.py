@@ -10,7 +10,8 @@ deadline. One watcher thread does the three, because the main thread may be bloc
   signal also wakes the watcher (signal.set_wakeup_fd): before training it ends the process at once
   (exit 1, nothing to save; Ctrl-C: errors.INTERRUPTED's line, exit 130); in training the loop takes it
   at its next step boundary (exit 75), and when none comes within the grace (a wait in a collective),
-  the watcher ends the process (exit 1).
+  the watcher ends the process (exit 1). After training, a launcher's stop gives the process the grace to
+  end by itself: the launcher stops the others as one rank dies, before they have said that they lost it.
 - Deadlines: a wait that torch would let run past run.timeout_s (the store and the rendezvous) is
   ended by the watcher with one line that names what it waited for (exit 1).
 """
@@ -75,8 +76,10 @@ class _Watcher:
                     _leave(f"error: {self.who}: {line}", every_rank=True)
             if self.stop_asked and now > self.leave_by():
                 asked_at, why = self.stop_asked
-                _leave(f"error: {self.who}: stopping on {why}, but no step boundary came within {now - asked_at:.0f} s "
-                       "(a wait for another rank?): left without a checkpoint")  # fmt: skip
+                waited = f"within {now - asked_at:.0f} s (a wait for another rank?)"
+                _leave(f"error: {self.who}: stopping on {why} after training, but it had not ended {waited}: left"
+                       if _loop_ended else f"error: {self.who}: stopping on {why}, but no step boundary came "
+                       f"{waited}: left without a checkpoint")  # fmt: skip
 
     def launcher_gone(self) -> int | None:
         """The first of the launcher's processes that has ended, or None while they all run."""
@@ -87,8 +90,11 @@ class _Watcher:
     def signalled(self, name: str) -> None:
         if _loop_stop is None and not _loop_ended and name == "SIGINT":  # Ctrl-C before training (torchrun's too)
             _leave(INTERRUPTED, code=EXIT_INTERRUPTED)
-        if _loop_stop is None and self.launched:  # the launcher stops its workers: it reports
+        if _loop_stop is None and not _loop_ended and self.launched:  # the launcher stops its workers: it reports
             os._exit(EXIT_FAILURE)
+        if _loop_stop is None and self.launched:  # after training: leaving, maybe with a line (a lost rank's) to
+            self.stop_asked = self.stop_asked or (time.monotonic(), name)  # say first; past the grace, now
+            return
         self.ask_to_stop(name, tell_the_loop=False)  # in training the loop's own handler has it already
 
     def ask_to_stop(self, why: str, tell_the_loop: bool) -> None:

@@ -2,13 +2,17 @@
 test_resume.py and test_slurm.py."""
 
 import os
+import re
 import signal
 import subprocess
+import time
 
 import pytest
+import torch
 
-from ddp import preemption
+from ddp import lifeline, preemption
 from ddp.cli import command
+from ddp.devices import World
 from ddp.errors import EXIT_INTERRUPTED, Stopped, UsageError
 
 
@@ -110,3 +114,28 @@ def test_a_run_started_with_ctrl_c_ignored_keeps_it_ignored(tmp_path):
     assert proc.returncode == 75 and "stopped on SIGTERM" in out + err and "SIGINT" not in out + err, out + err
     assert preemption.INTERRUPT_IGNORED is False  # this test process's own: not ignored, SIGINT is a stop signal
     assert signal.SIGINT in preemption.parse_signals("SIGTERM,SIGINT")
+
+
+def test_a_launchers_stop_after_training_gives_the_process_the_grace_to_say_its_line(monkeypatch, capsys):
+    """torchrun stops the others (SIGTERM) as one rank dies. With torch 2.4.1's torchrun that came after the
+    survivor's loop had ended on the lost rank and before it had said so: the watcher ended it at once and in
+    silence, as it does before training (test_resume's kill test lost its 'lost contact' line). After training
+    the process now has the grace to end by itself; past it the watcher ends it, with a line."""
+    watcher = lifeline._Watcher(World(0, 0, 2, torch.device("cpu"), "ddp", "torchrun"), os.getppid(), (signal.SIGTERM,))
+    exits = []
+    monkeypatch.setattr(os, "_exit", lambda code: (exits.append(code), watcher.done.set()))
+    monkeypatch.setattr(lifeline, "_loop_stop", None)
+    monkeypatch.setattr(lifeline, "_loop_ended", False)
+    watcher.signalled("SIGTERM")  # before training: at once, silent (the launcher reports)
+    assert exits == [1] and not capsys.readouterr().err
+    monkeypatch.setattr(lifeline, "_loop_ended", True)
+    watcher.signalled("SIGTERM")  # after training: not at once
+    assert exits == [1] and watcher.stop_asked[1] == "SIGTERM"
+    watcher.stop_asked = (time.monotonic() - lifeline.GRACE_S - 1, "SIGTERM")  # the grace has passed
+    watcher.done.clear()
+    watcher.run()
+    assert exits == [1, 1] and re.fullmatch(
+        r"error: rank 0 of 2: stopping on SIGTERM after training, but it had not ended within \d+ s \(a wait for "
+        r"another rank\?\): left\n",
+        capsys.readouterr().err,
+    )

@@ -32,6 +32,16 @@ def test_bad_values_of_the_gpu_bench_options_end_in_one_line():
         assert not (REPO / "r.json").exists()
 
 
+def test_old_torch_refuses_what_is_not_a_version_before_it_builds_anything():
+    """bench/old_torch.sh (the suite under torch 2.4.1: bench/results/torch-2.4-cpu.md) would make a venv and
+    download gigabytes for pip to refuse at the end."""
+    proc = subprocess.run(["bash", "bench/old_torch.sh", "2.4", "latest"], cwd=REPO, env=clean_env(),
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert proc.returncode == 64 and proc.stderr == (
+        "old_torch.sh: TORCH and TORCHVISION are versions such as 2.4.1 0.19.1, not '2.4' 'latest'\n"
+    )
+
+
 @pytest.mark.parametrize(
     "argv, reason",
     [

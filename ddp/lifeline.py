@@ -67,8 +67,12 @@ class _Watcher:
                 for signum in os.read(self.wakeup_read, 64):
                     if signum in self.stop_signals:
                         self.signalled(signal.Signals(signum).name)
-            if self.launchers and not _loop_ended and (gone := self.launcher_gone()):  # ended: on its way out
-                self.ask_to_stop(f"the launcher's end (its process {gone} is gone)", tell_the_loop=True)
+            if self.launchers and (gone := self.launcher_gone()):
+                why = f"the launcher's end (its process {gone} is gone)"
+                if _loop_ended:
+                    self.leaving(why)
+                else:
+                    self.ask_to_stop(why, tell_the_loop=True)
                 self.launchers = []
             now = time.monotonic()
             for until, line in list(self.waits.values()):
@@ -92,10 +96,15 @@ class _Watcher:
             _leave(INTERRUPTED, code=EXIT_INTERRUPTED)
         if _loop_stop is None and not _loop_ended and self.launched:  # the launcher stops its workers: it reports
             os._exit(EXIT_FAILURE)
-        if _loop_stop is None and self.launched:  # after training: leaving, maybe with a line (a lost rank's) to
-            self.stop_asked = self.stop_asked or (time.monotonic(), name)  # say first; past the grace, now
+        if _loop_stop is None and self.launched:  # after training: leaving, maybe with a line (a lost rank's) first
+            self.leaving(name)
             return
         self.ask_to_stop(name, tell_the_loop=False)  # in training the loop's own handler has it already
+
+    def leaving(self, why: str) -> None:
+        """A stop after training: the process is on its way out, and has the grace to end by itself; past it (a
+        hang in the process group's end: torch 2.4's gloo, once in a suite), the watcher ends it."""
+        self.stop_asked = self.stop_asked or (time.monotonic(), why)
 
     def ask_to_stop(self, why: str, tell_the_loop: bool) -> None:
         """A stop the loop takes at its next step boundary; before or after training, leave now."""

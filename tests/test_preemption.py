@@ -5,6 +5,7 @@ import os
 import re
 import signal
 import subprocess
+import threading
 import time
 
 import pytest
@@ -139,3 +140,26 @@ def test_a_launchers_stop_after_training_gives_the_process_the_grace_to_say_its_
         r"another rank\?\): left\n",
         capsys.readouterr().err,
     )
+
+
+def test_a_process_whose_launcher_is_gone_after_training_leaves_within_the_grace(monkeypatch, capsys):
+    """A torchrun killed while its worker ended the run (torch 2.4.1's gloo hung in destroy_process_group, once in a
+    suite): the worker was left with init as its parent, asleep for an hour; the watcher took no notice of the
+    launcher's end after training. Now it ends the process past the grace, with a line."""
+    world = World(0, 0, 2, torch.device("cpu"), "ddp", "torchrun")
+    watcher = lifeline._Watcher(world, os.getppid(), (signal.SIGTERM,))
+    watcher.launchers = [os.getppid() + 1]  # a launcher that is not this process's parent: it is gone
+    exits = []
+    monkeypatch.setattr(os, "_exit", lambda code: (exits.append(code), watcher.done.set()))
+    monkeypatch.setattr(lifeline, "_loop_stop", None)
+    monkeypatch.setattr(lifeline, "_loop_ended", True)
+    monkeypatch.setattr(lifeline, "GRACE_S", 0.5)
+    started, watching = time.monotonic(), threading.Thread(target=watcher.run, daemon=True)
+    watching.start()
+    watching.join(10)  # the old watcher never left
+    watcher.done.set()
+    watching.join(1)  # and gone while this test's stand-ins are in place
+    assert exits == [1] and 0.5 < time.monotonic() - started < 5
+    assert re.fullmatch(r"error: rank 0 of 2: stopping on the launcher's end \(its process \d+ is gone\) after "
+                        r"training, but it had not ended within \d+ s \(a wait for another rank\?\): left\n",
+                        capsys.readouterr().err)  # fmt: skip

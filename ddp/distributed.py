@@ -52,10 +52,9 @@ def setup(world: World, timeout_s: float) -> Iterator[World]:
     lost rank. Let DDP objects die inside (gloo objects that outlive the group abort the process)."""
     if world.device.type == "cuda":
         torch.cuda.set_device(world.device)  # before any CUDA work, so that nothing lands on cuda:0
-    # torch._dynamo, imported before any process group exists. Imported later (the optimizer imports
-    # it on first use) it keeps that group alive past destroy_process_group; its gloo threads then race
-    # the interpreter's exit and abort it (SIGABRT: 3 of 120 two-rank runs). tests/test_ddp.py checks
-    # it. Here, not at the top of the module: a run that stops on a usage error never pays its 1 s.
+    # torch._dynamo, imported before any process group exists. Imported later (the optimizer imports it on first
+    # use) it keeps that group alive past destroy_process_group; its gloo threads then race the interpreter's exit
+    # and abort it (SIGABRT: 3 of 120 two-rank runs; tests/test_ddp.py). Not at the top: a usage error skips its 1 s.
     importlib.import_module("torch._dynamo")  # (an `import torch._dynamo` here would make torch local)
     store = None
     try:

@@ -94,10 +94,10 @@ class _Watcher:
     def signalled(self, name: str) -> None:
         if _loop_stop is None and not _loop_ended and name == "SIGINT":  # Ctrl-C before training (torchrun's too)
             _leave(INTERRUPTED, code=EXIT_INTERRUPTED)
-        if _loop_stop is None and not _loop_ended and self.launched:  # the launcher stops its workers: it reports
-            os._exit(EXIT_FAILURE)
-        if _loop_stop is None and self.launched:  # after training: leaving, maybe with a line (a lost rank's) first
-            self.leaving(name)
+        if _loop_stop is None and self.launched:  # the launcher stops its workers: it reports
+            if not _loop_ended:  # before training: at once
+                os._exit(EXIT_FAILURE)
+            self.leaving(name)  # after it: leaving, maybe with a line (a lost rank's) to say first
             return
         self.ask_to_stop(name, tell_the_loop=False)  # in training the loop's own handler has it already
 

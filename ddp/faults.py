@@ -9,6 +9,8 @@ a lost node does: no handler runs, nothing is flushed.
                                   the checkpoint of global step N; rank 0 itself goes on
     DDP_CIFAR_FAULT=node:N[:rR]   SIGKILL rank R's launcher, then rank R, in global step N: its node is
                                   lost (with one process per node)
+    DDP_CIFAR_FAULT=pause:N[:rR]  SIGSTOP rank R in global step N, once its optimizer step is taken: the test
+                                  that sends a stop signal then, and SIGCONTs it, knows the step it lands in
 
 A fault fires once per run directory: it leaves rundir.fault_marker there first, so the restarted
 job (same command, same environment) runs through.
@@ -41,11 +43,15 @@ def arm(out_dir: str, rank: int, steps_done: int) -> None:
     marker = rundir.fault_marker(out_dir, point, step)
     if rank != target or marker.exists():
         return
-    if point in ("step", "node"):
+    if point in ("step", "node", "pause"):
         steps = itertools.count(steps_done + 1)  # the global step each optimizer step completes
 
         def after_optimizer_step(*_: Any) -> None:
             if next(steps) == step:
+                if point == "pause":
+                    marker.write_text(spec)
+                    os.kill(os.getpid(), signal.SIGSTOP)  # on until the test's SIGCONT
+                    return
                 if point == "node":
                     os.kill(os.getppid(), signal.SIGKILL)
                 _kill(marker, spec, os.getpid())

@@ -192,6 +192,12 @@ def session(sid: int) -> list[int]:
     return _processes_with(3, sid)
 
 
+def state(pid: int) -> str | None:
+    """/proc/PID/stat's state (R, S, T for stopped, Z...), or None if gone."""
+    fields = _stat(pid)
+    return fields[0] if fields else None
+
+
 def running(pid: int) -> bool:
     """Alive, or still exiting: a killed process's main thread turns zombie before its other threads have
     exited, and its files (the run's lock) close only with the last of them."""

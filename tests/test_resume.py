@@ -34,6 +34,7 @@ from conftest import (
     require,
     running,
     seconds_until_gone,
+    state,
     torchrun,
     wait_for_checkpoint,
 )
@@ -70,8 +71,8 @@ def assert_bitwise(a: Path, b: Path) -> None:
         assert x["ema"]["updates"] == y["ema"]["updates"] == STEPS
         for key in x["ema"]["weights"]:
             assert torch.equal(x["ema"]["weights"][key], y["ema"]["weights"][key]), f"moving average {key} differs"
-    for i, state in x["optimizer"]["state"].items():
-        for name, value in state.items():
+    for i, params in x["optimizer"]["state"].items():
+        for name, value in params.items():
             assert torch.equal(value, y["optimizer"]["state"][i][name]), f"optimizer {i}.{name} differs"
     for key in ("train_loss", "grad_norm_mean", "grad_norm_max"):
         assert [m[key] for m in metrics(a)] == [m[key] for m in metrics(b)], key
@@ -203,35 +204,56 @@ def test_torchrun_max_restarts_recovers_a_dead_rank_by_itself(reference, tmp_pat
     REPORT.append(f"kill -9 of rank 1 after step {step} under torchrun --max-restarts=1: {how}, bitwise")
 
 
+def paused_worker(proc: subprocess.Popen, rank: int, timeout: float = 120) -> int:
+    """The pid of the job's rank `rank` once DDP_CIFAR_FAULT=pause has stopped it (SIGSTOP: state T)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        assert proc.poll() is None and time.monotonic() < deadline, "the job ended or no rank paused"
+        pids = {rank_of(pid): pid for pid in children(proc.pid) if state(pid) is not None}
+        if rank in pids and state(pids[rank]) == "T":
+            return pids[rank]
+        time.sleep(0.02)
+
+
+def pending(pid: int, sig: signal.Signals) -> bool:
+    """Whether `sig` waits in `pid`'s pending signals (a stopped process takes it at SIGCONT)."""
+    status = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
+    return any(int(status[field], 16) >> (sig - 1) & 1 for field in ("SigPnd", "ShdPnd"))
+
+
 def test_stop_signals_save_at_the_next_step_and_exit_75_and_the_run_resumes_bitwise(reference, tmp_path):
     """SIGTERM to torchrun (it forwards it to its workers) in the first half of epoch 2, then, in the
     resumed run, SIGUSR1 to every worker (as SLURM's --signal does) in the first quarter of epoch 3, the
-    last (epoch 1's time is the yardstick: each must land in its epoch, the second before the run's
-    end): each time every rank stops at the same step boundary, rank 0 saves, the workers exit 75. The
-    same command resumes each time and ends bitwise."""
-    args, stops = ("run.save_every_steps=0",), []
-    for sig, epoch, most in (("SIGTERM", 2, 0.5), ("SIGUSR1", 3, 0.25)):
-        fraction = RNG.uniform(0, most)
-        proc = popen(train_cmd(tmp_path, *args))
-        while len(metrics(tmp_path) if (tmp_path / "metrics.jsonl").exists() else []) < epoch - 1:  # into `epoch`
-            assert proc.poll() is None
-            time.sleep(0.05)
-        delay = fraction * metrics(tmp_path)[0]["seconds"]  # within that epoch on a machine of any speed
-        time.sleep(delay)
-        pids = [proc.pid] if sig == "SIGTERM" else children(proc.pid)
-        assert pids and proc.poll() is None, "the run ended before the signal"
-        for pid in pids:
-            os.kill(pid, signal.Signals[sig])
+    last: each time every rank stops at the same step boundary, rank 0 saves, the workers exit 75. The
+    same command resumes each time and ends bitwise. Where the signal lands is drawn in steps, not seconds
+    (a loaded machine's scheduling moved a timed one past its epoch's end): one rank, drawn too, pauses
+    (DDP_CIFAR_FAULT=pause) after the drawn step, the other runs on into the next one's gradient
+    all-reduce; the signal is sent then, and once it waits in the paused rank, that one goes on. It has the
+    signal at that step's boundary, the other within the next step, so both stop after the next step."""
+    args, stops, per_epoch = ("run.save_every_steps=0",), [], STEPS // 3
+    for sig, epoch, most in ((signal.SIGTERM, 2, 0.5), (signal.SIGUSR1, 3, 0.25)):
+        step = (epoch - 1) * per_epoch + RNG.randint(1, int(most * per_epoch) - 1)  # a stop at step + 1, in epoch
+        rank = RNG.randrange(2)
+        proc = popen(train_cmd(tmp_path, *args), env=clean_env(DDP_CIFAR_FAULT=f"pause:{step}:r{rank}"))
+        paused = paused_worker(proc, rank)
+        for pid in [proc.pid] if sig == signal.SIGTERM else children(proc.pid):
+            os.kill(pid, sig)
+        deadline = time.monotonic() + 30
+        while not pending(paused, sig):  # torchrun forwards a SIGTERM from its own thread
+            assert time.monotonic() < deadline, f"{sig.name} never reached the paused rank"
+            time.sleep(0.01)
+        os.kill(paused, signal.SIGCONT)
         out, err = proc.communicate(timeout=120)
-        assert f"stopped on {sig}; run the same command to resume" in err
-        assert len(metrics(tmp_path)) == epoch - 1, f"{sig} came after epoch {epoch}"
-        if sig == "SIGUSR1":
+        assert f"stopped on {sig.name}; run the same command to resume" in err
+        assert len(metrics(tmp_path)) == epoch - 1, f"{sig.name} came after epoch {epoch}"
+        if sig == signal.SIGUSR1:
             # torchrun's report lists the workers that had exited when it saw the first one go; each is 75
             codes = [line.split(":")[1].split()[0] for line in err.splitlines() if line.strip().startswith("exitcode")]
             assert codes and set(codes) == {"75"}, codes
-        saved = [line for line in out.splitlines() if line.startswith(f"stopping on {sig}")]
+        saved = [line for line in out.splitlines() if line.startswith(f"stopping on {sig.name}")]
         assert len(saved) == 1
-        stops.append(f"{sig} {delay:.2f} s into epoch {epoch} ({saved[0].split('/')[-1]})")
+        assert saved[0].endswith(rundir.step_path(tmp_path, step + 1).name), saved[0]
+        stops.append(f"{sig.name} to rank {rank} paused after step {step} of epoch {epoch} ({saved[0].split('/')[-1]})")
     ok(subprocess.run(train_cmd(tmp_path, *args), cwd=REPO, env=clean_env(), capture_output=True, text=True,
                       timeout=300))  # fmt: skip
     assert_bitwise(reference, tmp_path)
@@ -310,8 +332,8 @@ def test_the_launcher_killed_leaves_no_worker_and_the_same_command_resumes_bitwi
             if when == "start-up":
                 time.sleep(RNG.uniform(0.1, 1.0))  # importing torch, reading the data, in the rendezvous
             elif when == "mid-epoch":
-                wait_for_checkpoint(tmp_path, proc, newer_than=newest[0])
-                time.sleep(RNG.uniform(0, 0.5))
+                wait_for_checkpoint(tmp_path, proc, newer_than=newest[0])  # >= 23 steps left, ~0.5 s here
+                time.sleep(RNG.uniform(0, 0.25))
             if when == "checkpoint write":
                 while proc.poll() is None:
                     time.sleep(0.01)
@@ -415,7 +437,7 @@ def test_accelerate_killed_leaves_no_process_and_the_same_command_resumes_bitwis
     left: list[int] = []
     try:
         wait_for_checkpoint(tmp_path, proc)
-        time.sleep(RNG.uniform(0, 0.5))
+        time.sleep(RNG.uniform(0, 0.25))  # 43 steps left
         accelerate = next(pid for pid in children(proc.pid) if b"accelerate" in cmdline(pid))
         left = descendants(accelerate)  # mpirun and the ranks
         os.kill(accelerate, signal.SIGKILL)

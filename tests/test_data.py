@@ -171,6 +171,11 @@ LIES = {
     "classes-2d": ({"classes": np.array([["a", "b"], ["c", "d"]])}, r"classes must be a list of names"),
     "label-not-whole": ({"y_train": set_at(Y, 7, 2.5, np.float64)}, r"y_train\[7\] = 2.5 is not a class index"),
     "label-nan": ({"y_test": set_at(YT, 2, np.nan, np.float32)}, r"y_test\[2\] = nan is not a class index"),
+    "label-past-int64": (  # read as int64 it would wrap to a negative number the file does not hold
+        {"y_train": set_at(Y, 1, 2**63 + 6, np.uint64)},
+        r"y_train\[1\] = 9223372036854775814 is not a class index",
+    ),
+    "label-huge-float": ({"y_test": set_at(YT, 0, -1e30, np.float64)}, r"y_test\[0\] = -1e\+30 is not a class index"),
     "labels-text": ({"y_train": Y.astype(str)}, r"y_train must hold class indices \(integers\), not <U"),
 }
 

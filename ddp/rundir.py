@@ -88,7 +88,7 @@ def lock(out_dir: str, world: World) -> Iterator[None]:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     except OSError as e:
-        raise UsageError(f"cannot write to run.out_dir={out_dir} ({e})") from None
+        raise _cannot_write(out_dir, e) from None
     try:
         if _take(fd, out_dir):
             holder = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
@@ -98,6 +98,16 @@ def lock(out_dir: str, world: World) -> Iterator[None]:
         yield
     finally:
         os.close(fd)  # releases the lock
+
+
+def unwritable(out_dir: str, e: OSError) -> str:
+    """Why out_dir could not be made or written to: a file in its place (or a parent's) named, else `e`."""
+    file = next((p for p in (Path(out_dir), *Path(out_dir).parents) if p.exists() and not p.is_dir()), None)
+    return f"{file} is a file, not a directory" if file else str(e)
+
+
+def _cannot_write(out_dir: str, e: OSError) -> UsageError:
+    return UsageError(f"cannot write to run.out_dir={out_dir} ({unwritable(out_dir, e)})")
 
 
 def _take(fd: int, out_dir: str) -> bool:
@@ -168,7 +178,7 @@ def prepare(out_dir: str, config_yaml: str, epochs_done: int, world: World) -> N
                     files.replace(metrics, "".join(line + "\n" for line in kept).encode())
                 files.remove_temporary(checkpoint_dir(out_dir))
             except OSError as e:
-                raise UsageError(f"cannot write to run.out_dir={out_dir} ({e})") from None
+                raise _cannot_write(out_dir, e) from None
 
 
 def _epoch(line: str) -> float:

@@ -168,10 +168,13 @@ def test_resuming_another_model_is_refused(tmp_path, capsys):
 
 
 def test_unwritable_out_dir(tmp_path, capsys):
+    """A file where out_dir or a parent of it would be is named (and left as it was)."""
     blocker = tmp_path / "file"
     blocker.write_text("")
-    assert train.cli([f"run.out_dir={blocker / 'run'}", *TINY]) == 2
-    assert "cannot write to run.out_dir" in capsys.readouterr().err
+    for out in (blocker / "run", blocker):
+        assert train.cli([f"run.out_dir={out}", *TINY]) == 2
+        assert f"cannot write to run.out_dir={out} ({blocker} is a file, not a directory)" in capsys.readouterr().err
+    assert blocker.read_text() == ""
 
 
 def test_bad_npz_format(tmp_path, capsys):

@@ -67,7 +67,8 @@ def test_an_out_dir_that_cannot_be_written_is_a_problem(tmp_path):
     (tmp_path / "file").write_text("")
     proc = doctor(f"run.out_dir={tmp_path / 'file' / 'run'}")
     assert proc.returncode == 1
-    assert "doctor: PROBLEM: run.out_dir=" in proc.stderr and "is not writable" in proc.stderr
+    why = f"is not writable ({tmp_path / 'file'} is a file, not a directory)"  # as the run would say it
+    assert f"doctor: PROBLEM: run.out_dir={tmp_path / 'file' / 'run'} {why}" in proc.stderr
 
 
 def test_under_torchrun_every_rank_reports_and_an_all_reduce_runs(tmp_path):

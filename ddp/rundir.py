@@ -101,8 +101,9 @@ def lock(out_dir: str, world: World) -> Iterator[None]:
 
 
 def unwritable(out_dir: str, e: OSError) -> str:
-    """Why out_dir could not be made or written to: a file in its place (or a parent's) named, else `e`."""
-    file = next((p for p in (Path(out_dir), *Path(out_dir).parents) if p.exists() and not p.is_dir()), None)
+    """Why out_dir could not be made or written to: a file in its place (or a parent's) named, else `e`.
+    os.path's tests, which say False where a parent may not be searched (Path.exists raises there)."""
+    file = next((p for p in (out_dir, *Path(out_dir).parents) if os.path.exists(p) and not os.path.isdir(p)), None)
     return f"{file} is a file, not a directory" if file else str(e)
 
 

@@ -176,3 +176,15 @@ def test_a_write_that_fails_for_another_reason_than_space_names_no_free_space(tm
     assert str(raised.value) == f"cannot write {target}: File exists"
     full = files.failure(target, 1234, OSError(errno.ENOSPC, "No space left on device"))
     assert str(full).startswith(f"cannot write {target}: No space left on device (1,234 bytes needed, ")
+
+
+def test_an_out_dir_whose_parent_cannot_be_searched_says_why_instead_of_a_traceback(tmp_path, monkeypatch):
+    """What a user who is not root sees for run.out_dir=/root/x: every stat under /root is refused
+    (root, as the suite runs, is never refused, so stat refuses here as it would there)."""
+    refused = OSError(errno.EACCES, "Permission denied")
+
+    def stat(path, *args, **kwargs):
+        raise refused
+
+    monkeypatch.setattr(os, "stat", stat)
+    assert rundir.unwritable(str(tmp_path / "x" / "run"), refused) == "[Errno 13] Permission denied"

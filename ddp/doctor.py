@@ -30,7 +30,7 @@ quiet_startup(__name__)  # run as a command: a Ctrl-C or a missing package in th
 import torch
 import torch.distributed as dist
 
-from ddp import config, datasets, devices, distributed, launchers, metrics, network, rundir
+from ddp import config, datasets, devices, distributed, files, launchers, metrics, network
 from ddp.cli import command, leave, parse_args
 from ddp.config import DataConfig
 from ddp.devices import World
@@ -83,7 +83,7 @@ def check_out_dir(out_dir: str) -> tuple[str | None, str | None]:
         (Path(out_dir) / token).write_text(token)
         return token, None
     except OSError as e:
-        why = rundir.unwritable(out_dir, e)
+        why = files.in_the_way(Path(out_dir), e)
         return None, f"run.out_dir={out_dir} is not writable ({why}); choose another run.out_dir"
 
 

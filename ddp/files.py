@@ -29,7 +29,7 @@ TEMPORARY = ".*.tmp"  # what a writer killed before its rename leaves beside the
 def failure(path: Path, needed: int, error: OSError) -> WriteFailed:
     """WriteFailed for `path`: the OS's reason, and for a full disk or quota the bytes needed and the space
     free where it goes (for any other reason, "0 bytes free" of a read-only or missing place would mislead)."""
-    reason = f"cannot write {path}: {error.strerror or error}"
+    reason = f"cannot write {path}: {in_the_way(path.parent, error)}"
     if error.errno not in (errno.ENOSPC, errno.EDQUOT):
         return WriteFailed(reason)
     try:
@@ -37,6 +37,15 @@ def failure(path: Path, needed: int, error: OSError) -> WriteFailed:
     except OSError:
         free = "free space unknown"
     return WriteFailed(f"{reason} ({needed:,} bytes needed, {free})")
+
+
+def in_the_way(directory: Path, error: OSError) -> str:
+    """Why a directory (to be) could not be made or written to: the OS's reason, or for the two a file gives
+    (EEXIST, ENOTDIR) the file standing where it or a parent of it must be. os.path's tests: they say False
+    where a parent cannot be searched (a user not root under /root), where Path.exists raises."""
+    paths = (directory, *directory.parents) if error.errno in (errno.EEXIST, errno.ENOTDIR) else ()
+    file = next((p for p in paths if os.path.exists(p) and not os.path.isdir(p)), None)
+    return f"{file} is a file, not a directory" if file else error.strerror or str(error)
 
 
 def _umask() -> int:

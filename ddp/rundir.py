@@ -100,15 +100,8 @@ def lock(out_dir: str, world: World) -> Iterator[None]:
         os.close(fd)  # releases the lock
 
 
-def unwritable(out_dir: str, e: OSError) -> str:
-    """Why out_dir could not be made or written to: a file in its place (or a parent's) named, else `e`.
-    os.path's tests, which say False where a parent may not be searched (Path.exists raises there)."""
-    file = next((p for p in (out_dir, *Path(out_dir).parents) if os.path.exists(p) and not os.path.isdir(p)), None)
-    return f"{file} is a file, not a directory" if file else str(e)
-
-
 def _cannot_write(out_dir: str, e: OSError) -> UsageError:
-    return UsageError(f"cannot write to run.out_dir={out_dir} ({unwritable(out_dir, e)})")
+    return UsageError(f"cannot write to run.out_dir={out_dir} ({files.in_the_way(Path(out_dir), e)})")
 
 
 def _take(fd: int, out_dir: str) -> bool:

@@ -173,18 +173,18 @@ def test_a_write_that_fails_for_another_reason_than_space_names_no_free_space(tm
     target = tmp_path / "a-file" / "model.pt"
     with pytest.raises(WriteFailed) as raised:
         files.replace(target, b"x")  # its directory is a file
-    assert str(raised.value) == f"cannot write {target}: File exists"
+    assert str(raised.value) == f"cannot write {target}: {target.parent} is a file, not a directory"  # not EEXIST's
     full = files.failure(target, 1234, OSError(errno.ENOSPC, "No space left on device"))
     assert str(full).startswith(f"cannot write {target}: No space left on device (1,234 bytes needed, ")
 
 
 def test_an_out_dir_whose_parent_cannot_be_searched_says_why_instead_of_a_traceback(tmp_path, monkeypatch):
-    """What a user who is not root sees for run.out_dir=/root/x: every stat under /root is refused
-    (root, as the suite runs, is never refused, so stat refuses here as it would there)."""
-    refused = OSError(errno.EACCES, "Permission denied")
+    """Looking for a file in the way, where a user who is not root may not search a parent (/root): each
+    stat refused. Root, as the suite runs, is never refused, so stat refuses here as it would there."""
 
     def stat(path, *args, **kwargs):
-        raise refused
+        raise PermissionError(errno.EACCES, "Permission denied", str(path))
 
     monkeypatch.setattr(os, "stat", stat)
-    assert rundir.unwritable(str(tmp_path / "x" / "run"), refused) == "[Errno 13] Permission denied"
+    error = OSError(errno.ENOTDIR, "Not a directory")  # an errno that has it look for a file in the way
+    assert files.in_the_way(tmp_path / "x" / "run", error) == "Not a directory"

@@ -99,14 +99,16 @@ def _npz(cfg: DataConfig, parts: tuple[str, ...]) -> dict[str, Split | list[str]
 def _class_indices(path: str, name: str, y: np.ndarray) -> np.ndarray:
     """Labels as int64, refused unless every one is a whole number (3.0 is 3; 2.5 and NaN are not) that
     int64 holds (a uint64 or float past it would wrap, and the error name a number the file lacks)."""
-    if y.dtype.kind not in "iubf":
+    if y.dtype.kind in "ib":
+        return y.astype(np.int64)  # int64 holds every signed integer and bool
+    if y.dtype.kind not in "uf":
         raise UsageError(f"data.path={path}: {name} must hold class indices (integers), not {y.dtype}")
-    bad = np.flatnonzero(~np.isfinite(y) | (y != np.round(y))) if y.dtype.kind == "f" else []
+    bad = np.flatnonzero(~np.isfinite(y) | (y != np.round(y)))  # none in unsigned integers
     if len(bad):
         raise UsageError(
             f"data.path={path}: {name}[{bad[0]}] = {y[bad[0]].item()!r} is not a class index (a whole number)"
         )
-    huge = np.flatnonzero(np.abs(y) > 2**62) if y.dtype.kind in "uf" else []  # past any class count, in int64
+    huge = np.flatnonzero(np.abs(y) > 2**62)  # past any class count, in int64
     if len(huge):
         raise UsageError(f"data.path={path}: {name}[{huge[0]}] = {y[huge[0]].item()!r} is not a class index")
     return y.astype(np.int64)

@@ -47,15 +47,30 @@ def read_run(run_dir: Path) -> list[dict[str, Any]]:
 
 
 def _plottable(row: dict[str, Any]) -> bool:
-    """A record with what the charts draw: a loss, and where the epoch evaluated, its accuracies and classes."""
-    number = (int, float)
-    tested = "test_acc" not in row or (
-        isinstance(row["test_acc"], number)
-        and isinstance(row.get("classes"), list)
-        and isinstance(row.get("per_class_acc"), list)
-        and len(row["classes"]) == len(row["per_class_acc"])
+    """A record with what the charts draw: a loss, and where the epoch evaluated, its accuracy, its classes'
+    names and accuracies (fractions; None for a class without test images) and, where kept, a confusion matrix
+    of as many rows and columns as classes."""
+    if not _number(row.get("train_loss")) or "test_acc" not in row:  # an epoch that did not evaluate: its loss
+        return _number(row.get("train_loss"))
+    classes, accs = row.get("classes"), row.get("per_class_acc")
+    if not (_fraction(row["test_acc"]) and isinstance(classes, list) and isinstance(accs, list)):
+        return False
+    n, confusion = len(classes), row.get("confusion")
+    square = confusion is None or (  # metrics from before ddp-cifar kept it have none
+        isinstance(confusion, list)
+        and len(confusion) == n
+        and all(isinstance(r, list) and len(r) == n and all(map(_number, r)) for r in confusion)
     )
-    return isinstance(row.get("train_loss"), number) and tested
+    named = all(isinstance(c, str) for c in classes)
+    return named and len(accs) == n and all(a is None or _fraction(a) for a in accs) and square
+
+
+def _number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _fraction(x: Any) -> bool:
+    return _number(x) and 0 <= x <= 1  # NaN is not
 
 
 def named(run_dirs: list[Path]) -> list[tuple[str, Path]]:
@@ -109,7 +124,7 @@ def plot(run_dirs: list[Path], out: Path) -> list[Path]:
 
     written.append(_save(_per_class(tested, plt), out / "per_class.png", plt))
     for d, rows in tested:
-        if isinstance(rows[-1].get("confusion"), list):  # metrics from before ddp-cifar kept it: none
+        if rows[-1].get("confusion") is not None:  # metrics from before ddp-cifar kept it: none
             written.append(_save(_confusion(d, rows[-1], plt), out / f"confusion-{d}.png", plt))
     return written
 

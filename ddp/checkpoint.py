@@ -24,10 +24,9 @@ quiet_startup(__name__)  # run as a command: a Ctrl-C or a missing package in th
 
 import torch
 from torch import nn
-from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 
 from ddp import __version__ as ddp_version
-from ddp import cli, config, distributed, files, optim, rng, rundir
+from ddp import cli, config, distributed, files, optim, rng, rundir, weights
 from ddp.config import RunConfig
 from ddp.devices import World
 from ddp.ema import EMA, Lookahead
@@ -35,6 +34,10 @@ from ddp.errors import EXIT_FAILURE, EXIT_OK, CorruptCheckpoint, UsageError, Wri
 from ddp.metrics import StepStats
 
 FORMAT = 2
+# What a checkpoint's readers take as it is, and its kind: checked on every load (`_verified`).
+ENTRIES = {"epoch": int, "step": int, "global_step": int, "model": dict, "optimizer": dict, "scheduler": dict,
+           "ranks": list, "world_size": int, "global_batch": int, "train_images": int, "classes": list,
+           "normalize": dict, "config": dict, "versions": dict}  # fmt: skip
 
 
 @dataclass
@@ -110,31 +113,13 @@ def rank_state(device: torch.device, stats: StepStats | None) -> dict[str, Any]:
     return {"rng": rng.get_state(device), "partial": partial, "grad_norms": norms}
 
 
-def weights(state: dict[str, Any], raw: bool = False) -> dict[str, torch.Tensor]:
-    """The weights to evaluate or export: the moving average's when the run kept one, unless `raw`."""
-    return state["model"] if raw or not state.get("ema") else state["ema"]["weights"]
-
-
-def load_weights(state: dict[str, Any], model: nn.Module, raw: bool = True) -> None:
-    """A checkpoint's weights (the trained ones, or with raw=False those weights() picks) into a plain
-    model on any device, also when saved from a DataParallel/DDP ("module.") or compiled ("_orig_mod.") wrapper."""
-    model.load_state_dict(_unprefixed(weights(state, raw)))
-
-
-def _unprefixed(weights_: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    weights_ = dict(weights_)
-    for prefix in ("module.", "_orig_mod.", "module."):
-        consume_prefix_in_state_dict_if_present(weights_, prefix)
-    return weights_
-
-
 def restore(state: dict[str, Any], trained: Trained) -> None:
     """Load a checkpoint into objects built for this run's device: the weights, then optimizer,
     scheduler and scaler (optimizer state follows the parameters' device). Before compile and wrap;
     every rank, with the same state (a sharded model takes its slice)."""
     with optim.settings_kept(trained.optimizer, trained.scheduler):  # this run's LRs, momentum, fused or not, ...
         saved = optim.from_portable(state["optimizer"], trained.loss_scale)
-        distributed.load_full_state(trained.model, trained.optimizer, _unprefixed(state["model"]), saved)
+        distributed.load_full_state(trained.model, trained.optimizer, weights.unprefixed(state["model"]), saved)
         trained.scheduler.load_state_dict(state["scheduler"])  # its position: the step
     if state["scaler"] is not None and trained.scaler.is_enabled():
         trained.scaler.load_state_dict(state["scaler"])
@@ -181,8 +166,7 @@ class Checkpoints:
         """Load the newest checkpoint in run.out_dir whose checksum holds (run.resume=auto; a damaged
         newer one is skipped with a warning), or run.resume's file, into the raw model and the rest of
         `trained` (before compile and wrap) and this rank's `stats`. None: nothing to resume."""
-        run, world = self.run, self.world
-        auto = run.resume == "auto"
+        run, world, auto = self.run, self.world, self.run.resume == "auto"
         paths = rundir.step_files(run.out_dir) if auto else [] if run.resume == "never" else [Path(run.resume)]
         path, state, skipped = None, None, [] if auto else None
         for path in paths:  # newest first
@@ -200,7 +184,8 @@ class Checkpoints:
         if state is None:
             return None
         check_compatible(state, self.info, path, self.trained.optimizer)
-        restore(state, self.trained)  # model.load_state_dict(...): the raw model, as it was saved
+        with weights.fitting(state, path):
+            restore(state, self.trained)  # model.load_state_dict(...): the raw model, as it was saved
         same_world = restore_rank(state, world, stats)
         accum_steps = state["config"]["train"].get("grad_accum_steps", 1)
         position = Position(state["epoch"], state["step"], state["global_step"])
@@ -283,6 +268,12 @@ def _verified(state: Any, path: Path) -> dict[str, Any]:
         raise CorruptCheckpoint(f"{path} fails its checksum (the file was altered or damaged)")
     if state.get("format") != FORMAT:
         raise UsageError(f"{path} has checkpoint format {state.get('format')}; this ddp-cifar reads format {FORMAT}")
+    wrong = [k for k, kind in ENTRIES.items() if not isinstance(state.get(k), kind)]
+    wrong += [f"config.{s}" for s, v in ({} if wrong else state["config"]).items() if not isinstance(v, dict)]
+    if wrong:  # its checksum holds: another program wrote it so, not a damaged disk
+        raise UsageError(
+            f"{path} is no ddp-cifar checkpoint of format {FORMAT}: {', '.join(wrong)} missing or malformed"
+        )
     state["checksum"] = stored
     return state
 
@@ -335,7 +326,7 @@ def export(path: str | Path, out: str | Path, raw: bool = False, state_dict: boo
     if Path(out).exists():
         raise UsageError(f"OUT={out} exists, and export never replaces a file: name a new one, or remove it first")
     state = load(path)
-    exported = {k: v.float() if v.dtype == torch.float16 else v for k, v in weights(state, raw).items()}
+    exported = {k: v.float() if v.dtype == torch.float16 else v for k, v in weights.pick(state, raw).items()}
     if not state_dict:
         model = state["config"]["model"]  # models.build(model_name, len(classes), dropout, width) rebuilds it
         exported = {"format": "ddp-cifar-weights/1", "model_name": model["name"], "width": model.get("width", 1.0),

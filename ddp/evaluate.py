@@ -20,7 +20,7 @@ from ddp.launchers import quiet_startup
 
 quiet_startup(__name__)  # run as a command: a Ctrl-C or a missing package in the imports below is one line
 
-from ddp import __version__, checkpoint, cli, config, datasets, devices, loaders, metrics, models
+from ddp import __version__, checkpoint, cli, config, datasets, devices, loaders, metrics, models, weights
 from ddp.config import RunConfig
 from ddp.errors import UsageError
 
@@ -49,7 +49,7 @@ def measure(path: str, device: str, batch_size: int, overrides: list[str], raw: 
         key = "data.path=FILE.npz" if cfg.data.dataset == "npz" else "data.root=DIR"
         raise UsageError(f"{e} (the run's data, as its checkpoint names it: give this machine's, {key})") from None
     model = models.build(cfg.model.name, len(classes), cfg.model.dropout, cfg.model.width).to(world.device)
-    checkpoint.load_weights(state, model, raw)
+    weights.load(state, model, path, raw)
     loader = loaders.eval_loader(test, batch_size, world, 0, "device")
     norm = state["normalize"]  # the training split's statistics, as the model saw them
     to_input = loaders.input_fn(norm["mean"], norm["std"], world.device, channels_last=False)

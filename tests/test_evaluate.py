@@ -88,6 +88,65 @@ def test_a_checkpoint_of_a_newer_version_says_so(ddp_run, tmp_path, capsys):
     )
 
 
+def rewritten(ddp_run, path, change) -> None:
+    """The run's last checkpoint with `change` made to it and its checksum made again: a file that another
+    program (or another version of ddp-cifar) wrote so, not a damaged one."""
+    from ddp import files
+
+    state = torch.load(ddp_run / "checkpoints" / "last.pt", map_location="cpu", weights_only=True)
+    del state["checksum"]
+    change(state)
+    state["checksum"] = files.digest(state)
+    torch.save(state, path)
+
+
+def test_weights_that_do_not_fit_the_model_are_one_line_in_evaluate_and_in_resume(ddp_run, tmp_path, capsys):
+    """Weights from a version of ddp-cifar that built the model otherwise (here: one tensor of another shape,
+    one key more): load_state_dict's RuntimeError traceback in evaluate and on every rank of a resume."""
+    from ddp import __version__, train
+    from ddp import evaluate as ddp_evaluate
+    from ddp.cli import command
+
+    def narrower(state):
+        state["model"]["0.0.weight"] = state["model"]["0.0.weight"][:8]
+        state["versions"]["ddp_cifar"] = "0.0.9"
+
+    rewritten(ddp_run, tmp_path / "old.pt", narrower)
+    rewritten(ddp_run, tmp_path / "more.pt", lambda state: state["model"].update({"head.extra": torch.zeros(2)}))
+    misfit = (f"error: {tmp_path / 'old.pt'}'s weights do not fit model.name=small as ddp-cifar {__version__} builds "
+              "it (size mismatch for 0.0.weight: copying a param with shape torch.Size([8, 3, 3, 3]) from checkpoint, "
+              "the shape in current model is torch.Size([32, 3, 3, 3])); ddp-cifar 0.0.9 wrote them\n")  # fmt: skip
+    assert command(ddp_evaluate.main, ["--checkpoint", str(tmp_path / "old.pt")]) == 2
+    assert capsys.readouterr().err == misfit
+    assert train.cli([f"run.out_dir={tmp_path / 'run'}", *TINY, f"run.resume={tmp_path / 'old.pt'}"]) == 2
+    assert capsys.readouterr().err == misfit
+    assert command(ddp_evaluate.main, ["--checkpoint", str(tmp_path / "more.pt")]) == 2
+    err = capsys.readouterr().err
+    assert "weights do not fit model.name=small as ddp-cifar" in err
+    assert 'Unexpected key(s) in state_dict: "head.extra"); ddp-cifar' in err
+
+
+@pytest.mark.parametrize("key, value", [("config", "quick"), ("epoch", "2"), ("normalize", None), ("ranks", {}),
+                                        ("config.model", "small")])  # fmt: skip
+def test_a_checkpoint_whose_entries_are_not_of_their_kind_is_refused_in_one_line(ddp_run, tmp_path, key, value, capsys):
+    """Its checksum holds, so no damage made it: inspect and evaluate were a TypeError or AttributeError traceback
+    (a string config, a string normalize), or went on with a string epoch."""
+    from ddp import checkpoint
+    from ddp import evaluate as ddp_evaluate
+    from ddp.cli import command
+
+    path = tmp_path / "odd.pt"
+    rewritten(
+        ddp_run, path, lambda state: state["config"].update(model=value) if "." in key else state.update({key: value})
+    )
+    for main, argv in ((checkpoint.main, ["inspect", str(path)]), (ddp_evaluate.main, ["--checkpoint", str(path)])):
+        assert command(main, argv) == 2
+        assert (
+            capsys.readouterr().err
+            == f"error: {path} is no ddp-cifar checkpoint of format 2: {key} missing or malformed\n"
+        )
+
+
 def test_the_runs_data_missing_here_names_the_key_that_gives_it(ddp_run, tmp_path, capsys):
     """A run given a relative data.path, evaluated from another directory or machine: the line says the path came
     from the checkpoint and which key gives this machine's copy (was "data.path=...: no such file" alone)."""

@@ -1,0 +1,52 @@
+"""A checkpoint's weights as a model takes them: which ones (the moving average's or the trained), their keys
+without a wrapper's prefix, and load_state_dict's refusal of ones that do not fit as one line. Reading the
+file and what else it holds are checkpoint.py's."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
+
+from ddp import __version__
+from ddp.errors import UsageError
+
+
+def pick(state: dict[str, Any], raw: bool = False) -> dict[str, torch.Tensor]:
+    """The weights to evaluate or export: the moving average's when the run kept one, unless `raw`."""
+    return state["model"] if raw or not state.get("ema") else state["ema"]["weights"]
+
+
+def load(state: dict[str, Any], model: nn.Module, path: str | Path, raw: bool = True) -> None:
+    """A checkpoint's weights (the trained ones, or with raw=False those pick() picks) into a plain model on
+    any device, also when saved from a DataParallel/DDP ("module.") or compiled ("_orig_mod.") wrapper."""
+    with fitting(state, path):
+        model.load_state_dict(unprefixed(pick(state, raw)))
+
+
+def unprefixed(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    weights = dict(weights)
+    for prefix in ("module.", "_orig_mod.", "module."):
+        consume_prefix_in_state_dict_if_present(weights, prefix)
+    return weights
+
+
+@contextlib.contextmanager
+def fitting(state: dict[str, Any], path: str | Path) -> Iterator[None]:
+    """load_state_dict's refusal of weights that do not fit the model this version builds from the
+    checkpoint's settings (a version that built it otherwise wrote them) as one line, a UsageError."""
+    try:
+        yield
+    except RuntimeError as e:
+        if "Error(s) in loading state_dict" not in str(e):
+            raise
+        problem = " ".join(str(e).split("\n")[1].split()).rstrip(".")  # torch's first reason, under its heading
+        raise UsageError(
+            f"{path}'s weights do not fit model.name={state['config']['model'].get('name')} as ddp-cifar "
+            f"{__version__} builds it ({problem[:300]}); ddp-cifar {state['versions'].get('ddp_cifar')} wrote them"
+        ) from None

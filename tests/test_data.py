@@ -3,7 +3,9 @@
 import hashlib
 import pickle
 import re
+import shutil
 import sys
+import tarfile
 import threading
 import time
 import urllib.error
@@ -255,6 +257,66 @@ def test_torchvision_cifar_from_a_local_copy(kind, tmp_path, monkeypatch):
     assert_same_images(d.train, x, y)
     assert_same_images(d.test, xt, yt)
     assert d.classes == names and d.num_classes == num_classes
+
+
+def cifar10_copy(root: Path, monkeypatch) -> list[str]:
+    """A small CIFAR-10 in torchvision's layout under root (one training batch), its md5 sums made torchvision's
+    own; returns the class names."""
+    x, y, xt, yt = arrays()
+    folder, names = root / tv_datasets.CIFAR10.base_folder, [f"name{i}" for i in range(10)]
+    folder.mkdir(parents=True)
+    md5 = {f: _pickle(folder / f, {"data": a.transpose(0, 3, 1, 2).reshape(len(a), -1), "labels": [int(v) for v in b]})
+           for f, (a, b) in {"data_batch_1": (x, y), "test_batch": (xt, yt)}.items()}  # fmt: skip
+    monkeypatch.setattr(tv_datasets.CIFAR10, "train_list", [["data_batch_1", md5["data_batch_1"]]])
+    monkeypatch.setattr(tv_datasets.CIFAR10, "test_list", [["test_batch", md5["test_batch"]]])
+    meta = {
+        "filename": "batches.meta",
+        "key": "label_names",
+        "md5": _pickle(folder / "batches.meta", {"label_names": names}),
+    }
+    monkeypatch.setattr(tv_datasets.CIFAR10, "meta", meta)
+    return names
+
+
+def test_a_cifar_copy_that_is_not_whole_says_what_is_wrong_and_what_brings_it(tmp_path, monkeypatch):
+    """Each was "CIFAR-10 not found in data.root": a copy with a file altered and one missing, data.root naming
+    cifar-10-batches-py/ itself, the archive not unpacked (data.download=true unpacks it: no download is made, the
+    URL refuses), the archive cut short; a file this user may not read was a PermissionError traceback."""
+    root, cls = tmp_path / "data", tv_datasets.CIFAR10
+    names, folder, archive = cifar10_copy(root, monkeypatch), root / cls.base_folder, root / cls.filename
+    with tarfile.open(archive, "w:gz") as tar:
+        tar.add(folder, arcname=folder.name)
+    monkeypatch.setattr(cls, "tgz_md5", hashlib.md5(archive.read_bytes()).hexdigest())
+    monkeypatch.setattr(cls, "url", "http://127.0.0.1:9/cifar-10-python.tar.gz")  # nothing listens: a download fails
+
+    def refused(where: Path, message: str) -> None:
+        with pytest.raises(datasets.DataMissing) as raised:
+            datasets.read(DataConfig(root=str(where), download=False), CPU)
+        assert str(raised.value) == message
+
+    (folder / "data_batch_1").write_bytes((folder / "data_batch_1").read_bytes()[:-1])
+    (folder / "test_batch").unlink()
+    refused(root, f"CIFAR-10 in data.root={root} is incomplete or damaged: in cifar-10-batches-py/, data_batch_1, "
+            "test_batch missing or not the files torchvision knows (by their md5); copy it again, or set "
+            "data.download=true to fetch it")  # fmt: skip
+    refused(folder, f"data.root={folder} is cifar-10-batches-py/ itself: name the directory that holds it, "
+            f"data.root={root}")  # fmt: skip
+    shutil.rmtree(folder)
+    refused(root, f"data.root={root} holds cifar-10-python.tar.gz, not unpacked: tar xzf {archive} -C {root}, or set "
+            "data.download=true (it unpacks it, without a download)")  # fmt: skip
+    assert datasets.read(DataConfig(root=str(root), download=True), CPU).classes == names
+    shutil.rmtree(folder)
+    archive.write_bytes(archive.read_bytes()[:100])
+    refused(root, f"data.root={root} holds cifar-10-python.tar.gz, but not the whole archive (not the md5 torchvision "
+            "knows): a download cut short? Set data.download=true to fetch it again, or copy it again")  # fmt: skip
+
+    def unreadable(path, md5=None):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(tv_datasets.cifar, "check_integrity", unreadable)
+    with pytest.raises(UsageError, match=f"^cannot read CIFAR-10 in data.root={root}: {root}/cifar-10-batches-py/"
+                       r"data_batch_1 \(Permission denied\)$"):  # fmt: skip
+        datasets.read(DataConfig(root=str(root), download=False), CPU)
 
 
 @pytest.mark.parametrize("broken", ["missing", "built for another torch"])

@@ -45,7 +45,8 @@ def fitting(state: dict[str, Any], path: str | Path) -> Iterator[None]:
     except RuntimeError as e:
         if "Error(s) in loading state_dict" not in str(e):
             raise
-        problem = " ".join(str(e).split("\n")[1].split()).rstrip(".")  # torch's first reason, under its heading
+        reasons = str(e).partition("\n")[2]  # under torch's heading, one a line
+        problem = " ".join(reasons.split("\n")[0].split()).rstrip(".")
         raise UsageError(
             f"{path}'s weights do not fit model.name={state['config']['model'].get('name')} as ddp-cifar "
             f"{__version__} builds it ({problem[:300]}); ddp-cifar {state['versions'].get('ddp_cifar')} wrote them"

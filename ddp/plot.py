@@ -1,5 +1,6 @@
 """`python -m ddp.plot RUN_DIR [RUN_DIR ...] [--out DIR]`: charts of runs, as PNGs (headless,
-matplotlib's Agg backend) from each run's metrics.jsonl, into --out (default: the first RUN_DIR).
+matplotlib's Agg backend) from each run's metrics.jsonl (RUN_DIR, or that file named), into --out (default:
+the first RUN_DIR).
 
 - curves.png: train loss and test accuracy per epoch, one line per run (e.g. 1 vs 2 vs 4 processes);
 - per_class.png: per-class test accuracy of each run's last evaluated epoch, bars with class names (with more
@@ -180,7 +181,7 @@ def main(argv: list[str]) -> None:
     options, run_dirs = cli.parse(argv, f"{usage}\n\n{__doc__}", [cli.Option("--out", "DIR")])
     if not run_dirs:
         raise UsageError(f"name at least one run: {usage}")
-    paths = [Path(d) for d in run_dirs]
+    paths = [Path(d).parent if Path(d).name == "metrics.jsonl" and Path(d).is_file() else Path(d) for d in run_dirs]
     for path in plot(paths, Path(options["out"]) if options["out"] else paths[0]):
         print(path)
 

@@ -110,16 +110,17 @@ def test_plot_leaves_out_the_lines_of_a_metrics_file_that_lies_and_tells_runs_of
 def test_plot_leaves_out_records_whose_classes_accuracies_or_confusion_do_not_fit(tmp_path, capsys):
     """Each was drawn: as a run's last epoch, a traceback (a string accuracy, a class named by a dict, a confusion
     matrix smaller than the classes) or a chart of nonsense (an accuracy of 150% or NaN, a boolean loss); before
-    it, a point of the curves. Now each is a line left out, with the note."""
+    it, a point of the curves. Now each is a line left out, with the note. The run's metrics.jsonl named instead
+    of the run: its run (was "no metrics.jsonl")."""
     lies = [("[0.5, 0.5]", '["x", 0.5]'), ("[0.5, 0.5]", "[1.5, 0.5]"), ('"test_acc": 0.5', '"test_acc": NaN'),
             ('["cat", "dog"]', '["cat", {"a": 1}]'), ("[[1, 1], [1, 1]]", "[[1]]"), ("[[1, 1], [1, 1]]", "[[1, 1], 7]"),
             ("[[1, 1], [1, 1]]", '"many"'), ('"train_loss": 2.0', '"train_loss": true')]  # fmt: skip
     none = EPOCH.replace("[0.5, 0.5]", "[0.5, null]")  # a class without test images: its bar at 0
     write_metrics(tmp_path / "run", EPOCH % 1, *[EPOCH.replace(old, new) % 2 for old, new in lies], none % 3)
-    charts = plot.plot([tmp_path / "run"], tmp_path / "charts")
-    assert [p.name for p in charts] == ["curves.png", "per_class.png", "confusion-run.png"]
-    assert capsys.readouterr().err == (
-        f"note: {tmp_path}/run/metrics.jsonl: line 2, 3, 4, 5, 6, 7, 8, 9: not an epoch's whole record, left out\n"
+    assert command(plot.main, [str(rundir.metrics_path(tmp_path / "run"))]) == 0  # the file named: its run
+    assert capsys.readouterr() == (
+        "".join(f"{tmp_path}/run/{name}.png\n" for name in ("curves", "per_class", "confusion-run")),
+        f"note: {tmp_path}/run/metrics.jsonl: line 2, 3, 4, 5, 6, 7, 8, 9: not an epoch's whole record, left out\n",
     )
 
 

@@ -168,7 +168,8 @@ def prepare(out_dir: str, config_yaml: str, epochs_done: int, world: World) -> N
                 files.replace(config_path(out_dir), config_yaml.encode())  # a full disk: WriteFailed, exit 1
                 metrics = metrics_path(out_dir)
                 if metrics.exists():
-                    kept = [line for line in metrics.read_text().splitlines() if _epoch(line) <= epochs_done]
+                    lines = metrics.read_text(errors="replace").splitlines()  # bytes that are no text: no record
+                    kept = [line for line in lines if _epoch(line) <= epochs_done]
                     files.replace(metrics, "".join(line + "\n" for line in kept).encode())
                 files.remove_temporary(checkpoint_dir(out_dir))
             except OSError as e:

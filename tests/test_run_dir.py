@@ -188,3 +188,15 @@ def test_an_out_dir_whose_parent_cannot_be_searched_says_why_instead_of_a_traceb
     monkeypatch.setattr(os, "stat", stat)
     error = OSError(errno.ENOTDIR, "Not a directory")  # an errno that has it look for a file in the way
     assert files.in_the_way(tmp_path / "x" / "run", error) == "Not a directory"
+
+
+def test_a_resume_keeps_the_saved_epochs_of_metrics_jsonl_and_drops_what_is_no_record(tmp_path):
+    """A kill mid-line, an epoch the checkpoint does not hold, bytes that are no text (a disk's damage, an
+    editor's): the resume's rewrite keeps the records up to the checkpoint's epoch (the bytes were a
+    UnicodeDecodeError traceback)."""
+    epoch = '{"epoch": %d, "train_loss": 1.0}\n'
+    rundir.metrics_path(tmp_path).write_bytes(
+        (epoch % 1 + epoch % 2 + '{"epoch": 3, "tra\n').encode() + b"\xff\xfe\x00junk\n" + (epoch % 3).encode()
+    )
+    rundir.prepare(str(tmp_path), "seed: 0\n", 2, World(0, 0, 1, torch.device("cpu"), "none"))
+    assert rundir.metrics_path(tmp_path).read_text() == epoch % 1 + epoch % 2

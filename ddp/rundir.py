@@ -101,7 +101,11 @@ def lock(out_dir: str, world: World) -> Iterator[None]:
 
 
 def _cannot_write(out_dir: str, e: OSError) -> UsageError:
-    return UsageError(f"cannot write to run.out_dir={out_dir} ({files.in_the_way(Path(out_dir), e)})")
+    """The error for out_dir, naming the path in it that failed (its lock, metrics.jsonl, checkpoints/)."""
+    target = Path(e.filename or out_dir)
+    why = files.in_the_way(target, e)  # a file where target or a parent of it must be a directory: named
+    named = "" if target == Path(out_dir) or why.endswith("is a file, not a directory") else f"{target}: "
+    return UsageError(f"cannot write to run.out_dir={out_dir} ({named}{why})")
 
 
 def _take(fd: int, out_dir: str) -> bool:
@@ -157,14 +161,16 @@ def check_resume_setting(resume: str, out_dir: str) -> None:
         )
 
 
-def prepare(out_dir: str, config_yaml: str, epochs_done: int, world: World) -> None:
-    """Rank 0 writes config.yaml, cuts metrics.jsonl back to the epochs of the checkpoint being
-    resumed (a killed run may have logged an epoch it never saved) and removes what killed writers
-    left; every rank learns whether that worked."""
+def prepare(out_dir: str, config_yaml: str, epochs_done: int, world: World, tensorboard: bool = False) -> None:
+    """Rank 0 makes checkpoints/ (and tensorboard/), writes config.yaml, cuts metrics.jsonl back to the
+    epochs of the checkpoint being resumed (a killed run may have logged an epoch it never saved) and
+    removes what killed writers left; every rank learns whether that worked, before the first step."""
     with distributed.fail_together(world):
         if world.is_main:
             try:
-                Path(out_dir).mkdir(parents=True, exist_ok=True)
+                checkpoint_dir(out_dir).mkdir(parents=True, exist_ok=True)  # a file in its place: said now, not later
+                if tensorboard:
+                    tensorboard_dir(out_dir).mkdir(exist_ok=True)
                 files.replace(config_path(out_dir), config_yaml.encode())  # a full disk: WriteFailed, exit 1
                 metrics = metrics_path(out_dir)
                 if metrics.exists():

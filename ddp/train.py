@@ -192,7 +192,7 @@ def fit(cfg: Config, world: World, data: datasets.Data, plan: Plan) -> dict[str,
     job, resumed = build(cfg, world, data, plan)
     position = resumed.position if resumed else Position()
     last_metrics = resumed.metrics if resumed else None
-    rundir.prepare(cfg.run.out_dir, config.dump(cfg), position.epochs_done, world)
+    rundir.prepare(cfg.run.out_dir, config.dump(cfg), position.epochs_done, world, cfg.run.tensorboard)
     profile_steps = profiling.left(plan.profile_steps, position.global_step)
     if world.is_main:
         params = sum(p.numel() for p in job.trained.model.parameters())

@@ -16,7 +16,7 @@ import pytest
 import torch
 from conftest import REPO, TINY, TRAIN, clean_env, metrics, ok, python, torchrun, wait_for_checkpoint
 
-from ddp import checkpoint, files, rundir
+from ddp import checkpoint, files, rundir, train
 from ddp.devices import World
 from ddp.errors import UsageError, WriteFailed
 
@@ -200,3 +200,16 @@ def test_a_resume_keeps_the_saved_epochs_of_metrics_jsonl_and_drops_what_is_no_r
     )
     rundir.prepare(str(tmp_path), "seed: 0\n", 2, World(0, 0, 1, torch.device("cpu"), "none"))
     assert rundir.metrics_path(tmp_path).read_text() == epoch % 1 + epoch % 2
+
+
+@pytest.mark.parametrize("name, kind", [(".lock", "directory"), ("metrics.jsonl", "directory"), ("checkpoints", "file"),
+                                        ("tensorboard", "file")])  # fmt: skip
+def test_a_file_or_directory_in_the_way_inside_out_dir_is_named_before_the_first_step(tmp_path, name, kind, capsys):
+    """Each was said without its path ('(Is a directory)'), a FileExistsError traceback (tensorboard/), or, for
+    checkpoints/, only when the first checkpoint was written, after an epoch of training."""
+    path = tmp_path / name
+    path.mkdir() if kind == "directory" else path.write_text("x")
+    assert train.cli([f"run.out_dir={tmp_path}", *TINY, "run.tensorboard=true"]) == 2
+    out, err = capsys.readouterr()
+    why = f"{path}: Is a directory" if kind == "directory" else f"{path} is a file, not a directory"
+    assert err == f"error: cannot write to run.out_dir={tmp_path} ({why})\n" and "epoch 1/" not in out

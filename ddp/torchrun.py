@@ -2,16 +2,17 @@
 launcher in this process, which ends without its traceback when a stop signal or a failed rank ends
 it. The ranks have said why by then; the exit code says how (128 + N after signal N, else the rank's).
 
-Ctrl-C (SIGINT to the foreground group), scancel and `kill` reach torchrun's agent, which stops the
-ranks (each saves its checkpoint and says "run the same command to resume") and then raises
-SignalException, printed by torchrun as a 25-line traceback with exit 1. A rank that fails (a usage
-error, a lost peer) prints its own line; torchrun then repeats it in a failure box and a traceback.
-Here both end as the exit code alone, after the ranks' lines; a rank that ended without a line of its
-own (killed by a signal) gets one. And an agent that outlives its last rank (on a host cut off, torchrun's
-agent waits on the rendezvous store on another host for minutes) leaves, saying so: STORE_LOST_S after
-its ranks ended when its rendezvous store does not answer (the host cut off, or the store's host gone);
-else GRACE_S after them (its exit barrier waits on the other hosts), or never while the store answers
-in an elastic job, which may start new ranks.
+Ctrl-C (SIGINT to the foreground group), scancel and `kill` reach torchrun's agent, which stops the ranks
+(each saves its checkpoint and says "run the same command to resume") and then raises SignalException, printed
+by torchrun as a 25-line traceback with exit 1. A rank that fails (a usage error, a lost peer) prints its own
+line; torchrun then repeats it in a failure box and a traceback. Here both end as the exit code alone, after
+the ranks' lines, and so do torchrun's log lines that repeat them (which rank failed, the SIGTERM it then
+sends the rest); a rank that ended without a line of its own (killed by a signal, but not by that SIGTERM)
+gets one. And an agent that outlives its last rank (on a host cut off, torchrun's agent waits on the
+rendezvous store on another host for minutes) leaves, saying so: STORE_LOST_S after its ranks ended when its
+rendezvous store does not answer (the host cut off, or the store's host gone); else GRACE_S after them (its
+exit barrier waits on the other hosts), or never while the store answers in an elastic job, which may start
+new ranks.
 
 At the end of a job of several nodes, the agent that hosts the rendezvous store may leave before
 another agent has read the exit barrier's result (pytorch/pytorch#69520): that agent logged a traceback
@@ -30,6 +31,7 @@ from __future__ import annotations
 import logging
 import os
 import shlex
+import signal
 import socket
 import sys
 import threading
@@ -83,8 +85,19 @@ class ExitBarrierRace(logging.Filter):
         return not (self.seen and "RendezvousConnectionError" in record.getMessage())
 
 
+def not_an_echo(record: logging.LogRecord) -> bool:
+    """Drops the agent's log lines that repeat what the ranks' lines (or failed()'s) said: which rank failed,
+    the closing signal sent to the rest, its own error file's copy. They were the last lines under a usage error."""
+    return not str(record.msg).startswith(ECHOES)
+
+
 TRAIN = Path(__file__).resolve().parent / "train.py"
 RACE_LOGGERS = ("torch.distributed.elastic.agent.server.api", "torch.distributed.elastic.rendezvous.dynamic_rendezvous")
+ECHO_LOGGERS = (
+    "torch.distributed.elastic.multiprocessing.api",
+    "torch.distributed.elastic.multiprocessing.errors.error_handler",
+)
+ECHOES = ("failed (exitcode: ", "Sending process %s closing signal", "no error file defined for parent")
 
 
 def main(argv: list[str]) -> int:
@@ -97,6 +110,8 @@ def main(argv: list[str]) -> int:
     race = ExitBarrierRace()
     for name in RACE_LOGGERS:
         logging.getLogger(name).addFilter(race)
+    for name in ECHO_LOGGERS:
+        logging.getLogger(name).addFilter(not_an_echo)
     args = parse_args(argv)
     store = args.rdzv_endpoint if ":" in args.rdzv_endpoint and not args.standalone else None
     elastic = args.max_restarts > 0
@@ -134,13 +149,20 @@ def preflight(processes: str, argv: list[str]) -> int | None:
 
 
 def failed(error: ChildFailedError) -> int:
-    """One line for each rank that ended without writing its own (killed by a signal: no error file);
-    the exit code of the first rank that failed (128 + N for signal N)."""
-    for rank, failure in sorted(error.failures.items()):
-        if not os.path.isfile(failure.error_file):
+    """One line for each rank that ended without writing its own (killed by a signal: no error file), but
+    none for those torchrun itself stopped with SIGTERM once another had failed ("rank 1 was killed by SIGTERM"
+    was the last line under rank 0's usage error); the exit code of the first rank that failed otherwise (128 +
+    N for signal N): an error file's time is in whole seconds, and a rank stopped the same second could pass
+    for the first."""
+    failures = error.failures
+    causes = {r: f for r, f in failures.items() if f.exitcode != -signal.SIGTERM} or failures
+    first = min(causes, key=lambda rank: causes[rank].timestamp)
+    for rank, failure in sorted(failures.items()):
+        stopped = rank != first and failure.exitcode == -signal.SIGTERM  # torchrun's "closing signal SIGTERM"
+        if not os.path.isfile(failure.error_file) and not stopped:
             how = f"was killed by {failure.signal_name()}" if failure.exitcode < 0 else f"exited {failure.exitcode}"
             print(f"error: rank {rank} (pid {failure.pid}) {how}", file=sys.stderr, flush=True)
-    code = error.get_first_failure()[1].exitcode
+    code = failures[first].exitcode
     return code if code > 0 else 128 - code if code < 0 else EXIT_FAILURE
 
 

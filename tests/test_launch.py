@@ -1,6 +1,7 @@
 """Every launch path, run for real on CPU (gloo): the scripts in launch/ and slurm/, torchrun across
 two "nodes" on loopback, accelerate launch (torchrun and MPI modes). SLURM itself: test_slurm.py."""
 
+import json
 import logging
 import os
 import re
@@ -80,6 +81,31 @@ def test_ctrl_c_on_the_torchrun_script_ends_with_our_lines_and_130_and_a_killed_
     killed = run_script("launch/torchrun.sh", *TINY, f"run.out_dir={tmp_path / 'killed'}", env=fault)
     assert killed.returncode == 128 + signal.SIGKILL and "Traceback" not in killed.stderr, killed.stderr
     assert re.search(r"^error: rank 1 \(pid \d+\) was killed by SIGKILL$", killed.stderr, re.M), killed.stderr
+
+
+def test_the_ranks_torchrun_stops_after_one_failed_get_no_line_of_their_own(tmp_path, capsys):
+    """Rank 0's usage error (its own line, in its error file) and rank 1 stopped by torchrun's closing SIGTERM:
+    "error: rank 1 (pid ...) was killed by SIGTERM" was the last line, under the cause; and where the error file's
+    time (whole seconds) was not before the stopped rank's, the exit code was 143, not the cause's. A rank killed
+    by another signal, or by SIGTERM with no other failure (before its stop handler), still gets its line."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    later = int(time.time()) + 100  # rank 0's file says it failed after rank 1 was stopped: not so
+    for rank, stamp in ((0, 1), (1, later)):
+        (tmp_path / f"rank{rank}.json").write_text(json.dumps({"message": {"message": "x", "extraInfo": {
+            "timestamp": str(stamp)}}}))  # fmt: skip
+
+    def failure(rank, code, said=False):
+        return ProcessFailure(rank, 100 + rank, code, str(tmp_path / (f"rank{rank}.json" if said else "none")))
+
+    assert launcher.failed(ChildFailedError("train.py", {0: failure(0, 2, said=True), 1: failure(1, -15)})) == 2
+    assert capsys.readouterr().err == ""
+    assert launcher.failed(ChildFailedError("train.py", {0: failure(0, 2, said=True), 1: failure(1, -9)})) == 2
+    assert capsys.readouterr().err == "error: rank 1 (pid 101) was killed by SIGKILL\n"
+    assert launcher.failed(ChildFailedError("train.py", {0: failure(0, -15), 1: failure(1, 2, said=True)})) == 2
+    assert capsys.readouterr().err == ""
+    assert launcher.failed(ChildFailedError("train.py", {1: failure(1, -15)})) == 128 + 15
+    assert capsys.readouterr().err == "error: rank 1 (pid 101) was killed by SIGTERM\n"
 
 
 def test_a_mistake_every_rank_would_make_is_one_line_before_torchrun_starts(tmp_path):

@@ -369,16 +369,16 @@ def main(argv: list[str]) -> int:
         if not Path(words[1]).exists():  # a directory: load says which file in it to name
             raise UsageError(f"checkpoint not found: {words[1]}")
         text, whole = describe(words[1])
-        print(text)
+        cli.show(text)
         return EXIT_OK if whole else EXIT_FAILURE
     if len(words) != 3 or words[0] != "export":
         raise UsageError(USAGE)
     state = export(words[1], words[2], options["raw"], options["state_dict"])
     weights_of = "the moving average" if state.get("ema") and not options["raw"] else "the trained model"
-    print(f"wrote {words[2]} (model weights only: {weights_of}'s)")
+    cli.show(f"wrote {words[2]} (model weights only: {weights_of}'s)")
     if options["state_dict"]:  # what the file itself does not hold
         norm = state["normalize"]
-        print(
+        cli.show(
             f"a bare state dict, for net.load_state_dict(torch.load({str(words[2])!r})); the model's inputs: "
             f"transforms.ToTensor() then transforms.Normalize({norm['mean']}, {norm['std']}); "
             f"its outputs: {state['classes']}"

@@ -65,7 +65,7 @@ def parse(argv: list[str], usage: str, options: list[Option]) -> tuple[dict[str,
     for arg in args:
         name, eq, inline = arg.partition("=")
         if arg in ("-h", "--help"):
-            print(usage)
+            show(usage)
             raise SystemExit(EXIT_OK)
         if name in by_name and by_name[name].metavar:
             option = by_name[name]
@@ -133,9 +133,10 @@ def parse_args(argv: list[str], usage: str) -> Args:
 
 def debug_requested(argv: list[str]) -> bool:
     """run.debug from the config (file and overrides), or from the command line alone when the
-    config itself is what failed to load (or the command takes other options)."""
+    config itself is what failed to load (or the command takes other options). Never --help's answer again
+    (when it was the --help that failed, its output refused)."""
     try:
-        args = parse_args(argv, "")
+        args = parse_args([a for a in argv if a not in ("-h", "--help")], "")
         return config.load(args.config, args.overrides).run.debug
     except UsageError:
         values = [a.partition("=")[2] for a in argv if a.replace(" ", "").startswith("run.debug=")]
@@ -149,6 +150,23 @@ def debug_requested(argv: list[str]) -> bool:
 # 0 exits; without one that does (srun without --kill-on-bad-exit), the error takes this much longer.
 # 15 s, not 5: in a loaded test suite rank 0, started 2 s late, had not printed 7.3 s after the launch.
 SILENT_RANK_GRACE_S = 15.0
+
+
+def show(text: str, end: str = "\n") -> None:
+    """A command's output on stdout, flushed. Where the OS refuses it (a full disk under `> FILE`) a
+    WriteFailed: one line on stderr and exit 1, not a traceback. A reader gone (`| head`) is command's."""
+    try:
+        print(text, end=end, flush=True)
+    except BrokenPipeError:
+        raise
+    except OSError as e:
+        silence_stdout()
+        raise WriteFailed(f"cannot write the output to stdout ({e.strerror})") from None
+
+
+def silence_stdout() -> None:
+    """stdout to /dev/null from here on: the exit's flush of what stdout could not take does not fail again."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 def command(main: Callable[[list[str]], Any], argv: list[str] | None = None, prog: str = "") -> int:
@@ -178,7 +196,7 @@ def command(main: Callable[[list[str]], Any], argv: list[str] | None = None, pro
         launchers.record_error(line)  # torchrun's report names it (its own box, after this line)
         return exit_code(e)
     except BrokenPipeError:  # its reader has gone (`... | head`): the rest has no one to read it
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # and the exit's flush does not fail again
+        silence_stdout()
         return EXIT_FAILURE
     except Exception as e:  # out of memory: one line with what to try; anything else is a bug, its traceback
         if not out_of_memory(e) or debug_requested(argv):

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from ddp import config, datasets, devices, distributed, files, launchers, metrics, network
-from ddp.cli import command, leave, parse_args
+from ddp.cli import command, leave, parse_args, show
 from ddp.config import DataConfig
 from ddp.devices import World
 from ddp.errors import EXIT_FAILURE, EXIT_OK, UsageError
@@ -125,21 +125,21 @@ def report(world: World, out_dir: str) -> dict[str, Any]:
 
 
 def print_report(r: dict[str, Any]) -> None:
-    print(
+    show(
         f"rank {r['rank']}/{r['world_size']}  local_rank {r['local_rank']}  host {r['host']}  pid {r['pid']}  "
         f"launcher {r['launcher']}  device {r['device']}"
     )
-    print(f"  network: {r['network']}")
-    print("  variables: " + (" ".join(f"{k}={v}" for k, v in r["variables"].items()) or "(none: one process)"))
-    print("  versions:  " + "  ".join(f"{k} {v}" for k, v in r["versions"].items()))
+    show(f"  network: {r['network']}")
+    show("  variables: " + (" ".join(f"{k}={v}" for k, v in r["variables"].items()) or "(none: one process)"))
+    show("  versions:  " + "  ".join(f"{k} {v}" for k, v in r["versions"].items()))
     for g in r["gpus"]:
-        print(
+        show(
             f"  cuda:{g['index']} {g['name']}: {g['total_gib']:.1f} GiB total, "
             f"{g['allocated_gib']:.2f} allocated, {g['reserved_gib']:.2f} reserved"
         )
     if not r["gpus"]:
-        print("  GPUs: none visible")
-    print("  TF32: " + "  ".join(f"{k} {v}" for k, v in r["tf32"].items()))
+        show("  GPUs: none visible")
+    show("  TF32: " + "  ".join(f"{k} {v}" for k, v in r["tf32"].items()))
 
 
 def diagnose(run: config.RunConfig, data: DataConfig) -> list[str]:
@@ -156,16 +156,16 @@ def diagnose(run: config.RunConfig, data: DataConfig) -> list[str]:
         except UsageError as e:
             problems.append(str(e))
         free = port_free(addr, port)
-        print(f"rendezvous port {port} ({source}): " + ("free" if free else "IN USE"))
+        show(f"rendezvous port {port} ({source}): " + ("free" if free else "IN USE"))
         if not free:
             problems.append(f"port {port} ({source}) is in use on this machine: set MASTER_PORT to a free port")
         token, problem = check_out_dir(run.out_dir)
         problems += [problem] if problem else []
         if token:
             (Path(run.out_dir) / token).unlink()
-            print(f"run.out_dir {Path(run.out_dir).resolve()}: writable")
+            show(f"run.out_dir {Path(run.out_dir).resolve()}: writable")
         line, problem = check_data(data, world)
-        print(line)
+        show(line)
         return problems + ([problem] if problem else [])
     with distributed.setup(world, run.timeout_s) as world:
         token, problem = check_out_dir(run.out_dir) if world.is_main else (None, None)
@@ -179,11 +179,11 @@ def diagnose(run: config.RunConfig, data: DataConfig) -> list[str]:
             for r, _, _, data_checked in reports:
                 print_report(r)
                 if data_checked:
-                    print(f"  {data_checked[0]}")
+                    show(f"  {data_checked[0]}")
                     problems += [f"on {r['host']}: {data_checked[1]}"] if data_checked[1] else []
             want, got = world.world_size * (world.world_size - 1) / 2, reduced.item()
             backend = dist.get_backend()
-            print(f"all_reduce over {world.world_size} ranks ({backend}): {got:g} (expected {want:g})")
+            show(f"all_reduce over {world.world_size} ranks ({backend}): {got:g} (expected {want:g})")
             if got != want:
                 problems.append(f"all_reduce gave {got:g}, not {want:g}: the {backend} backend is broken")
             if shared[1]:
@@ -195,7 +195,7 @@ def diagnose(run: config.RunConfig, data: DataConfig) -> list[str]:
                     "filesystem every node shares (checkpoints are written by rank 0 and read by all)"
                 )
             elif shared[0]:
-                print(f"run.out_dir {Path(run.out_dir).resolve()}: writable, the same directory on every rank")
+                show(f"run.out_dir {Path(run.out_dir).resolve()}: writable, the same directory on every rank")
             problems += sorted({m for _, _, m, _ in reports if m and m != mismatch})
         distributed.barrier(world)  # everyone has looked before rank 0 removes the file
         if world.is_main and shared[0]:
@@ -218,7 +218,7 @@ def main(argv: list[str]) -> int:
     for p in problems:
         print(f"doctor: PROBLEM: {p}", file=sys.stderr)
     if not problems and launchers.detect_launch(launcher=run.launcher).rank == 0:
-        print("doctor: OK")
+        show("doctor: OK")
     return EXIT_FAILURE if problems else EXIT_OK
 
 

@@ -124,7 +124,7 @@ def main(argv: list[str]) -> None:
     if options["checkpoint"] is None:
         raise UsageError("--checkpoint is required: python -m ddp.evaluate --checkpoint PATH [...]")
     result = measure(options["checkpoint"], options["device"], options["batch_size"], overrides, options["raw"])
-    print(json.dumps(result) if options["json"] else table(result))
+    cli.show(json.dumps(result) if options["json"] else table(result))
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ talks to other ranks."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import time
@@ -13,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from tqdm import tqdm
 
-from ddp import files, rundir
+from ddp import cli, files, rundir
 from ddp.errors import UsageError
 
 if TYPE_CHECKING:
@@ -115,7 +116,17 @@ def toolbox(cfg: Config) -> str:
 
 
 def say(text: str) -> None:
-    print(text, flush=True)
+    """A line of the run's log on stdout. A log the OS refuses (its disk full) does not stop the run, which
+    keeps each epoch in metrics.jsonl: stdout goes to /dev/null from then on, with one warning on stderr."""
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:  # its reader has gone (`| head`): the run ends as any command does
+        raise
+    except OSError as e:
+        cli.silence_stdout()
+        with contextlib.suppress(OSError):  # stderr on the same full disk
+            print(f"warning: cannot write the run's log to stdout ({e.strerror}); the run goes on, its epochs in "
+                  "metrics.jsonl", file=sys.stderr, flush=True)  # fmt: skip
 
 
 def record_epoch(m: dict[str, Any], epochs: int, out_dir: str, board: Board | None) -> None:

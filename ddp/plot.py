@@ -183,7 +183,7 @@ def main(argv: list[str]) -> None:
         raise UsageError(f"name at least one run: {usage}")
     paths = [Path(d).parent if Path(d).name == "metrics.jsonl" and Path(d).is_file() else Path(d) for d in run_dirs]
     for path in plot(paths, Path(options["out"]) if options["out"] else paths[0]):
-        print(path)
+        cli.show(str(path))
 
 
 if __name__ == "__main__":

@@ -55,7 +55,7 @@ from ddp import (
 )
 from ddp.checkpoint import Position
 from ddp.checks import Plan
-from ddp.cli import command, leave, parse_args
+from ddp.cli import command, leave, parse_args, show
 from ddp.config import Config
 from ddp.devices import World
 from ddp.errors import Diverged, UsageError
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     args = parse_args(sys.argv[1:] if argv is None else argv, USAGE)
     cfg = config.load(args.config, args.overrides)
     if args.print_config:
-        print(config.dump(cfg), end="")
+        show(config.dump(cfg), end="")
         return None
     cfg.run = launchers.accelerate_flags(cfg.run)
     if args.preflight:

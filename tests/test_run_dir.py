@@ -213,3 +213,28 @@ def test_a_file_or_directory_in_the_way_inside_out_dir_is_named_before_the_first
     out, err = capsys.readouterr()
     why = f"{path}: Is a directory" if kind == "directory" else f"{path} is a file, not a directory"
     assert err == f"error: cannot write to run.out_dir={tmp_path} ({why})\n" and "epoch 1/" not in out
+
+
+def test_stdout_on_a_full_disk_leaves_a_run_training_and_is_one_line_for_a_command(tmp_path):
+    """`> FILE` on a full disk (/dev/full): the run's log lines were an OSError traceback that ended the run at
+    its start line; now the run goes on (one warning, its epochs in metrics.jsonl and its checkpoints). A
+    command whose output is its result (evaluate, inspect, --help) says it cannot write it: exit 1, one line
+    (--help's was exit 0, silent: the error's check for run.debug read --help again)."""
+
+    def to_full_disk(*args: str) -> subprocess.CompletedProcess:
+        with open("/dev/full", "w") as full:
+            return subprocess.run([sys.executable, *args], cwd=REPO, env=clean_env(), stdout=full,
+                                  stderr=subprocess.PIPE, text=True, timeout=180)  # fmt: skip
+
+    run = to_full_disk(str(TRAIN), f"run.out_dir={tmp_path}", *TINY)
+    assert run.returncode == 0 and run.stderr == (
+        "warning: cannot write the run's log to stdout (No space left on device); the run goes on, its epochs in "
+        "metrics.jsonl\n"
+    )
+    assert [r["epoch"] for r in metrics(tmp_path)] == [1, 2] and rundir.last_path(tmp_path).is_file()
+    last = str(rundir.last_path(tmp_path))
+    for args in (["-m", "ddp.evaluate", "--checkpoint", last, "--json"], ["-m", "ddp.checkpoint", "inspect", last],
+                 [str(TRAIN), "--help"]):  # fmt: skip
+        refused = to_full_disk(*args)
+        assert (refused.returncode, refused.stderr) == (1, "error: cannot write the output to stdout (No space left "
+                                                           "on device)\n"), args  # fmt: skip

@@ -192,6 +192,9 @@ def _torchvision(cfg: DataConfig, world: World) -> tuple[Split, Split, list[str]
     name = "CIFAR-10" if cfg.dataset == "cifar10" else "CIFAR-100"
     folder = cls.base_folder
     offline_fix = f"put the torchvision copy ({folder}/) in data.root, or use data.dataset=npz data.path=FILE.npz"
+    if Path(cfg.root).name == cls.filename and Path(cfg.root).is_file():  # make train DATA=the archive
+        raise UsageError(f"data.root={cfg.root} is {cls.filename} itself: name the directory that holds it, data."
+                         f"root={Path(cfg.root).parent}, and set data.download=true to unpack it there")  # fmt: skip
     if Path(cfg.root).is_file():  # make train DATA=file that does not end in .npz, say
         raise UsageError(f"data.root={cfg.root} is a file, not a directory; {offline_fix}")
 

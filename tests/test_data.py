@@ -280,8 +280,9 @@ def cifar10_copy(root: Path, monkeypatch) -> list[str]:
 
 def test_a_cifar_copy_that_is_not_whole_says_what_is_wrong_and_what_brings_it(tmp_path, monkeypatch):
     """Each was "CIFAR-10 not found in data.root": a copy with a file altered and one missing, data.root naming
-    cifar-10-batches-py/ itself, the archive not unpacked (data.download=true unpacks it: no download is made, the
-    URL refuses), the archive cut short; a file this user may not read was a PermissionError traceback."""
+    cifar-10-batches-py/ itself, the archive not unpacked (data.download=true unpacks it: no download is made,
+    the URL refuses), data.root naming the archive ("is a file, not a directory"), the archive cut short; a file
+    this user may not read was a PermissionError traceback."""
     root, cls = tmp_path / "data", tv_datasets.CIFAR10
     names, folder, archive = cifar10_copy(root, monkeypatch), root / cls.base_folder, root / cls.filename
     with tarfile.open(archive, "w:gz") as tar:
@@ -304,6 +305,11 @@ def test_a_cifar_copy_that_is_not_whole_says_what_is_wrong_and_what_brings_it(tm
     shutil.rmtree(folder)
     refused(root, f"data.root={root} holds cifar-10-python.tar.gz, not unpacked: tar xzf {archive} -C {root}, or set "
             "data.download=true (it unpacks it, without a download)")  # fmt: skip
+    with pytest.raises(UsageError) as raised:  # make train DATA=the archive
+        datasets.read(DataConfig(root=str(archive), download=False), CPU)
+    assert str(raised.value) == (f"data.root={archive} is cifar-10-python.tar.gz itself: name the directory that "
+                                 f"holds it, data.root={root}, and set data.download=true to unpack it "
+                                 "there")  # fmt: skip
     assert datasets.read(DataConfig(root=str(root), download=True), CPU).classes == names
     shutil.rmtree(folder)
     archive.write_bytes(archive.read_bytes()[:100])

@@ -320,6 +320,14 @@ def _some(names: list[str]) -> str:
     return ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
 
 
+def _unlike(data: list[str], model: list[str]) -> str:
+    """Where the data's class names and the model's part: their counts, or the first class that differs."""
+    if len(data) != len(model):
+        return f"{len(data)} classes ({_some(data)}), the model {len(model)} ({_some(model)})"
+    i = next(i for i, (ours, theirs) in enumerate(zip(data, model)) if ours != theirs)
+    return f"class {i} {data[i]!r}, the model {model[i]!r} ({_some(data)}; the model {_some(model)})"
+
+
 def read_test(cfg: DataConfig, world: World, classes: list[str]) -> Split:
     """The test split alone, its labels checked against a trained model's classes: evaluating a
     checkpoint needs no training images (their statistics are in the checkpoint)."""
@@ -328,8 +336,8 @@ def read_test(cfg: DataConfig, world: World, classes: list[str]) -> Split:
         raise UsageError(f"{_where(cfg)}: the test split is empty")
     if named and classes != named and classes != [str(i) for i in range(len(classes))]:  # both have names
         raise UsageError(
-            f"{_where(cfg)} names its classes {_some(named)}, the model {_some(classes)}: a label would mean "
-            "another class; evaluate on data of the model's classes, in its order"
+            f"{_where(cfg)} names {_unlike(named, classes)}: a label would mean another class; evaluate on data of "
+            "the model's classes, in its order"
         )
     check_labels(_where(cfg), "y_test", test.labels, classes, named=True)
     return test

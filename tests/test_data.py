@@ -108,11 +108,18 @@ def test_npz_mistakes_name_data_path(tmp_path):
 
 def test_evaluating_on_data_whose_class_names_are_not_the_models_is_refused():
     """A model's class 3 is not "cat" of data that names its classes in another order: the accuracy would be
-    of nothing (was computed without a word). Names made up from indices (data without names) are no names."""
+    of nothing (was computed without a word). Names made up from indices (data without names) are no names. The
+    line says where they part: 5 classes against the model's 10 read as the same four names and "...", twice."""
     cfg = DataConfig(dataset="synthetic", synthetic_test=20)  # classes named class0 .. class9
-    with pytest.raises(UsageError, match="^data.dataset=synthetic names its classes class0, class1, class2, class3, "
-                       "..., the model a, b, c, d, ...: a label would mean another class"):  # fmt: skip
-        datasets.read_test(cfg, CPU, list("abcdefghij"))
+    for data, model, why in [
+        (cfg, list("abcdefghij"), "class 0 'class0', the model 'a' (class0, class1, class2, class3, ...; the model "
+         "a, b, c, d, ...)"),
+        (DataConfig(dataset="synthetic", synthetic_classes=5), [f"class{i}" for i in range(10)], "5 classes (class0, "
+         "class1, class2, class3, ...), the model 10 (class0, class1, class2, class3, ...)"),  # was alike: 4 each
+    ]:  # fmt: skip
+        with pytest.raises(UsageError) as raised:
+            datasets.read_test(data, CPU, model)
+        assert str(raised.value).startswith(f"data.dataset=synthetic names {why}: a label would mean another class")
     for classes in ([f"class{i}" for i in range(10)], [str(i) for i in range(10)]):
         assert len(datasets.read_test(cfg, CPU, classes).labels) == 20
 

@@ -21,7 +21,7 @@ import torch
 from ddp import models
 from ddp.config import DataConfig
 from ddp.devices import World
-from ddp.errors import UsageError, first_line
+from ddp.errors import UsageError, first_line, out_of_memory
 
 
 @dataclass
@@ -272,10 +272,23 @@ def _md5(path: Path) -> str | None:
 
 def _read_parts(cfg: DataConfig, world: World, parts: tuple[str, ...]) -> tuple[Split | None, Split, list[str] | None]:
     """(train or None, test, class names or None when the data has none)."""
-    if cfg.dataset == "npz":
-        found = _npz(cfg, parts)
-        return found.get("train"), found["test"], found["classes"]
-    return _synthetic(cfg) if cfg.dataset == "synthetic" else _torchvision(cfg, world)
+    with _in_memory(_where(cfg)):
+        if cfg.dataset == "npz":
+            found = _npz(cfg, parts)
+            return found.get("train"), found["test"], found["classes"]
+        return _synthetic(cfg) if cfg.dataset == "synthetic" else _torchvision(cfg, world)
+
+
+@contextlib.contextmanager
+def _in_memory(where: str) -> Iterator[None]:
+    """Data too large for this machine's memory (data.synthetic_train=1e8, a huge .npz): one line that says
+    so, not out of memory's advice for a training step (a smaller train.batch_size)."""
+    try:
+        yield
+    except (MemoryError, RuntimeError) as e:
+        if not out_of_memory(e):
+            raise
+        raise UsageError(f"{where}: the data does not fit in this machine's memory ({first_line(e)})") from None
 
 
 def _where(cfg: DataConfig) -> str:
@@ -307,8 +320,9 @@ def channel_statistics(where: str, images: torch.Tensor) -> tuple[tuple[float, .
     """Each channel's mean and standard deviation over uint8 `images` (N, C, H, W), in [0, 1]. A channel of
     one value (a grey image's unused colour) is centred, not divided by its std of 0 (every input NaN, the loss
     too: "training diverged"); training images of one value in every channel are an error: nothing to learn."""
-    pixels = images.double().div_(255)
-    mean, std = pixels.mean(dim=(0, 2, 3)).tolist(), pixels.std(dim=(0, 2, 3)).tolist()
+    with _in_memory(where):  # 8 bytes a pixel
+        pixels = images.double().div_(255)
+        mean, std = pixels.mean(dim=(0, 2, 3)).tolist(), pixels.std(dim=(0, 2, 3)).tolist()
     if not any(s > 0 for s in std):
         colour = ", ".join(f"{m * 255:.0f}" for m in mean)
         raise UsageError(f"{where}: every pixel of every training image is the same colour ({colour}): nothing to "

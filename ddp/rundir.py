@@ -104,8 +104,8 @@ def _cannot_write(out_dir: str, e: OSError) -> UsageError:
     """The error for out_dir, naming the path in it that failed (its lock, metrics.jsonl, checkpoints/)."""
     target = Path(e.filename or out_dir)
     why = files.in_the_way(target, e)  # a file where target or a parent of it must be a directory: named
-    named = "" if target == Path(out_dir) or why.endswith("is a file, not a directory") else f"{target}: "
-    return UsageError(f"cannot write to run.out_dir={out_dir} ({named}{why})")
+    where = f"{target}: " if why == e.strerror and target != Path(out_dir) else ""  # the OS's reason: say where
+    return UsageError(f"cannot write to run.out_dir={out_dir} ({where}{why})")
 
 
 def _take(fd: int, out_dir: str) -> bool:

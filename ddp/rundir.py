@@ -41,8 +41,9 @@ def step_path(out_dir: str | Path, global_step: int) -> Path:
 
 
 def step_files(out_dir: str | Path) -> list[Path]:
-    """This run's numbered checkpoints, newest first."""
-    return sorted(checkpoint_dir(out_dir).glob(_STEP_FILES), reverse=True)
+    """This run's numbered checkpoints, newest first: files only (a directory or a dangling link of such a
+    name stopped run.resume=auto with "is a directory", and keep_last's removal failed on it)."""
+    return sorted((p for p in checkpoint_dir(out_dir).glob(_STEP_FILES) if p.is_file()), reverse=True)
 
 
 def last_path(out_dir: str | Path) -> Path:

@@ -85,6 +85,18 @@ def test_when_every_checkpoint_is_damaged_the_run_stops_instead_of_starting_over
     assert "no valid checkpoint in" in capsys.readouterr().err
 
 
+def test_a_directory_or_a_dangling_link_named_like_a_checkpoint_is_no_checkpoint(run_dir, capsys):
+    """run.resume=auto stopped on a directory step-000000099.pt ("is a directory: name a checkpoint file");
+    now it and a link to nothing are passed over, and the run resumes from its newest file, at its end here."""
+    checkpoints = rundir.checkpoint_dir(run_dir)
+    (checkpoints / "step-000000099.pt").mkdir()
+    (checkpoints / "step-000000098.pt").symlink_to(run_dir / "gone.pt")
+    assert [p.name for p in rundir.step_files(run_dir)] == ["step-000000016.pt", "step-000000015.pt"]
+    assert train.cli([f"run.out_dir={run_dir}", *RUN]) == 0
+    out = capsys.readouterr().out
+    assert "resumed from" in out and "step-000000016.pt" in out and (checkpoints / "step-000000099.pt").is_dir()
+
+
 class Evil:
     def __reduce__(self):
         return (os.system, (f"touch {self.marker}",))

@@ -42,7 +42,7 @@ def step_path(out_dir: str | Path, global_step: int) -> Path:
 
 def step_files(out_dir: str | Path) -> list[Path]:
     """This run's numbered checkpoints, newest first: files only (a directory or a dangling link of such a
-    name stopped run.resume=auto with "is a directory", and keep_last's removal failed on it)."""
+    name stopped run.resume=auto with "is a directory", whole checkpoints beside it)."""
     return sorted((p for p in checkpoint_dir(out_dir).glob(_STEP_FILES) if p.is_file()), reverse=True)
 
 

@@ -41,9 +41,14 @@ def step_path(out_dir: str | Path, global_step: int) -> Path:
 
 
 def step_files(out_dir: str | Path) -> list[Path]:
-    """This run's numbered checkpoints, newest first: files only (a directory or a dangling link of such a
+    """This run's numbered checkpoints, newest first."""
+    return _steps_in(checkpoint_dir(out_dir))
+
+
+def _steps_in(folder: Path) -> list[Path]:
+    """The numbered checkpoints in `folder`, newest first: files only (a directory or a dangling link of such a
     name stopped run.resume=auto with "is a directory", whole checkpoints beside it)."""
-    return sorted((p for p in checkpoint_dir(out_dir).glob(_STEP_FILES) if p.is_file()), reverse=True)
+    return sorted((p for p in folder.glob(_STEP_FILES) if p.is_file()), reverse=True)
 
 
 def last_path(out_dir: str | Path) -> Path:
@@ -52,8 +57,12 @@ def last_path(out_dir: str | Path) -> Path:
 
 def newest_in(directory: str | Path) -> Path | None:
     """The newest checkpoint of a directory named where a checkpoint file was wanted: a run.out_dir's, or that of
-    its checkpoints/ folder itself; None if it has none."""
-    return next((p for p in (last_path(directory), Path(directory) / "last.pt") if p.is_file()), None)
+    its checkpoints/ folder itself: last.pt, else (removed, say) the newest numbered one; None if it has none."""
+    for folder in (checkpoint_dir(directory), Path(directory)):
+        found = [folder / "last.pt"] if (folder / "last.pt").is_file() else _steps_in(folder)
+        if found:
+            return found[0]
+    return None
 
 
 def config_path(out_dir: str | Path) -> Path:

@@ -370,6 +370,10 @@ def test_export_never_replaces_a_file_a_typo_named(run_dir, tmp_path, capsys):
         for argv in (["inspect", str(path)], ["export", str(path), str(tmp_path / "model.pt")]):
             assert command(checkpoint.main, argv) == 2, argv
             assert capsys.readouterr().err == f"error: {path} is a directory: its newest checkpoint is {last}\n"
+    last.unlink()  # removed: the newest numbered one is named (it was "name a checkpoint file")
+    assert command(checkpoint.main, ["inspect", str(run_dir)]) == 2
+    newest = rundir.step_files(run_dir)[0]
+    assert capsys.readouterr().err == f"error: {run_dir} is a directory: its newest checkpoint is {newest}\n"
 
 
 def test_inspect_into_a_closed_pipe_ends_without_a_traceback(run_dir):

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import hashlib
 import sys
 import time
 import zipfile
@@ -239,9 +238,11 @@ def _torchvision(cfg: DataConfig, world: World) -> tuple[Split, Split, list[str]
 
 def _not_here(cls: type, root: Path, name: str, offline_fix: str) -> str:
     """Why torchvision found no whole copy of CIFAR in data.root, and what brings one, for data.download=false."""
+    from torchvision.datasets.utils import check_integrity  # its own check: False for a missing file too
+
     folder, archive = root / cls.base_folder, root / cls.filename
     checked = [*cls.train_list, *cls.test_list, (cls.meta["filename"], cls.meta["md5"])]
-    if folder.is_dir() and (bad := [f for f, md5 in checked if _md5(folder / f) != md5]):  # cut short, or altered
+    if folder.is_dir() and (bad := [f for f, md5 in checked if not check_integrity(folder / f, md5)]):  # altered
         return (
             f"{name} in data.root={root} is incomplete or damaged: in {folder.name}/, {', '.join(bad)} missing or not "
             "the files torchvision knows (by their md5); copy it again, or set data.download=true to fetch it"
@@ -250,24 +251,13 @@ def _not_here(cls: type, root: Path, name: str, offline_fix: str) -> str:
         return (
             f"data.root={root} is {cls.base_folder}/ itself: name the directory that holds it, data.root={root.parent}"
         )
-    if archive.is_file() and _md5(archive) == cls.tgz_md5:
+    if check_integrity(archive, cls.tgz_md5):
         return (f"data.root={root} holds {archive.name}, not unpacked: tar xzf {archive} -C {root}, or set "
                 "data.download=true (it unpacks it, without a download)")  # fmt: skip
     if archive.is_file():  # torchvision's download writes it in place: a kill leaves it cut short
         return (f"data.root={root} holds {archive.name}, but not the whole archive (not the md5 torchvision knows): "
                 "a download cut short? Set data.download=true to fetch it again, or copy it again")  # fmt: skip
     return f"{name} not found in data.root={root} and data.download=false; {offline_fix}"
-
-
-def _md5(path: Path) -> str | None:
-    """The file's md5 (None if it is not a file), as torchvision checks its downloads."""
-    if not path.is_file():
-        return None
-    digest = hashlib.md5(usedforsecurity=False)
-    with path.open("rb") as f:
-        while chunk := f.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _read_parts(cfg: DataConfig, world: World, parts: tuple[str, ...]) -> tuple[Split | None, Split, list[str] | None]:

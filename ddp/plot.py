@@ -51,8 +51,10 @@ def _plottable(row: dict[str, Any]) -> bool:
     """A record with what the charts draw: a loss, and where the epoch evaluated, its accuracy, its classes'
     names and accuracies (fractions; None for a class without test images) and, where kept, a confusion matrix
     of as many rows and columns as classes."""
-    if not _number(row.get("train_loss")) or "test_acc" not in row:  # an epoch that did not evaluate: its loss
-        return _number(row.get("train_loss"))
+    if not _number(row.get("train_loss")):
+        return False
+    if "test_acc" not in row:  # an epoch that did not evaluate: its loss alone
+        return True
     classes, accs = row.get("classes"), row.get("per_class_acc")
     if not (_fraction(row["test_acc"]) and isinstance(classes, list) and isinstance(accs, list)):
         return False

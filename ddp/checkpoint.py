@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import contextlib
+import io
 import re
 import sys
 from collections.abc import Iterator
@@ -231,10 +232,10 @@ def _previous_kept(out_dir: str) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _reading(path: Path, skipped: list[str] | None = None) -> Iterator[None]:
-    """torch.load's failures as one line naming `path`: a missing file is a UsageError, one that is not
-    a whole, unaltered checkpoint a CorruptCheckpoint. With `skipped`, a damaged file is noted there
-    instead, and the code after the `with` goes on (resume then tries the file before it)."""
+def _reading(path: Path, skipped: list[str] | None = None, source: Path | io.BytesIO | None = None) -> Iterator[None]:
+    """torch.load's failures as one line naming `path` (read from `source`, a pipe's bytes): a missing file is a
+    UsageError, one that is not a whole, unaltered checkpoint a CorruptCheckpoint. With `skipped`, a damaged file
+    is noted there instead, and the code after the `with` goes on (resume then tries the file before it)."""
     try:
         try:
             yield
@@ -247,7 +248,7 @@ def _reading(path: Path, skipped: list[str] | None = None) -> Iterator[None]:
         except UsageError:  # CorruptCheckpoint is one: the file's own checks said what is wrong
             raise
         except Exception as e:  # truncated, not a checkpoint, or a pickle that wants to run code
-            why = files.torch_file_problem(path) or first_line(e, typed=True)
+            why = files.torch_file_problem(path if source is None else source) or first_line(e, typed=True)
             if code := re.search(r"Unsupported global: GLOBAL (\S+)", str(e)):  # torch.save(model): a class, pickled
                 why = f"it holds Python objects ({code[1]}), as torch.save(model) writes, not only tensors"
             raise CorruptCheckpoint(f"{path} is not a loadable checkpoint ({why})") from None
@@ -310,10 +311,12 @@ def check_compatible(
         optim.check_groups(state["optimizer"], optimizer, path, changed(state["config"], info.config))
 
 
-def load(path: str | Path) -> dict[str, Any]:
-    """A checkpoint's dict with every tensor on the CPU, its checksum verified; never unpickles code."""
-    with _reading(Path(path)):
-        return _verified(torch.load(path, map_location="cpu", weights_only=True), Path(path))
+def load(path: str | Path, source: Path | io.BytesIO | None = None) -> dict[str, Any]:
+    """A checkpoint's dict with every tensor on the CPU, its checksum verified; never unpickles code. A pipe
+    is read whole first (or `source`, files.seekable's: what torch.load reads of `path`)."""
+    source = files.seekable(Path(path)) if source is None else source
+    with _reading(Path(path), source=source):
+        return _verified(torch.load(source, map_location="cpu", weights_only=True), Path(path))
 
 
 def export(path: str | Path, out: str | Path, raw: bool = False, state_dict: bool = False) -> dict[str, Any]:
@@ -339,9 +342,10 @@ def export(path: str | Path, out: str | Path, raw: bool = False, state_dict: boo
 
 def describe(path: str | Path) -> tuple[str, bool]:
     """What `inspect` prints about a checkpoint file, and whether it is whole."""
-    size = f"{path}: {Path(path).stat().st_size / 1e6:.1f} MB, checksum"
+    source = files.seekable(Path(path))
+    size = f"{path}: {files.size_of(source) / 1e6:.1f} MB, checksum"
     try:
-        state = load(path)
+        state = load(path, source)
     except CorruptCheckpoint as e:
         return f"{size} FAILED: {e}", False
     config, metrics = state["config"], state["metrics"]

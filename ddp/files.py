@@ -3,7 +3,7 @@ file beside its target, fsynced, then renamed over it (`replace`, `atomic`, `lin
 failed addition off. A failure is one WriteFailed: the file, the bytes it needed, the space free.
 
 `digest` is the checksum a checkpoint holds of its own content; `torch_file_problem` tells
-torch.save's whole files from others."""
+torch.save's whole files from others; `seekable` is what torch.load can read of a pipe."""
 
 from __future__ import annotations
 
@@ -12,10 +12,11 @@ import hashlib
 import io
 import os
 import shutil
+import stat
 import tempfile
 import zipfile
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -189,18 +190,32 @@ def digest(obj: Any) -> str:
     return h.hexdigest()
 
 
-def torch_file_problem(path: Path) -> str | None:
-    """What makes `path` no whole file of torch.save's, from its bytes: another kind of file, or its zip cut
+def seekable(path: Path) -> Path | io.BytesIO:
+    """`path`, or a pipe's bytes in memory (`--checkpoint <(ssh host cat last.pt)`, `... | --checkpoint
+    /dev/stdin`): torch.load and zipfile seek, which a pipe cannot, and it can be read only once."""
+    try:
+        return io.BytesIO(path.read_bytes()) if stat.S_ISFIFO(path.stat().st_mode) else path
+    except OSError:
+        return path  # missing, unreadable: torch.load's error says which
+
+
+def size_of(source: Path | io.BytesIO) -> int:
+    return source.getbuffer().nbytes if isinstance(source, io.BytesIO) else source.stat().st_size
+
+
+def torch_file_problem(source: Path | io.BytesIO) -> str | None:
+    """What makes `source` no whole file of torch.save's, from its bytes: another kind of file, or its zip cut
     short; None when it looks whole (a zip, its format, or a pickle, its legacy one) or cannot be read (then
     torch.load's error says why)."""
     try:
-        with open(path, "rb") as f:
+        with open(source, "rb") if isinstance(source, Path) else nullcontext(source) as f:
+            f.seek(0)
             head = f.read(4)
-        if not head:
-            return "an empty file"
-        if head == b"PK\x03\x04":
-            whole = zipfile.is_zipfile(path)  # it finds the zip's end record, the last bytes torch.save writes
-            return None if whole else "cut short: a zip without its end, as an interrupted copy leaves"
+            if not head:
+                return "an empty file"
+            if head == b"PK\x03\x04":
+                whole = zipfile.is_zipfile(f)  # it finds the zip's end record, the last bytes torch.save writes
+                return None if whole else "cut short: a zip without its end, as an interrupted copy leaves"
     except OSError:
         return None
     return None if head[:1] == b"\x80" else "not a file that torch.save wrote"

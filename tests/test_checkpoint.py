@@ -1,14 +1,18 @@
 """Checkpoint files: durability, fallback, refusal of code, inspection, export, loading anywhere."""
 
 import ast
+import contextlib
+import json
 import os
 import re
 import signal
 import struct
 import subprocess
 import sys
+import threading
 import time
 import zipfile
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -374,6 +378,47 @@ def test_export_never_replaces_a_file_a_typo_named(run_dir, tmp_path, capsys):
     assert command(checkpoint.main, ["inspect", str(run_dir)]) == 2
     newest = rundir.step_files(run_dir)[0]
     assert capsys.readouterr().err == f"error: {run_dir} is a directory: its newest checkpoint is {newest}\n"
+
+
+@contextlib.contextmanager
+def piped(data: bytes) -> Iterator[str]:
+    """/dev/fd/N of a pipe that a thread fills with `data`, then closes: what bash's <(cat FILE) names."""
+    read, write = os.pipe()
+
+    def fill() -> None:
+        with open(write, "wb") as f:
+            f.write(data)
+
+    filling = threading.Thread(target=fill)
+    filling.start()
+    try:
+        yield f"/dev/fd/{read}"
+    finally:
+        filling.join(timeout=60)
+        os.close(read)
+
+
+def test_a_checkpoint_through_a_pipe_is_read_whole_and_one_cut_short_is_said_so(run_dir, tmp_path, capsys):
+    """`inspect <(ssh host cat last.pt)`, `aws s3 cp s3://B/last.pt - | python -m ddp.evaluate --checkpoint
+    /dev/stdin`: torch.load seeks, which a pipe cannot, and a whole checkpoint was "0.0 MB, checksum FAILED:
+    ... (cut short: a zip without its end, as an interrupted copy leaves)". A pipe is now read whole first."""
+    from ddp import evaluate
+    from ddp.cli import command
+
+    whole = rundir.last_path(run_dir).read_bytes()
+    with piped(whole) as path:
+        assert command(checkpoint.main, ["inspect", path]) == 0
+        assert capsys.readouterr().out.startswith(f"{path}: {len(whole) / 1e6:.1f} MB, checksum ok\n  epoch 2 done")
+    with piped(whole) as path:
+        assert command(checkpoint.main, ["export", path, str(tmp_path / "model.pt")]) == 0
+        assert capsys.readouterr().out.startswith(f"wrote {tmp_path / 'model.pt'}")
+    assert torch.load(tmp_path / "model.pt", weights_only=True)["model_name"] == "small"
+    with piped(whole) as path:
+        assert command(evaluate.main, ["--checkpoint", path, "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["epoch"] == 2
+    with piped(whole[: len(whole) // 2]) as path:  # the pipe's writer stopped halfway: said as for a file
+        assert command(checkpoint.main, ["inspect", path]) == 1
+        assert "is not a loadable checkpoint (cut short: a zip without its end" in capsys.readouterr().out
 
 
 def test_inspect_into_a_closed_pipe_ends_without_a_traceback(run_dir):

@@ -80,6 +80,7 @@ def test_bad_input_for_want_of_a_gpu_exits_2_with_one_line(args, fragments, tmp_
         (["train.batch_size=0"], ["train.batch_size=0 is out of range: it must be >= 1"]),
         ([*TINY, "train.batch_size=4096"], ["train.batch_size=4096 exceeds the 256 training images"]),
         (["run.resume=/no/such.pt"], ["run.resume=/no/such.pt: no such checkpoint file (use auto, never or a path)"]),
+        (["run.resume=/dev/null"], ["run.resume=/dev/null is a pipe or device, not a file: copy the checkpoint"]),
         (["run.launcher=torchrun"], ["run.launcher=torchrun but none of its variables are set: start with torchrun"]),
         (["run.launcher=slurm"], ["run.launcher=slurm but SLURM_PROCID, SLURM_LOCALID, SLURM_NTASKS not set"]),
         (["run.launcher=mpi"], ["run.launcher: 'mpi' is not one of auto, torchrun, accelerate, slurm, none"]),

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import stat
 import sys
 import time
 from collections.abc import Callable
@@ -96,9 +97,21 @@ class Args:
     preflight: int | None = None  # --preflight N: check before a launcher starts N processes, then exit
 
 
+PIPED = "a pipe, as bash's <(...) makes, which the processes a launcher starts do not get: write the config to a file"
+
+
+def _is_pipe(path: str) -> bool:
+    try:
+        return stat.S_ISFIFO(os.stat(path).st_mode)
+    except OSError:
+        return False
+
+
 def _config_file(value: str | None) -> str:
     if not value:
         raise UsageError("--config needs a file: --config configs/quick.yaml")
+    if value.startswith(("/dev/fd/", "/proc/self/fd/")) and not Path(value).exists():  # a rank torchrun started
+        raise UsageError(f"--config {value} is not here: {PIPED}")
     beside = Path(__file__).resolve().parent.parent / value  # the repository's, for a command run elsewhere
     if not Path(value).exists() and not Path(value).is_absolute() and beside.is_file():
         raise UsageError(f"config file not found: {value} (in {Path.cwd()}); the repository's is {beside}: run "
@@ -128,6 +141,8 @@ TRAINING_OPTIONS = [
 def parse_args(argv: list[str], usage: str) -> Args:
     """train's and doctor's command line; --help prints `usage` and every config key, then exits 0."""
     values, overrides = parse(argv, usage + config.reference(), TRAINING_OPTIONS)
+    if values["preflight"] and _is_pipe(values["config"] or ""):  # read here, it would be gone for the ranks
+        raise UsageError(f"--config {values['config']} is {PIPED}")
     return Args(values["config"], overrides, values["print_config"], values["preflight"])
 
 

@@ -10,7 +10,9 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -167,6 +169,24 @@ def subset() -> Path:
 
 
 # Processes of a run, from /proc: what a test checks is left after a kill.
+
+
+@contextlib.contextmanager
+def piped(data: bytes) -> Iterator[str]:
+    """/dev/fd/N of a pipe that a thread fills with `data`, then closes: what bash's <(cat FILE) names."""
+    read, write = os.pipe()
+
+    def fill() -> None:
+        with open(write, "wb") as f:
+            f.write(data)
+
+    filling = threading.Thread(target=fill)
+    filling.start()
+    try:
+        yield f"/dev/fd/{read}"
+    finally:
+        filling.join(timeout=60)
+        os.close(read)
 
 
 def _stat(pid: int) -> list[str] | None:

@@ -1,7 +1,6 @@
 """Checkpoint files: durability, fallback, refusal of code, inspection, export, loading anywhere."""
 
 import ast
-import contextlib
 import json
 import os
 import re
@@ -9,14 +8,12 @@ import signal
 import struct
 import subprocess
 import sys
-import threading
 import time
 import zipfile
-from collections.abc import Iterator
 
 import pytest
 import torch
-from conftest import REPO, TINY, TRAIN, clean_env, metrics, ok, python
+from conftest import REPO, TINY, TRAIN, clean_env, metrics, ok, piped, python
 
 from ddp import checkpoint, config, models, optim, rundir, train
 from ddp.errors import UsageError, WriteFailed
@@ -378,24 +375,6 @@ def test_export_never_replaces_a_file_a_typo_named(run_dir, tmp_path, capsys):
     assert command(checkpoint.main, ["inspect", str(run_dir)]) == 2
     newest = rundir.step_files(run_dir)[0]
     assert capsys.readouterr().err == f"error: {run_dir} is a directory: its newest checkpoint is {newest}\n"
-
-
-@contextlib.contextmanager
-def piped(data: bytes) -> Iterator[str]:
-    """/dev/fd/N of a pipe that a thread fills with `data`, then closes: what bash's <(cat FILE) names."""
-    read, write = os.pipe()
-
-    def fill() -> None:
-        with open(write, "wb") as f:
-            f.write(data)
-
-    filling = threading.Thread(target=fill)
-    filling.start()
-    try:
-        yield f"/dev/fd/{read}"
-    finally:
-        filling.join(timeout=60)
-        os.close(read)
 
 
 def test_a_checkpoint_through_a_pipe_is_read_whole_and_one_cut_short_is_said_so(run_dir, tmp_path, capsys):

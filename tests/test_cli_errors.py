@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, TINY, TRAIN, clean_env, python, torchrun
+from conftest import REPO, TINY, TRAIN, clean_env, piped, python, torchrun
 
 from ddp import cli, errors, rundir, train
 
@@ -139,6 +139,20 @@ def test_a_recipe_named_from_outside_the_repository_names_the_repositorys_file(t
         f"error: config file not found: configs/quick.yaml (in {tmp_path}); the repository's is "
         f"{REPO / 'configs/quick.yaml'}: run from the repository, or give that path\n"
     )
+
+
+def test_a_config_through_a_pipe_is_one_processs_and_a_launchers_ranks_are_told(tmp_path, capsys):
+    """`--config <(sed ... configs/smoke.yaml)`: one process reads it. A launch file's preflight read it, then
+    the ranks torchrun started (without the shell's pipe) said "config file not found: /dev/fd/63"."""
+    recipe = (REPO / "configs/smoke.yaml").read_bytes()
+    with piped(recipe) as path:
+        assert train.cli(["--config", path, "--print-config"]) == 0
+        assert "name: small" in capsys.readouterr().out
+    with piped(recipe) as path:
+        assert train.cli(["--config", path, f"run.out_dir={tmp_path}", "--preflight", "2"]) == 2
+        assert capsys.readouterr().err == f"error: --config {path} is {cli.PIPED}\n"
+    assert train.cli(["--config", "/dev/fd/999"]) == 2  # a rank: the launching shell's pipe is not passed on
+    assert capsys.readouterr().err == f"error: --config /dev/fd/999 is not here: {cli.PIPED}\n"
 
 
 def test_batch_not_divisible_by_world_size_fails_before_the_rendezvous(tmp_path):

@@ -6,7 +6,7 @@ SHELL := bash
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-export PATH := $(CURDIR)/$(VENV)/bin:$(PATH):/usr/sbin:/sbin
+export PATH := $(abspath $(VENV))/bin:$(PATH):/usr/sbin:/sbin
 
 ifneq ($(DATA),)
   ifeq ($(suffix $(DATA)),.npz)
@@ -16,7 +16,7 @@ ifneq ($(DATA),)
   endif
 endif
 
-.PHONY: install system-packages train test bench lint format clean gpu-check gpu-carry gpu-lease
+.PHONY: install venv system-packages train test bench lint format clean gpu-check gpu-carry gpu-lease
 install: $(STAMP)
 
 # --system-site-packages: a machine that already has torch + torchvision (a GPU VM with a torch that
@@ -24,11 +24,21 @@ install: $(STAMP)
 # pip's output (its resolver's notes on the system site's own packages among it) goes to
 # .venv/pip.log and is shown only if the install fails.
 $(STAMP): pyproject.toml constraints.txt
-	@test -x $(PY) || python3 -m venv --system-site-packages $(VENV)
+	@$(MAKE) --no-print-directory venv
 	@echo "installing into $(VENV) (log: $(VENV)/pip.log)"
 	@if $(PY) -c 'import torch, torchvision' 2>/dev/null; then pins=; else pins="-c constraints.txt"; fi; \
 	  $(PY) -m pip install $$pins -e '.[dev]' > $(VENV)/pip.log 2>&1 || { cat $(VENV)/pip.log; exit 1; }
 	@touch $(STAMP)
+
+# $(VENV) with its pip. Where python3 has no ensurepip (Debian/Ubuntu without python3-venv) `python3 -m venv`
+# fails after making $(VENV)/bin/python: a venv without pip, whose every later pip install failed ("No module
+# named pip") until it was removed by hand. Its pip is added once ensurepip is there; until then, what to install.
+NO_PIP := $(VENV) has no pip, and this Python no ensurepip to add it: on Debian/Ubuntu apt-get install \
+  python3-venv (python3.X-venv for Python 3.X), then run make again
+venv:
+	@test -x $(PY) || python3 -m venv --system-site-packages $(VENV) || test -x $(PY)
+	@$(PY) -m pip --version >/dev/null 2>&1 || $(PY) -m ensurepip --upgrade >/dev/null 2>&1 || \
+	  { echo "error: $(NO_PIP)" >&2; exit 1; }
 
 # The system packages of the SLURM and MPI launcher tests (installed as root on Debian/Ubuntu).
 system-packages:

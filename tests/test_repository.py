@@ -4,8 +4,9 @@ output, logs or data), and no module of the package that a reader cannot take in
 import ast
 import fnmatch
 import subprocess
+import sys
 
-from conftest import REPO
+from conftest import REPO, clean_env, ok
 
 TOP_LEVEL = {
     ".ci", ".gitignore", "Makefile", "README.md", "bench", "configs", "constraints.txt", "ddp", "launch",
@@ -55,3 +56,25 @@ def test_make_clean_removes_the_environment_not_a_users_runs_or_data():
     planned = subprocess.run(["make", "-n", "clean"], cwd=REPO, capture_output=True, text=True, check=True).stdout
     removed = {word for line in planned.splitlines() if line.startswith("rm ") for word in line.split()[2:]}
     assert removed == {".venv", ".pytest_cache"}, planned
+
+
+def test_a_venv_left_without_pip_gets_its_pip_or_says_what_to_install(tmp_path):
+    """Debian/Ubuntu without python3-venv: `python3 -m venv` makes .venv/bin/python, then fails for want of
+    ensurepip. Every later make ran pip in that venv ("No module named pip") until .venv was removed by hand.
+    `make venv`, make install's first step, now adds its pip once ensurepip is there, and says what to install
+    while it is not (an ensurepip that fails, first on PYTHONPATH, stands for the missing one)."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    shadow = tmp_path / "shadow" / "ensurepip"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("")
+    (shadow / "__main__.py").write_text("raise SystemExit('No module named ensurepip')\n")
+    make = ["make", "--no-print-directory", "venv", f"VENV={venv}"]
+    without = clean_env(PYTHONPATH=str(shadow.parent))
+    missing = subprocess.run(make, cwd=REPO, env=without, capture_output=True, text=True)
+    assert missing.returncode == 2 and missing.stderr.splitlines()[0] == (
+        f"error: {venv} has no pip, and this Python no ensurepip to add it: on Debian/Ubuntu apt-get install "
+        "python3-venv (python3.X-venv for Python 3.X), then run make again"
+    )
+    ok(subprocess.run(make, cwd=REPO, env=clean_env(), capture_output=True, text=True))
+    ok(subprocess.run([venv / "bin" / "python", "-m", "pip", "--version"], capture_output=True, text=True))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import shutil
 import stat
 import sys
 import time
@@ -21,6 +22,7 @@ from ddp.errors import (
     EXIT_OK,
     INTERRUPTED,
     OUT_OF_MEMORY_FIX,
+    SHARED_MEMORY_FIX,
     Diverged,
     PeerLost,
     Stopped,
@@ -29,6 +31,7 @@ from ddp.errors import (
     exit_code,
     first_line,
     out_of_memory,
+    out_of_shared_memory,
 )
 
 
@@ -214,11 +217,15 @@ def command(main: Callable[[list[str]], Any], argv: list[str] | None = None, pro
         silence_stdout()
         return EXIT_FAILURE
     except Exception as e:  # out of memory: one line with what to try; anything else is a bug, its traceback
-        if not out_of_memory(e) or debug_requested(argv):
+        shared = out_of_shared_memory(e)
+        if not (shared or out_of_memory(e)) or debug_requested(argv):
             raise
         world = launchers.detect_launch() if launchers.has_peers() else None
         who = f"rank {world.rank} of {world.world_size}: " if world else ""  # the rank whose memory ran out
-        line = f"{prog + ': ' if prog else ''}error: {who}out of memory ({first_line(e)}); {OUT_OF_MEMORY_FIX}"
+        what = f"out of memory ({first_line(e)}); {OUT_OF_MEMORY_FIX}"
+        if shared:
+            what = f"out of shared memory ({shared}; /dev/shm: {_size('/dev/shm')}); {SHARED_MEMORY_FIX}"
+        line = f"{prog + ': ' if prog else ''}error: {who}{what}"
         print(line, file=sys.stderr)
         launchers.record_error(line)
         return EXIT_FAILURE
@@ -230,6 +237,13 @@ def command(main: Callable[[list[str]], Any], argv: list[str] | None = None, pro
             print(f"{prog + ': ' if prog else ''}{INTERRUPTED}", file=sys.stderr)
         return EXIT_INTERRUPTED
     return code if isinstance(code, int) else EXIT_OK
+
+
+def _size(path: str) -> str:
+    try:
+        return f"{shutil.disk_usage(path).total / 2**20:,.1f} MiB"
+    except OSError as e:
+        return e.strerror or "unknown size"
 
 
 def leave(code: int) -> NoReturn:

@@ -2,7 +2,7 @@
 
     0   EXIT_OK       done
     1   EXIT_FAILURE  a failure: a lost rank (PeerLost), a file that could not be written (WriteFailed: a
-                      full disk, say), out of memory, or a bug (any other exception, with its traceback)
+                      full disk, say), out of memory (/dev/shm too), or a bug (any other exception, with its traceback)
     2   EXIT_USAGE    a mistake the user can fix (UsageError): a bad config, device, path, file or launch
     3   EXIT_DIVERGED the loss or the weights stopped being finite (Diverged); the finite checkpoints are kept
     75  EXIT_STOPPED  stopped on a signal after a checkpoint (Stopped): run the same command to resume
@@ -64,6 +64,19 @@ def out_of_memory(error: BaseException) -> bool:
     return isinstance(error, MemoryError) or (
         isinstance(error, RuntimeError) and ("out of memory" in text or "can't allocate memory" in text)
     )
+
+
+SHARED_MEMORY_FIX = (
+    "data.loader=device (the default: no worker processes), data.workers=0, or a larger /dev/shm "
+    "(docker run --shm-size=1g; Kubernetes: an emptyDir of medium Memory mounted there)"
+)
+
+
+def out_of_shared_memory(error: BaseException) -> str | None:
+    """The line of a DataLoader worker's failure for want of shared memory (/dev/shm: a Docker container's
+    is 64 MB unless --shm-size): no space for a batch there, or the worker killed by SIGBUS. None for others."""
+    lines = str(error).splitlines() if isinstance(error, RuntimeError) else []
+    return next((line.strip() for line in reversed(lines) if "shared memory" in line), None)
 
 
 def first_line(error: BaseException, typed: bool = False) -> str:

@@ -4,6 +4,7 @@ Run as real processes (`python ddp/train.py ...`), the way users meet them, wher
 what is tested (the launcher variables, CUDA hidden, torchrun's report); the long list of bad values
 runs through train.cli in this process (the same code, without the interpreter around it)."""
 
+import shutil
 import signal
 import subprocess
 import sys
@@ -372,3 +373,28 @@ def test_out_of_memory_is_one_line_naming_the_rank_and_what_to_try(tmp_path, cap
     assert capsys.readouterr().err.startswith("error: rank 1 of 2: out of memory (CUDA out of memory. Tried to")
     with pytest.raises(torch.cuda.OutOfMemoryError):  # run.debug=true: the traceback, for a bug report
         cli.command(step, ["run.debug=true"])
+
+
+def test_dataloader_workers_out_of_shared_memory_is_one_line_with_what_to_try(tmp_path, capsys):
+    """data.loader=torch's workers hand their batches over in /dev/shm, 64 MB in a Docker container unless
+    --shm-size. Full, the run was torch's traceback ("Caught RuntimeError in DataLoader worker process 0 ...
+    unable to allocate shared memory(shm)"). A real 256 KiB /dev/shm, in a mount namespace of the run's own."""
+    if shutil.which("unshare") is None or subprocess.run(["unshare", "--mount", "true"]).returncode != 0:
+        pytest.skip("needs `unshare --mount` (root, util-linux) to give the run a small /dev/shm of its own")
+    run = [sys.executable, str(TRAIN), f"run.out_dir={tmp_path}", *TINY, "data.loader=torch", "data.workers=1"]
+    small = 'mount -t tmpfs -o size=256k none /dev/shm && exec "$@"'
+    proc = subprocess.run(["unshare", "--mount", "--propagation", "private", "bash", "-c", small, "run", *run],
+                          cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=180)  # fmt: skip
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    line = proc.stderr.splitlines()[-1]
+    assert line.startswith("error: out of shared memory (RuntimeError: unable to allocate shared memory(shm)"), line
+    assert line.endswith(f"No space left on device (28); /dev/shm: 0.2 MiB); {errors.SHARED_MEMORY_FIX}"), line
+
+    def bus_error(argv):  # the worker killed by SIGBUS where the space ran out while it wrote: torch's line
+        raise RuntimeError(
+            "DataLoader worker (pid 4242) is killed by signal: Bus error. It is possible that dataloader's workers "
+            "are out of shared memory. Please try to raise your shared memory limit."
+        )
+
+    assert cli.command(bus_error, []) == 1
+    assert capsys.readouterr().err.startswith("error: out of shared memory (DataLoader worker (pid 4242) is killed")

@@ -3,7 +3,8 @@
 
 Reports, per rank, the launcher variables and the rank and device they resolve to; torch, CUDA,
 cuDNN and NCCL versions; each visible GPU with its memory; TF32 and cudnn.benchmark; whether the
-rendezvous port is free (before a launch); whether run.out_dir is writable and is the same directory
+rendezvous port is free (before a launch); /dev/shm's size (too small for NCCL between a machine's
+GPUs: a problem); whether run.out_dir is writable and is the same directory
 on every rank (a shared filesystem across nodes); on each machine (local rank 0), the data as
 ddp/train.py would read it (a CIFAR download it would make is said, not made). Under a launcher it
 also runs one all_reduce on the real backend. Takes the training's arguments (--config FILE,
@@ -16,6 +17,7 @@ ddp/train.py would stop with.
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import sys
 import uuid
@@ -102,6 +104,26 @@ def check_data(data: DataConfig, world: World) -> tuple[str, str | None]:
     return f"data: {train} training and {test} test images, {len(found.classes)} classes", None
 
 
+SHM_NEEDED_MIB = 1024  # NVIDIA's containers are started with docker run --shm-size=1g
+
+
+def shared_memory_mib(path: str = "/dev/shm") -> float | None:
+    try:
+        return shutil.disk_usage(path).total / 2**20
+    except OSError:
+        return None
+
+
+def shared_memory_problem(r: dict[str, Any]) -> str | None:
+    """NCCL between the GPUs of one machine (nn.DataParallel's too) keeps its buffers in /dev/shm: in a Docker
+    container's 64 MiB its start crashes (ncclShmOpen; pytorch/tutorials' CI has --shm-size=2gb for it)."""
+    if len(r["gpus"]) < 2 or r["shm_mib"] is None or r["shm_mib"] >= SHM_NEEDED_MIB:
+        return None
+    return (f"on {r['host']}: /dev/shm holds {r['shm_mib']:,.0f} MiB, and NCCL between its {len(r['gpus'])} GPUs "
+            f"keeps buffers there; give it {SHM_NEEDED_MIB} MiB or more: docker run --shm-size=1g (or --ipc=host); "
+            "Kubernetes: an emptyDir of medium Memory mounted at /dev/shm")  # fmt: skip
+
+
 def report(world: World, out_dir: str) -> dict[str, Any]:
     return {
         "host": socket.gethostname(),
@@ -121,6 +143,7 @@ def report(world: World, out_dir: str) -> dict[str, Any]:
             "cudnn.benchmark": torch.backends.cudnn.benchmark,
         },
         "out_dir": str(Path(out_dir).resolve()),
+        "shm_mib": shared_memory_mib(),
     }
 
 
@@ -140,6 +163,7 @@ def print_report(r: dict[str, Any]) -> None:
     if not r["gpus"]:
         show("  GPUs: none visible")
     show("  TF32: " + "  ".join(f"{k} {v}" for k, v in r["tf32"].items()))
+    show("  /dev/shm: " + ("none" if r["shm_mib"] is None else f"{r['shm_mib']:,.1f} MiB"))
 
 
 def diagnose(run: config.RunConfig, data: DataConfig) -> list[str]:
@@ -149,7 +173,9 @@ def diagnose(run: config.RunConfig, data: DataConfig) -> list[str]:
     if mismatch := launchers.slurm_gpu_problem(torch.cuda.device_count()):
         problems.append(mismatch)
     if not world.grouped:
-        print_report(report(world, run.out_dir))
+        here = report(world, run.out_dir)
+        print_report(here)
+        problems += [p] if (p := shared_memory_problem(here)) else []
         addr, port, source = launchers.planned_rendezvous()
         try:
             network.check_master(addr, port, node_rank=0, timeout_s=0)  # node 0: whether it resolves
@@ -197,6 +223,7 @@ def diagnose(run: config.RunConfig, data: DataConfig) -> list[str]:
             elif shared[0]:
                 show(f"run.out_dir {Path(run.out_dir).resolve()}: writable, the same directory on every rank")
             problems += sorted({m for _, _, m, _ in reports if m and m != mismatch})
+            problems += sorted({p for r, _, _, _ in reports if (p := shared_memory_problem(r))})  # one per machine
         distributed.barrier(world)  # everyone has looked before rank 0 removes the file
         if world.is_main and shared[0]:
             (Path(run.out_dir) / shared[0]).unlink()

@@ -24,6 +24,7 @@ def test_a_single_process_setup_is_reported_and_ok(tmp_path):
     assert "rank 0/1  local_rank 0" in proc.stdout and "launcher none  device cpu" in proc.stdout
     assert "versions:  python" in proc.stdout and "torch " in proc.stdout and "nccl" in proc.stdout
     assert "GPUs: none visible" in proc.stdout and "TF32: matmul" in proc.stdout and "cudnn.benchmark" in proc.stdout
+    assert f"/dev/shm: {shutil.disk_usage('/dev/shm').total / 2**20:,.1f} MiB" in proc.stdout
     assert "rendezvous port 29500 (torchrun's default): " in proc.stdout
     assert f"run.out_dir {tmp_path / 'run'}: writable" in proc.stdout
     assert proc.stdout.rstrip().endswith("doctor: OK")
@@ -44,6 +45,21 @@ def test_data_the_run_could_not_read_is_a_problem_and_data_it_can_is_counted(tmp
         proc = doctor(f"run.out_dir={tmp_path / 'run'}", *args)
         assert proc.returncode == 1 and f"doctor: PROBLEM: {problem}" in proc.stderr, proc.stderr
         assert "doctor: OK" not in proc.stdout
+
+
+@pytest.mark.parametrize("gpus, shm_mib, problem", [(2, 64.0, True), (8, 1000.0, True), (1, 64.0, False),
+                                                    (2, 1024.0, False), (2, None, False)])  # fmt: skip
+def test_a_dev_shm_smaller_than_nccls_buffers_between_a_machines_gpus_is_a_problem(gpus, shm_mib, problem):
+    """A Docker container's 64 MiB /dev/shm, where NCCL between 2+ GPUs of one machine keeps its buffers (a crash
+    at its start otherwise): said before a launch, with the docker option. One GPU needs none."""
+    from ddp import doctor
+
+    report = {"host": "box", "gpus": [{}] * gpus, "shm_mib": shm_mib}
+    said = doctor.shared_memory_problem(report)
+    assert (said is not None) == problem
+    if problem:
+        assert said.startswith(f"on box: /dev/shm holds {shm_mib:,.0f} MiB, and NCCL between its {gpus} GPUs")
+        assert "docker run --shm-size=1g (or --ipc=host)" in said
 
 
 def test_half_set_launcher_variables_are_a_usage_error():

@@ -16,6 +16,7 @@ ddp/train.py would stop with.
 
 from __future__ import annotations
 
+import collections
 import os
 import shutil
 import socket
@@ -114,12 +115,14 @@ def shared_memory_mib(path: str = "/dev/shm") -> float | None:
         return None
 
 
-def shared_memory_problem(r: dict[str, Any]) -> str | None:
+def shared_memory_problem(r: dict[str, Any], gpu_ranks: int = 0) -> str | None:
     """NCCL between the GPUs of one machine (nn.DataParallel's too) keeps its buffers in /dev/shm: in a Docker
-    container's 64 MiB its start crashes (ncclShmOpen; pytorch/tutorials' CI has --shm-size=2gb for it)."""
-    if len(r["gpus"]) < 2 or r["shm_mib"] is None or r["shm_mib"] >= SHM_NEEDED_MIB:
+    container's 64 MiB its start crashes (ncclShmOpen; pytorch/tutorials' CI has --shm-size=2gb for it). The
+    GPUs: those `r`'s rank sees, or the `gpu_ranks` on its host (each may see one: srun --gpus-per-task=1)."""
+    gpus = max(len(r["gpus"]), gpu_ranks)
+    if gpus < 2 or r["shm_mib"] is None or r["shm_mib"] >= SHM_NEEDED_MIB:
         return None
-    return (f"on {r['host']}: /dev/shm holds {r['shm_mib']:,.0f} MiB, and NCCL between its {len(r['gpus'])} GPUs "
+    return (f"on {r['host']}: /dev/shm holds {r['shm_mib']:,.0f} MiB, and NCCL between its {gpus} GPUs "
             f"keeps buffers there; give it {SHM_NEEDED_MIB} MiB or more: docker run --shm-size=1g (or --ipc=host); "
             "Kubernetes: an emptyDir of medium Memory mounted at /dev/shm")  # fmt: skip
 
@@ -223,7 +226,8 @@ def diagnose(run: config.RunConfig, data: DataConfig) -> list[str]:
             elif shared[0]:
                 show(f"run.out_dir {Path(run.out_dir).resolve()}: writable, the same directory on every rank")
             problems += sorted({m for _, _, m, _ in reports if m and m != mismatch})
-            problems += sorted({p for r, _, _, _ in reports if (p := shared_memory_problem(r))})  # one per machine
+            gpu_ranks = collections.Counter(r["host"] for r, _, _, _ in reports if r["device"].startswith("cuda"))
+            problems += sorted({p for r, _, _, _ in reports if (p := shared_memory_problem(r, gpu_ranks[r["host"]]))})
         distributed.barrier(world)  # everyone has looked before rank 0 removes the file
         if world.is_main and shared[0]:
             (Path(run.out_dir) / shared[0]).unlink()

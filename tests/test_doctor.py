@@ -47,18 +47,20 @@ def test_data_the_run_could_not_read_is_a_problem_and_data_it_can_is_counted(tmp
         assert "doctor: OK" not in proc.stdout
 
 
-@pytest.mark.parametrize("gpus, shm_mib, problem", [(2, 64.0, True), (8, 1000.0, True), (1, 64.0, False),
-                                                    (2, 1024.0, False), (2, None, False)])  # fmt: skip
-def test_a_dev_shm_smaller_than_nccls_buffers_between_a_machines_gpus_is_a_problem(gpus, shm_mib, problem):
+@pytest.mark.parametrize("gpus, ranks, shm_mib, problem", [(2, 0, 64.0, True), (8, 8, 1000.0, True),
+    (1, 4, 64.0, True), (1, 1, 64.0, False), (2, 0, 1024.0, False), (2, 2, None, False)])  # fmt: skip
+def test_a_dev_shm_smaller_than_nccls_buffers_between_a_machines_gpus_is_a_problem(gpus, ranks, shm_mib, problem):
     """A Docker container's 64 MiB /dev/shm, where NCCL between 2+ GPUs of one machine keeps its buffers (a crash
-    at its start otherwise): said before a launch, with the docker option. One GPU needs none."""
+    at its start otherwise): said before a launch, with the docker option. The GPUs a rank sees, or the ranks on
+    GPUs of its host where each sees one (srun --gpus-per-task=1). One GPU needs none."""
     from ddp import doctor
 
     report = {"host": "box", "gpus": [{}] * gpus, "shm_mib": shm_mib}
-    said = doctor.shared_memory_problem(report)
+    said = doctor.shared_memory_problem(report, ranks)
     assert (said is not None) == problem
     if problem:
-        assert said.startswith(f"on box: /dev/shm holds {shm_mib:,.0f} MiB, and NCCL between its {gpus} GPUs")
+        n = max(gpus, ranks)
+        assert said.startswith(f"on box: /dev/shm holds {shm_mib:,.0f} MiB, and NCCL between its {n} GPUs")
         assert "docker run --shm-size=1g (or --ipc=host)" in said
 
 

@@ -21,6 +21,7 @@ from ddp.errors import (
     EXIT_INTERRUPTED,
     EXIT_OK,
     INTERRUPTED,
+    LOST_WORKER_FIX,
     OUT_OF_MEMORY_FIX,
     SHARED_MEMORY_FIX,
     Diverged,
@@ -30,6 +31,7 @@ from ddp.errors import (
     WriteFailed,
     exit_code,
     first_line,
+    lost_worker,
     out_of_memory,
     out_of_shared_memory,
 )
@@ -217,14 +219,17 @@ def command(main: Callable[[list[str]], Any], argv: list[str] | None = None, pro
         silence_stdout()
         return EXIT_FAILURE
     except Exception as e:  # out of memory: one line with what to try; anything else is a bug, its traceback
-        shared = out_of_shared_memory(e)
-        if not (shared or out_of_memory(e)) or debug_requested(argv):
+        shared, lost = out_of_shared_memory(e), lost_worker(e)
+        if not (shared or lost or out_of_memory(e)) or debug_requested(argv):
             raise
         world = launchers.detect_launch() if launchers.has_peers() else None
         who = f"rank {world.rank} of {world.world_size}: " if world else ""  # the rank whose memory ran out
         what = f"out of memory ({first_line(e)}); {OUT_OF_MEMORY_FIX}"
         if shared:
             what = f"out of shared memory ({shared}; /dev/shm: {_size('/dev/shm')}); {SHARED_MEMORY_FIX}"
+        elif lost:
+            killer = " SIGKILL: the kernel's out-of-memory killer, most often (dmesg says)" if "Killed" in lost else ""
+            what = f"a DataLoader worker was lost ({lost.rstrip('. ')}{';' * bool(killer)}{killer}); {LOST_WORKER_FIX}"
         line = f"{prog + ': ' if prog else ''}error: {who}{what}"
         print(line, file=sys.stderr)
         launchers.record_error(line)

@@ -2,7 +2,8 @@
 
     0   EXIT_OK       done
     1   EXIT_FAILURE  a failure: a lost rank (PeerLost), a file that could not be written (WriteFailed: a
-                      full disk, say), out of memory (/dev/shm too), or a bug (any other exception, with its traceback)
+                      full disk, say), out of memory (/dev/shm too), a lost DataLoader worker, or a bug (any
+                      other exception, with its traceback)
     2   EXIT_USAGE    a mistake the user can fix (UsageError): a bad config, device, path, file or launch
     3   EXIT_DIVERGED the loss or the weights stopped being finite (Diverged); the finite checkpoints are kept
     75  EXIT_STOPPED  stopped on a signal after a checkpoint (Stopped): run the same command to resume
@@ -77,6 +78,16 @@ def out_of_shared_memory(error: BaseException) -> str | None:
     is 64 MB unless --shm-size): no space for a batch there, or the worker killed by SIGBUS. None for others."""
     lines = str(error).splitlines() if isinstance(error, RuntimeError) else []
     return next((line.strip() for line in reversed(lines) if "shared memory" in line), None)
+
+
+LOST_WORKER_FIX = "run the same command to resume; data.loader=device (the default) or data.workers=0 uses no workers"
+
+
+def lost_worker(error: BaseException) -> str | None:
+    """torch's line for a DataLoader worker process that a signal ended or that vanished (SIGKILL: the kernel's
+    out-of-memory killer, say); None for others (a worker whose code raised is "Caught ... in DataLoader worker")."""
+    line = first_line(error) if isinstance(error, RuntimeError) else ""
+    return line if line.startswith("DataLoader worker (pid") else None
 
 
 def first_line(error: BaseException, typed: bool = False) -> str:

@@ -4,6 +4,7 @@ Run as real processes (`python ddp/train.py ...`), the way users meet them, wher
 what is tested (the launcher variables, CUDA hidden, torchrun's report); the long list of bad values
 runs through train.cli in this process (the same code, without the interpreter around it)."""
 
+import os
 import shutil
 import signal
 import subprocess
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, TINY, TRAIN, clean_env, piped, python, torchrun
+from conftest import REPO, TINY, TRAIN, children, clean_env, piped, python, torchrun
 
 from ddp import cli, errors, rundir, train
 
@@ -373,6 +374,27 @@ def test_out_of_memory_is_one_line_naming_the_rank_and_what_to_try(tmp_path, cap
     assert capsys.readouterr().err.startswith("error: rank 1 of 2: out of memory (CUDA out of memory. Tried to")
     with pytest.raises(torch.cuda.OutOfMemoryError):  # run.debug=true: the traceback, for a bug report
         cli.command(step, ["run.debug=true"])
+
+
+def test_a_dataloader_worker_killed_is_one_line_saying_who_kills_so(tmp_path):
+    """A worker of data.loader=torch killed with SIGKILL, as the kernel's out-of-memory killer does: torch's
+    traceback ("DataLoader worker (pid N) is killed by signal: Killed."). Now one line, exit 1."""
+    run = [sys.executable, str(TRAIN), f"run.out_dir={tmp_path}", *TINY, "train.epochs=1000", "data.loader=torch",
+           "data.workers=1"]  # fmt: skip
+    proc = subprocess.Popen(run, cwd=REPO, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (workers := children(proc.pid)) and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.05)
+        os.kill(workers[0], signal.SIGKILL)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 1 and "Traceback" not in err, err
+    assert err.splitlines()[-1] == (
+        f"error: a DataLoader worker was lost (DataLoader worker (pid {workers[0]}) is killed by signal: Killed; "
+        f"SIGKILL: the kernel's out-of-memory killer, most often (dmesg says)); {errors.LOST_WORKER_FIX}"
+    )
 
 
 def test_dataloader_workers_out_of_shared_memory_is_one_line_with_what_to_try(tmp_path, capsys):

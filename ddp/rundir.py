@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from ddp import distributed, files
+from ddp import config, distributed, files
 from ddp.devices import World
 from ddp.errors import UsageError
 
@@ -151,7 +151,7 @@ def _holder(fd: int) -> str:
 def check_resume_setting(resume: str, out_dir: str) -> None:
     """run.resume must not overwrite checkpoints the user has not asked to continue (checked before
     the process group, so every rank stops alike)."""
-    if resume == "auto":
+    if resume == "auto" or continues_in_place(resume, out_dir):
         return
     if resume != "never" and not Path(resume).is_file():
         if Path(resume).exists() and not Path(resume).is_dir():  # <(ssh host cat last.pt): every rank reads it
@@ -171,6 +171,18 @@ def check_resume_setting(resume: str, out_dir: str) -> None:
             f"run.resume={resume} but {checkpoint_dir(out_dir)} holds newer checkpoints that a later "
             "auto-resume would pick; use another run.out_dir"
         )
+
+
+def continues_in_place(resume: str, out_dir: str) -> bool:
+    """Whether run.resume=PATH restarts the run that started from PATH in out_dir (its config.yaml has this
+    run.resume, and checkpoints of its own are there): a requeue, torchrun --max-restarts or the same command
+    again goes on from them, as run.resume=auto does; it was refused, as if PATH were an older file of theirs."""
+    if resume in ("auto", "never") or not step_files(out_dir):
+        return False
+    try:
+        return config.load(str(config_path(out_dir)), []).run.resume == resume
+    except UsageError:  # no config.yaml, or not one of ours
+        return False
 
 
 def prepare(out_dir: str, config_yaml: str, epochs_done: int, world: World, tensorboard: bool = False) -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, TINY, TRAIN, children, clean_env, piped, python, torchrun
+from conftest import REPO, TINY, TRAIN, children, clean_env, metrics, piped, python, torchrun
 
 from ddp import cli, errors, rundir, train
 
@@ -216,6 +216,27 @@ def test_resume_from_an_older_file_of_the_same_out_dir_is_refused(tmp_path, caps
     folder = rundir.checkpoint_dir(tmp_path)  # the run's checkpoints/ itself
     assert train.cli([f"run.out_dir={tmp_path / 'next'}", *TINY, f"run.resume={folder}"]) == 2
     assert capsys.readouterr().err.endswith(f"; its newest checkpoint is {rundir.last_path(tmp_path)}\n")
+
+
+def test_the_same_command_with_run_resume_path_again_continues_its_own_checkpoints(tmp_path, capsys):
+    """A fine-tune from PATH into a new out_dir, restarted with the same command (a SLURM requeue, torchrun
+    --max-restarts, a rerun after a crash): it was refused ("holds newer checkpoints"), as if PATH were an older
+    file of that out_dir. It goes on from the run's own newest checkpoint, PATH there or not; another PATH is
+    still refused."""
+    assert train.cli([f"run.out_dir={tmp_path / 'pre'}", *TINY, "train.epochs=1"]) == 0
+    start = tmp_path / "pretrained.pt"
+    start.write_bytes(rundir.last_path(tmp_path / "pre").read_bytes())
+    tune = [f"run.out_dir={tmp_path / 'tune'}", *TINY, f"run.resume={start}"]
+    assert train.cli([*tune, "train.epochs=2"]) == 0
+    capsys.readouterr()
+    start.unlink()  # gone (a scratch disk cleaned): not needed any more
+    assert train.cli([*tune, "train.epochs=3"]) == 0
+    newest = rundir.step_files(tmp_path / "tune")
+    assert capsys.readouterr().out.startswith(f"resumed from {newest[1]}: 2 epoch(s) + 0 step(s) done")
+    assert [m["epoch"] for m in metrics(tmp_path / "tune")] == [2, 3]
+    other = [f"run.out_dir={tmp_path / 'tune'}", *TINY, f"run.resume={rundir.last_path(tmp_path / 'pre')}"]
+    assert train.cli(other) == 2
+    assert "holds newer checkpoints that a later auto-resume would pick" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

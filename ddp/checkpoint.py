@@ -167,8 +167,7 @@ class Checkpoints:
         """Load the newest checkpoint in run.out_dir whose checksum holds (run.resume=auto; a damaged
         newer one is skipped with a warning), or run.resume's file, into the raw model and the rest of
         `trained` (before compile and wrap) and this rank's `stats`. None: nothing to resume."""
-        run, world = self.run, self.world
-        auto = run.resume == "auto" or rundir.continues_in_place(run.resume, run.out_dir)  # a restart: its own
+        run, world, auto = self.run, self.world, rundir.resumes_its_own(self.run.resume, self.run.out_dir)
         paths = rundir.step_files(run.out_dir) if auto else [] if run.resume == "never" else [Path(run.resume)]
         path, state, skipped = None, None, [] if auto else None
         for path in paths:  # newest first

@@ -151,7 +151,7 @@ def _holder(fd: int) -> str:
 def check_resume_setting(resume: str, out_dir: str) -> None:
     """run.resume must not overwrite checkpoints the user has not asked to continue (checked before
     the process group, so every rank stops alike)."""
-    if resume == "auto" or continues_in_place(resume, out_dir):
+    if resumes_its_own(resume, out_dir):
         return
     if resume != "never" and not Path(resume).is_file():
         if Path(resume).exists() and not Path(resume).is_dir():  # <(ssh host cat last.pt): every rank reads it
@@ -173,11 +173,13 @@ def check_resume_setting(resume: str, out_dir: str) -> None:
         )
 
 
-def continues_in_place(resume: str, out_dir: str) -> bool:
-    """Whether run.resume=PATH restarts the run that started from PATH in out_dir (its config.yaml has this
-    run.resume, and checkpoints of its own are there): a requeue, torchrun --max-restarts or the same command
-    again goes on from them, as run.resume=auto does; it was refused, as if PATH were an older file of theirs."""
-    if resume in ("auto", "never") or not step_files(out_dir):
+def resumes_its_own(resume: str, out_dir: str) -> bool:
+    """Whether the run goes on from out_dir's own newest checkpoint: run.resume=auto, or PATH restarting the run
+    that started from PATH there (its config.yaml has this run.resume, and checkpoints of its own are there: a
+    requeue, torchrun --max-restarts, the same command again; it was refused, as if PATH were an older file)."""
+    if resume == "auto":
+        return True
+    if resume == "never" or not step_files(out_dir):
         return False
     try:
         return config.load(str(config_path(out_dir)), []).run.resume == resume

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
+import socket
 import sys
 import time
 import zipfile
@@ -17,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ddp import models
+from ddp import distributed, models
 from ddp.config import DataConfig
 from ddp.devices import World
 from ddp.errors import UsageError, first_line, out_of_memory
@@ -304,6 +306,25 @@ def read(cfg: DataConfig, world: World) -> Data:
         check_counted_classes(_where(cfg), train, test, len(classes))
     mean, std = channel_statistics(_where(cfg), train.images)
     return Data(train, test, classes, mean, std)
+
+
+def same_on_every_rank(cfg: DataConfig, data: Data, world: World) -> None:
+    """The data every rank read, the same: each machine reads its own copy, and one that differs was trained on
+    without a word (or hung a collective, where its steps per epoch differ). A UsageError on every rank else."""
+    if not world.grouped:
+        return
+    sums = [split.images.flatten(1).sum(1, dtype=torch.int64).numpy().tobytes() for split in (data.train, data.test)]
+    found = [data.classes, *(split.labels.numpy().tobytes() for split in (data.train, data.test)), *sums]  # exact
+    digest = hashlib.sha256(repr(found).encode()).hexdigest()
+    ranks = distributed.gather_objects((socket.gethostname(), len(data.train.labels), len(data.test.labels), digest),
+                                       world)  # fmt: skip
+    other = next((rank for rank, seen in enumerate(ranks) if seen[1:] != ranks[0][1:]), None)
+    if other is not None:
+        (host, train, test, _), (host0, train0, test0, _) = ranks[other], ranks[0]
+        counts = f"{train:,} training and {test:,} test images, against {train0:,} and {test0:,}"
+        how = counts if (train, test) != (train0, test0) else "as many images, but other images, labels or classes"
+        raise UsageError(f"{_where(cfg)}: rank {other} on {host} read other data than rank 0 on {host0} ({how}): "
+                         "every machine's copy must be the same")  # fmt: skip
 
 
 def channel_statistics(where: str, images: torch.Tensor) -> tuple[tuple[float, ...], tuple[float, ...]]:

@@ -82,6 +82,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     with checked(cfg, world) as (data, plan):  # every mistake found before a rank can wait for another
         with lifeline.watched(world, plan.stop_signals, PARENT):  # the launcher's end, signals, deadlines
             with distributed.setup(world, cfg.run.timeout_s) as world:  # set_device, init_process_group ...
+                datasets.same_on_every_rank(cfg.data, data, world)  # each machine's copy: one that differs, said
                 return fit(cfg, world, data, plan)
 
 

@@ -4,6 +4,8 @@ import hashlib
 import pickle
 import re
 import shutil
+import socket
+import subprocess
 import sys
 import tarfile
 import threading
@@ -14,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import BIN, REPO, TRAIN, clean_env
 from torchvision import datasets as tv_datasets
 
 from ddp import datasets, loaders, models
@@ -406,3 +409,38 @@ def test_cifar_download_failure_is_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.setattr(tv_datasets.CIFAR10, "download", offline)
     with pytest.raises(UsageError, match=f"could not download CIFAR-10 into data.root={tmp_path}.*offline?"):
         datasets.read(DataConfig(dataset="cifar10", root=str(tmp_path), download=True), CPU)
+
+
+def test_machines_whose_copies_of_the_data_differ_stop_before_training(tmp_path):
+    """Two machines, each reading its own copy at data.path (node-local disks), the second's one pixel brighter:
+    each trained on its own copy without a word. Now every rank stops before training, exit 2, naming the rank and
+    host. Two torchrun agents as two nodes; the second sees its own file at data.path (a tmpfs mounted there)."""
+    if shutil.which("unshare") is None or subprocess.run(["unshare", "--mount", "true"]).returncode != 0:
+        pytest.skip("needs `unshare --mount` (root, util-linux) to give one 'node' its own copy of the data")
+    x, y, xt, yt = arrays()
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    np.savez(copy / "data.npz", x_train=x, y_train=y, x_test=xt, y_test=yt)
+    brighter = x.copy()
+    brighter[7, 0, 0, 0] = brighter[7, 0, 0, 0] ^ 1  # one pixel of one image
+    np.savez(tmp_path / "other.npz", x_train=brighter, y_train=y, x_test=xt, y_test=yt)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    rdzv = ["--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}"]
+    run = [str(TRAIN), f"run.out_dir={tmp_path / 'run'}", "data.dataset=npz", f"data.path={copy / 'data.npz'}",
+           "data.workers=0", "model.name=small", "train.batch_size=20", "train.epochs=1"]  # fmt: skip
+    torchrun = str(BIN / "torchrun")
+    host = subprocess.Popen([torchrun, *rdzv, "--rdzv_conf=is_host=true", *run], cwd=REPO, env=clean_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    own = f'mount -t tmpfs none "{copy}" && cp "{tmp_path / "other.npz"}" "{copy / "data.npz"}" && exec "$@"'
+    other = subprocess.run(["unshare", "--mount", "bash", "-c", own, "node1", torchrun, *rdzv,
+                            "--rdzv_conf=is_host=false", *run], cwd=REPO, env=clean_env(), capture_output=True,
+                           text=True, timeout=120)  # fmt: skip
+    out, err = host.communicate(timeout=120)
+    said = (f"error: data.path={copy / 'data.npz'}: rank 1 on {socket.gethostname()} read other data than rank 0 "
+            f"on {socket.gethostname()} (as many images, but other images, labels or classes): every machine's copy "
+            "must be the same")  # fmt: skip
+    assert host.returncode != 0 and other.returncode != 0, out + err + other.stdout + other.stderr
+    assert said in err and said in other.stderr, err + other.stderr
+    assert not list((tmp_path / "run" / "checkpoints").glob("*.pt"))

@@ -169,6 +169,14 @@ def print_report(r: dict[str, Any]) -> None:
     show("  /dev/shm: " + ("none" if r["shm_mib"] is None else f"{r['shm_mib']:,.1f} MiB"))
 
 
+def machine_problems(reports: list[tuple[Any, ...]], mismatch: str | None) -> list[str]:
+    """What rank 0 finds in every rank's (report, ...), once per machine: SLURM's tasks against its GPUs (but rank
+    0's own `mismatch`, said already) and a /dev/shm too small for NCCL between its GPUs."""
+    gpu_ranks = collections.Counter(r["host"] for r, *_ in reports if r["device"].startswith("cuda"))
+    shm = {p for r, *_ in reports if (p := shared_memory_problem(r, gpu_ranks[r["host"]]))}
+    return sorted({m for _, _, m, _ in reports if m and m != mismatch}) + sorted(shm)
+
+
 def diagnose(run: config.RunConfig, data: DataConfig) -> list[str]:
     """Problems found on this rank and, under a launcher, across ranks; prints the report."""
     world = devices.resolve(run)
@@ -176,8 +184,7 @@ def diagnose(run: config.RunConfig, data: DataConfig) -> list[str]:
     if mismatch := launchers.slurm_gpu_problem(torch.cuda.device_count()):
         problems.append(mismatch)
     if not world.grouped:
-        here = report(world, run.out_dir)
-        print_report(here)
+        print_report(here := report(world, run.out_dir))
         problems += [p] if (p := shared_memory_problem(here)) else []
         addr, port, source = launchers.planned_rendezvous()
         try:
@@ -225,9 +232,7 @@ def diagnose(run: config.RunConfig, data: DataConfig) -> list[str]:
                 )
             elif shared[0]:
                 show(f"run.out_dir {Path(run.out_dir).resolve()}: writable, the same directory on every rank")
-            problems += sorted({m for _, _, m, _ in reports if m and m != mismatch})
-            gpu_ranks = collections.Counter(r["host"] for r, _, _, _ in reports if r["device"].startswith("cuda"))
-            problems += sorted({p for r, _, _, _ in reports if (p := shared_memory_problem(r, gpu_ranks[r["host"]]))})
+            problems += machine_problems(reports, mismatch)
         distributed.barrier(world)  # everyone has looked before rank 0 removes the file
         if world.is_main and shared[0]:
             (Path(run.out_dir) / shared[0]).unlink()

@@ -29,6 +29,7 @@ from torch.profiler import record_function
 from torch.utils.data import DataLoader
 
 from ddp import (
+    alike,
     checkpoint,
     checks,
     config,
@@ -82,7 +83,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     with checked(cfg, world) as (data, plan):  # every mistake found before a rank can wait for another
         with lifeline.watched(world, plan.stop_signals, PARENT):  # the launcher's end, signals, deadlines
             with distributed.setup(world, cfg.run.timeout_s) as world:  # set_device, init_process_group ...
-                datasets.same_on_every_rank(cfg.data, data, world)  # each machine's copy: one that differs, said
+                alike.check(cfg, data, world)  # each machine's own code, settings and data: one that differs, said
                 return fit(cfg, world, data, plan)
 
 

@@ -411,12 +411,13 @@ def test_cifar_download_failure_is_a_clear_error(tmp_path, monkeypatch):
         datasets.read(DataConfig(dataset="cifar10", root=str(tmp_path), download=True), CPU)
 
 
-def test_machines_whose_copies_of_the_data_differ_stop_before_training(tmp_path):
-    """Two machines, each reading its own copy at data.path (node-local disks), the second's one pixel brighter:
-    each trained on its own copy without a word. Now every rank stops before training, exit 2, naming the rank and
-    host. Two torchrun agents as two nodes; the second sees its own file at data.path (a tmpfs mounted there)."""
+def test_a_machine_with_other_code_settings_or_data_stops_every_rank_before_training(tmp_path):
+    """Two machines, each with its own checkout, command line and copy of the data at data.path (node-local disks):
+    the second's has a line more in ddp/optim.py, optim.lr=0.2 typed there and one pixel of one image off. It
+    trained its own way without a word; now every rank stops before the first step, exit 2, with all three. Two
+    torchrun agents as two nodes; the second sees its own files (tmpfs and bind mounts of its own)."""
     if shutil.which("unshare") is None or subprocess.run(["unshare", "--mount", "true"]).returncode != 0:
-        pytest.skip("needs `unshare --mount` (root, util-linux) to give one 'node' its own copy of the data")
+        pytest.skip("needs `unshare --mount` (root, util-linux) to give one 'node' its own files")
     x, y, xt, yt = arrays()
     copy = tmp_path / "copy"
     copy.mkdir()
@@ -424,6 +425,10 @@ def test_machines_whose_copies_of_the_data_differ_stop_before_training(tmp_path)
     brighter = x.copy()
     brighter[7, 0, 0, 0] = brighter[7, 0, 0, 0] ^ 1  # one pixel of one image
     np.savez(tmp_path / "other.npz", x_train=brighter, y_train=y, x_test=xt, y_test=yt)
+    code = tmp_path / "code"
+    shutil.copytree(REPO / "ddp", code, ignore=shutil.ignore_patterns("__pycache__"))
+    with open(code / "optim.py", "a") as f:
+        f.write("# changed on this machine only\n")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = str(s.getsockname()[1])
@@ -433,14 +438,16 @@ def test_machines_whose_copies_of_the_data_differ_stop_before_training(tmp_path)
     torchrun = str(BIN / "torchrun")
     host = subprocess.Popen([torchrun, *rdzv, "--rdzv_conf=is_host=true", *run], cwd=REPO, env=clean_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
-    own = f'mount -t tmpfs none "{copy}" && cp "{tmp_path / "other.npz"}" "{copy / "data.npz"}" && exec "$@"'
+    own = (f'mount -t tmpfs none "{copy}" && cp "{tmp_path / "other.npz"}" "{copy / "data.npz"}" && '
+           f'mount --bind "{code}" "{REPO / "ddp"}" && exec "$@"')  # fmt: skip
     other = subprocess.run(["unshare", "--mount", "bash", "-c", own, "node1", torchrun, *rdzv,
-                            "--rdzv_conf=is_host=false", *run], cwd=REPO, env=clean_env(), capture_output=True,
-                           text=True, timeout=120)  # fmt: skip
+                            "--rdzv_conf=is_host=false", *run, "optim.lr=0.2"], cwd=REPO, env=clean_env(),
+                           capture_output=True, text=True, timeout=120)  # fmt: skip
     out, err = host.communicate(timeout=120)
-    said = (f"error: data.path={copy / 'data.npz'}: rank 1 on {socket.gethostname()} read other data than rank 0 "
-            f"on {socket.gethostname()} (as many images, but other images, labels or classes): every machine's copy "
-            "must be the same")  # fmt: skip
+    name = socket.gethostname()
+    said = (f"error: rank 1 on {name} has other ddp-cifar code (ddp/optim.py); other settings (optim.lr=0.2 against "
+            f"0.1); other data (data.path={copy / 'data.npz'}: other images or labels) than rank 0 on {name}: every "
+            "machine must run the same checkout, settings and data")  # fmt: skip
     assert host.returncode != 0 and other.returncode != 0, out + err + other.stdout + other.stderr
     assert said in err and said in other.stderr, err + other.stderr
     assert not list((tmp_path / "run" / "checkpoints").glob("*.pt"))

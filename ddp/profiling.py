@@ -4,6 +4,7 @@ parts of a step are labelled (record_function) where they run; DDP's all-reduce 
 
 from __future__ import annotations
 
+import shutil
 import tempfile
 from pathlib import Path
 from types import TracebackType
@@ -12,7 +13,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from ddp import files, logs, rundir
 from ddp.devices import World
-from ddp.errors import UsageError
+from ddp.errors import UsageError, WriteFailed
 
 
 def parse(text: str, total_steps: int, steps_done: int = 0) -> range | None:
@@ -65,10 +66,18 @@ class Profile:
         profiler, self.profiler = self.profiler, None
         profiler.stop()
         path = rundir.profile_path(self.out_dir, self.world.rank)
-        # torch writes the trace to a file it names: a scratch one, whose bytes files.atomic puts in place.
-        with tempfile.TemporaryDirectory() as scratch, files.atomic(path) as trace:
-            profiler.export_chrome_trace(f"{scratch}/trace.json")
-            trace.write(Path(scratch, "trace.json").read_bytes())
+        # torch writes the trace to a file it names: a scratch one beside the trace (not in TMPDIR, a small /tmp),
+        # whose bytes files.atomic puts in place. Where it cannot write, torch only logs so: its trace is missing.
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=path.parent, prefix=".") as scratch, files.atomic(path) as trace:
+                profiler.export_chrome_trace(f"{scratch}/trace.json")
+                trace.write(Path(scratch, "trace.json").read_bytes())
+        except FileNotFoundError:  # torch wrote nothing (it only logs "Failed to write to log file!")
+            free = f"{shutil.disk_usage(path.parent).free:,} bytes free there"
+            raise WriteFailed(f"cannot write {path}: torch's profiler wrote no trace ({free})") from None
+        except OSError as e:
+            raise files.failure(path, 0, e) from None
         if self.world.is_main:
             by = "self_cuda_time_total" if self.world.device.type == "cuda" else "self_cpu_time_total"
             table = profiler.key_averages().table(sort_by=by, row_limit=10)

@@ -3,10 +3,14 @@ average against its closed form, gradient clipping and the logged norm, run.prof
 (Multi-rank runs of them: test_toolbox_runs.py; the new models: test_models.py.)"""
 
 import math
+import re
+import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
-from conftest import TINY, TRAIN, clean_env, python
+from conftest import REPO, TINY, TRAIN, clean_env, python
 from torch import nn
 
 from ddp import config, datasets, ema, mixing, profiling, train
@@ -248,6 +252,27 @@ def test_a_profile_resumed_inside_its_steps_traces_the_rest(tmp_path, capsys):
             profile.after_step(step)
     assert "profile of global steps 3-4 (rank 0" in capsys.readouterr().out
     assert "aten::mm" in (tmp_path / "profile" / "rank0.json").read_text()
+
+
+def test_a_profile_needs_no_room_in_tmpdir_and_a_full_out_dir_is_one_line(tmp_path):
+    """torch writes its trace to a file it names: that was a scratch file in TMPDIR, and where TMPDIR was full (a
+    small /tmp) torch only logged "Failed to write to log file!" and the run ended in a FileNotFoundError
+    traceback. The scratch file is beside the trace now; an out_dir with no room is one line, exit 1. Two 64 KiB
+    tmpfs, in a mount namespace of the runs' own: TMPDIR for the first run, out_dir for the second."""
+    if shutil.which("unshare") is None or subprocess.run(["unshare", "--mount", "true"]).returncode != 0:
+        pytest.skip("needs `unshare --mount` (root, util-linux) to give the runs small filesystems of their own")
+    small, full = tmp_path / "small", tmp_path / "full"
+    small.mkdir(), full.mkdir()
+    run = [sys.executable, str(TRAIN), *TINY, "train.epochs=1", "run.profile=1:3"]
+    mounts = f'mount -t tmpfs -o size=64k none "{small}" && mount -t tmpfs -o size=64k none "{full}"'
+    script = f'{mounts} && TMPDIR="{small}" "$@" run.out_dir="{tmp_path / "run"}" && "$@" run.out_dir="{full / "run"}"'
+    proc = subprocess.run(["unshare", "--mount", "bash", "-c", script, "runs", *run], cwd=REPO, env=clean_env(),
+                          capture_output=True, text=True, timeout=180)  # fmt: skip
+    assert "aten::" in (tmp_path / "run" / "profile" / "rank0.json").read_text()  # the first run, TMPDIR full
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    trace = full / "run" / "profile" / "rank0.json"
+    assert re.match(f"error: cannot write {trace}: torch's profiler wrote no trace \\([0-9,]+ bytes free there\\)$",
+                    proc.stderr.splitlines()[-1]), proc.stderr  # fmt: skip
 
 
 def test_a_step_the_grad_scaler_skips_leaves_the_norm_statistics_alone():

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import atexit
 import os
-import shutil
 import stat
 import sys
 import time
@@ -21,19 +20,13 @@ from ddp.errors import (
     EXIT_INTERRUPTED,
     EXIT_OK,
     INTERRUPTED,
-    LOST_WORKER_FIX,
-    OUT_OF_MEMORY_FIX,
-    SHARED_MEMORY_FIX,
     Diverged,
     PeerLost,
     Stopped,
     UsageError,
     WriteFailed,
     exit_code,
-    first_line,
-    lost_worker,
-    out_of_memory,
-    out_of_shared_memory,
+    machine_failure,
 )
 
 
@@ -218,18 +211,12 @@ def command(main: Callable[[list[str]], Any], argv: list[str] | None = None, pro
     except BrokenPipeError:  # its reader has gone (`... | head`): the rest has no one to read it
         silence_stdout()
         return EXIT_FAILURE
-    except Exception as e:  # out of memory: one line with what to try; anything else is a bug, its traceback
-        shared, lost = out_of_shared_memory(e), lost_worker(e)
-        if not (shared or lost or out_of_memory(e)) or debug_requested(argv):
+    except Exception as e:  # memory, disk space: one line with what to try; anything else is a bug, its traceback
+        what = machine_failure(e)
+        if what is None or debug_requested(argv):
             raise
         world = launchers.detect_launch() if launchers.has_peers() else None
-        who = f"rank {world.rank} of {world.world_size}: " if world else ""  # the rank whose memory ran out
-        what = f"out of memory ({first_line(e)}); {OUT_OF_MEMORY_FIX}"
-        if shared:
-            what = f"out of shared memory ({shared}; /dev/shm: {_size('/dev/shm')}); {SHARED_MEMORY_FIX}"
-        elif lost:
-            killer = " SIGKILL: the kernel's out-of-memory killer, most often (dmesg says)" if "Killed" in lost else ""
-            what = f"a DataLoader worker was lost ({lost.rstrip('. ')}{';' * bool(killer)}{killer}); {LOST_WORKER_FIX}"
+        who = f"rank {world.rank} of {world.world_size}: " if world else ""  # the rank whose machine ran out
         line = f"{prog + ': ' if prog else ''}error: {who}{what}"
         print(line, file=sys.stderr)
         launchers.record_error(line)
@@ -242,13 +229,6 @@ def command(main: Callable[[list[str]], Any], argv: list[str] | None = None, pro
             print(f"{prog + ': ' if prog else ''}{INTERRUPTED}", file=sys.stderr)
         return EXIT_INTERRUPTED
     return code if isinstance(code, int) else EXIT_OK
-
-
-def _size(path: str) -> str:
-    try:
-        return f"{shutil.disk_usage(path).total / 2**20:,.1f} MiB"
-    except OSError as e:
-        return e.strerror or "unknown size"
 
 
 def leave(code: int) -> NoReturn:

@@ -2,8 +2,8 @@
 
     0   EXIT_OK       done
     1   EXIT_FAILURE  a failure: a lost rank (PeerLost), a file that could not be written (WriteFailed: a
-                      full disk, say), out of memory (/dev/shm too), a lost DataLoader worker, or a bug (any
-                      other exception, with its traceback)
+                      full disk, say), what else ran out on the machine (machine_failure: memory, /dev/shm,
+                      disk space, a DataLoader worker), or a bug (any other exception, with its traceback)
     2   EXIT_USAGE    a mistake the user can fix (UsageError): a bad config, device, path, file or launch
     3   EXIT_DIVERGED the loss or the weights stopped being finite (Diverged); the finite checkpoints are kept
     75  EXIT_STOPPED  stopped on a signal after a checkpoint (Stopped): run the same command to resume
@@ -13,7 +13,10 @@
 cli.command turns them into one line on stderr and the exit code; nothing else defines an exit code.
 """
 
+import errno
 import re
+import shutil
+import tempfile
 
 EXIT_OK = 0
 EXIT_FAILURE = 1
@@ -88,6 +91,43 @@ def lost_worker(error: BaseException) -> str | None:
     out-of-memory killer, say); None for others (a worker whose code raised is "Caught ... in DataLoader worker")."""
     line = first_line(error) if isinstance(error, RuntimeError) else ""
     return line if line.startswith("DataLoader worker (pid") else None
+
+
+def no_space(error: BaseException) -> str | None:
+    """The line of a full disk or quota met outside the run's own writes (those are WriteFailed): torch.compile's
+    cache in TMPDIR, say. The OSError among the error's causes, or the line of its message that quotes one."""
+    seen: BaseException | None = error
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
+            return first_line(seen, typed=True)
+        seen = seen.__cause__ or seen.__context__
+    quoted = (f"[Errno {errno.ENOSPC}]", f"[Errno {errno.EDQUOT}]")
+    return next((line.strip() for line in str(error).splitlines() if any(q in line for q in quoted)), None)
+
+
+def machine_failure(error: BaseException) -> str | None:
+    """What ran out on this machine, as "what (the error's line); what to try", for cli.command's one line:
+    memory, /dev/shm, a DataLoader worker, disk space. None for any other error (a bug: its traceback)."""
+    if shared := out_of_shared_memory(error):
+        return f"out of shared memory ({shared}; /dev/shm: {_mib('/dev/shm', 'total')}); {SHARED_MEMORY_FIX}"
+    if lost := lost_worker(error):
+        killer = "; SIGKILL: the kernel's out-of-memory killer, most often (dmesg says)" if "Killed" in lost else ""
+        return f"a DataLoader worker was lost ({lost.rstrip('. ')}{killer}); {LOST_WORKER_FIX}"
+    if out_of_memory(error):
+        return f"out of memory ({first_line(error)}); {OUT_OF_MEMORY_FIX}"
+    if full := no_space(error):
+        temporary = tempfile.gettempdir()
+        return (f"no space left ({full}); free some, or set TMPDIR to a disk with room: torch.compile's cache is "
+                f"in TMPDIR={temporary} ({_mib(temporary, 'free')} free)")  # fmt: skip
+    return None
+
+
+def _mib(path: str, which: str) -> str:
+    """The `which` (total, free) of the filesystem at `path` in MiB."""
+    try:
+        return f"{getattr(shutil.disk_usage(path), which) / 2**20:,.1f} MiB"
+    except OSError as e:
+        return e.strerror or "unknown size"
 
 
 def first_line(error: BaseException, typed: bool = False) -> str:

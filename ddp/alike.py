@@ -33,32 +33,41 @@ def settings(cfg: Config) -> dict[str, Any]:
     return {f"{s}.{k}": v for s, keys in values.items() for k, v in keys.items() if f"{s}.{k}" not in MAY_DIFFER}
 
 
+def described(cfg: Config, data: datasets.Data | None = None) -> dict[str, Any]:
+    """This rank's host, torch, code, settings and (given) data, as differences compares them."""
+    mine = {"host": socket.gethostname(), "torch": torch.__version__, "code": code(), "settings": settings(cfg)}
+    if data is not None:
+        where = f"data.path={cfg.data.path}" if cfg.data.dataset == "npz" else f"data.root={cfg.data.root}"
+        mine["data"] = (*datasets.digest(data), where)
+    return mine
+
+
 def check(cfg: Config, data: datasets.Data, world: World) -> None:
     """Every rank's code, settings and data (datasets.digest) against rank 0's: a UsageError on every rank naming
     the first rank that differs and how. Another torch is only said, once per machine (by rank 0)."""
     if not world.grouped:
         return
-    where = f"data.path={cfg.data.path}" if cfg.data.dataset == "npz" else f"data.root={cfg.data.root}"
-    mine = (socket.gethostname(), torch.__version__, code(), settings(cfg), (*datasets.digest(data), where))
-    ranks = distributed.gather_objects(mine, world)
-    others = {(host, version) for host, version, *_ in ranks if version != ranks[0][1]}
+    ranks = distributed.gather_objects(described(cfg, data), world)
+    first = ranks[0]
+    others = {(r["host"], r["torch"]) for r in ranks if r["torch"] != first["torch"]}
     for host, version in sorted(others) if world.is_main else []:
-        print(f"warning: {host} runs torch {version}, rank 0 on {ranks[0][0]} {ranks[0][1]}", file=sys.stderr)
+        print(f"warning: {host} runs torch {version}, rank 0 on {first['host']} {first['torch']}", file=sys.stderr)
     for rank, theirs in enumerate(ranks):
-        if differ := differences(ranks[0], theirs):
-            raise UsageError(f"rank {rank} on {theirs[0]} has other {'; other '.join(differ)} than rank 0 on "
-                             f"{ranks[0][0]}: every machine must run the same checkout, settings and data")  # fmt: skip
+        if differ := differences(first, theirs):
+            raise UsageError(f"rank {rank} on {theirs['host']} {differ} than rank 0 on {first['host']}: every "
+                             "machine must run the same checkout, settings and data")  # fmt: skip
 
 
-def differences(first: tuple[Any, ...], other: tuple[Any, ...]) -> list[str]:
-    """How `other` (check's host, torch, code, settings, data) differs from `first`, torch aside."""
-    (_, _, code0, settings0, data0), (_, _, modules, values, data) = first, other
+def differences(first: dict[str, Any], other: dict[str, Any]) -> str:
+    """How `other` (described's) differs from `first`, torch aside: "has other ..., other ...", or "" if alike.
+    Data only where both have it (the doctor's have none)."""
+    code0, modules, settings0, values = first["code"], other["code"], first["settings"], other["settings"]
     changed = [name for name in sorted(code0.keys() | modules.keys()) if code0.get(name) != modules.get(name)]
     differ = [f"ddp-cifar code ({', '.join(f'ddp/{name}' for name in changed)})"] if changed else []
     keys = [k for k in settings0 if settings0[k] != values.get(k)]
     differ += [f"settings ({', '.join(f'{k}={values.get(k)!r} against {settings0[k]!r}' for k in keys)})"] * bool(keys)
-    if data[:3] != data0[:3]:
-        (train, test, _, there), (train0, test0, _, _) = data, data0
+    if "data" in first and "data" in other and other["data"][:3] != first["data"][:3]:
+        (train, test, _, there), (train0, test0, _, _) = other["data"], first["data"]
         counts = f"{train:,} training and {test:,} test images, against {train0:,} and {test0:,}"
         differ.append(f"data ({there}: {counts if (train, test) != (train0, test0) else 'other images or labels'})")
-    return differ
+    return "has other " + "; other ".join(differ) if differ else ""

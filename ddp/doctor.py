@@ -33,7 +33,7 @@ quiet_startup(__name__)  # run as a command: a Ctrl-C or a missing package in th
 import torch
 import torch.distributed as dist
 
-from ddp import config, datasets, devices, distributed, files, launchers, metrics, network
+from ddp import alike, config, datasets, devices, distributed, files, launchers, metrics, network
 from ddp.cli import command, leave, parse_args, show
 from ddp.config import DataConfig
 from ddp.devices import World
@@ -127,8 +127,9 @@ def shared_memory_problem(r: dict[str, Any], gpu_ranks: int = 0) -> str | None:
             "Kubernetes: an emptyDir of medium Memory mounted at /dev/shm")  # fmt: skip
 
 
-def report(world: World, out_dir: str) -> dict[str, Any]:
-    return {
+def report(world: World, out_dir: str, mine: dict[str, Any] | None = None) -> dict[str, Any]:
+    """This rank's facts; with `mine` (alike.described's), what every rank must have alike."""
+    return {"alike": mine} | {
         "host": socket.gethostname(),
         "network": network.gloo_interface(),
         "pid": os.getpid(),
@@ -171,14 +172,23 @@ def print_report(r: dict[str, Any]) -> None:
 
 def machine_problems(reports: list[tuple[Any, ...]], mismatch: str | None) -> list[str]:
     """What rank 0 finds in every rank's (report, ...), once per machine: SLURM's tasks against its GPUs (but rank
-    0's own `mismatch`, said already) and a /dev/shm too small for NCCL between its GPUs."""
+    0's own `mismatch`, said already), a /dev/shm too small for NCCL between its GPUs, and other code or settings
+    than rank 0's (alike.differences: the run would stop on them)."""
     gpu_ranks = collections.Counter(r["host"] for r, *_ in reports if r["device"].startswith("cuda"))
     shm = {p for r, *_ in reports if (p := shared_memory_problem(r, gpu_ranks[r["host"]]))}
-    return sorted({m for _, _, m, _ in reports if m and m != mismatch}) + sorted(shm)
+    first = reports[0][0]
+    unlike = {
+        f"rank {r['rank']} on {r['host']} {d} than rank 0 on {first['host']}: every machine must run the same "
+        "checkout and settings"
+        for r, *_ in reports
+        if (d := alike.differences(first["alike"], r["alike"]))
+    }
+    return sorted({m for _, _, m, _ in reports if m and m != mismatch}) + sorted(shm) + sorted(unlike)
 
 
-def diagnose(run: config.RunConfig, data: DataConfig) -> list[str]:
-    """Problems found on this rank and, under a launcher, across ranks; prints the report."""
+def diagnose(run: config.RunConfig, data: DataConfig, mine: dict[str, Any]) -> list[str]:
+    """Problems found on this rank and, under a launcher, across ranks (`mine`: alike.described's); prints the
+    report."""
     world = devices.resolve(run)
     problems = []
     if mismatch := launchers.slurm_gpu_problem(torch.cuda.device_count()):
@@ -210,7 +220,7 @@ def diagnose(run: config.RunConfig, data: DataConfig) -> list[str]:
         sees = shared[0] is not None and (Path(run.out_dir) / shared[0]).is_file()
         reduced = distributed.all_reduce_sum(torch.tensor([float(world.rank)], device=world.device), world)
         checked = check_data(data, world) if world.is_local_main else None  # one per machine
-        reports = distributed.gather_objects((report(world, run.out_dir), sees, mismatch, checked), world)
+        reports = distributed.gather_objects((report(world, run.out_dir, mine), sees, mismatch, checked), world)
         if world.is_main:
             for r, _, _, data_checked in reports:
                 print_report(r)
@@ -249,11 +259,11 @@ Checks the setup that ddp/train.py with the same arguments would use. Keys:
 def main(argv: list[str]) -> int:
     args = parse_args(argv, USAGE)
     cfg = config.load(args.config, args.overrides)
-    run = launchers.accelerate_flags(cfg.run)
-    problems = diagnose(run, cfg.data)
+    cfg.run = launchers.accelerate_flags(cfg.run)
+    problems = diagnose(cfg.run, cfg.data, alike.described(cfg))
     for p in problems:
         print(f"doctor: PROBLEM: {p}", file=sys.stderr)
-    if not problems and launchers.detect_launch(launcher=run.launcher).rank == 0:
+    if not problems and launchers.detect_launch(launcher=cfg.run.launcher).rank == 0:
         show("doctor: OK")
     return EXIT_FAILURE if problems else EXIT_OK
 

@@ -101,7 +101,8 @@ def test_under_torchrun_every_rank_reports_and_an_all_reduce_runs(tmp_path):
 
 def test_an_out_dir_that_differs_between_nodes_is_a_problem(tmp_path):
     """Two torchrun agents as two nodes; the second sees its own (tmpfs) out_dir, as a node-local
-    disk would be: the doctor must say the directory is not shared."""
+    disk would be: the doctor must say the directory is not shared. The second was also given another
+    optim.lr on its command line, which the run would stop on (ddp/alike.py): a problem too."""
     if shutil.which("unshare") is None or subprocess.run(["unshare", "--mount", "true"]).returncode != 0:
         pytest.skip("needs `unshare --mount` (root, util-linux) to give one 'node' its own filesystem")
     local = tmp_path / "run"
@@ -115,13 +116,16 @@ def test_an_out_dir_that_differs_between_nodes_is_a_problem(tmp_path):
                             env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
     other = subprocess.run(
         ["unshare", "--mount", "bash", "-c", f'mount -t tmpfs none "{local}" && exec "$@"', "node1",
-         *node[:5], "--rdzv_conf=is_host=false", *node[5:]],
+         *node[:5], "--rdzv_conf=is_host=false", *node[5:], "optim.lr=0.2"],
         cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     out, err = host.communicate(timeout=120)
     both = out + err + other.stdout + other.stderr
     assert host.returncode != 0 or other.returncode != 0, both
     assert "do not see rank 0's files in run.out_dir" in both and "a filesystem every node shares" in both
+    name = socket.gethostname()
+    assert (f"doctor: PROBLEM: rank 1 on {name} has other settings (optim.lr=0.2 against 0.1) than rank 0 on {name}: "
+            "every machine must run the same checkout and settings") in both  # fmt: skip
 
 
 @pytest.mark.parametrize(

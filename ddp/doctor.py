@@ -187,7 +187,7 @@ def machine_problems(reports: list[tuple[Any, ...]], mismatch: str | None) -> li
 
 
 def diagnose(run: config.RunConfig, data: DataConfig, mine: dict[str, Any]) -> list[str]:
-    """Problems found on this rank and, under a launcher, across ranks (`mine`: alike.described's); prints them."""
+    """Problems on this rank and, under a launcher, across ranks (`mine`: alike.described's); prints the reports."""
     world = devices.resolve(run)
     problems = []
     if mismatch := launchers.slurm_gpu_problem(torch.cuda.device_count()):

@@ -60,7 +60,8 @@ def _npz(cfg: DataConfig, parts: tuple[str, ...]) -> dict[str, Split | list[str]
     if path.is_dir():
         raise UsageError(f"data.path={cfg.path} is a directory: name the .npz file")
     if not path.is_file():
-        raise UsageError(f"data.path={cfg.path}: " + ("not a regular file" if path.exists() else "no such file"))
+        odd = "not a regular file (a pipe or a device: every rank and the launch file's check read it; save it to one)"
+        raise UsageError(f"data.path={cfg.path}: " + (odd if path.exists() else "no such file"))
     try:
         path.open("rb").close()  # else zipfile.is_zipfile says False for a file it may not read
     except OSError as e:

@@ -69,7 +69,7 @@ def test_bad_input_for_want_of_a_gpu_exits_2_with_one_line(args, fragments, tmp_
         (["data.root=README.md", "data.download=false"], ["data.root=README.md is a file, not a directory"]),
         (["data.dataset=npz", "data.path=/no/such.npz"], ["data.path=/no/such.npz: no such file"]),
         (["data.dataset=npz", "data.path=configs"], ["data.path=configs is a directory: name the .npz file"]),
-        (["data.dataset=npz", "data.path=/dev/null"], ["data.path=/dev/null: not a regular file"]),
+        (["data.dataset=npz", "data.path=/dev/null"], ["data.path=/dev/null: not a regular file (a pipe or a device"]),
         (["--bogus"], ["unknown option --bogus"]),
         (["--nproc-per-node=4"], ["unknown option --nproc-per-node=4 (torchrun's option: it goes before ddp/train.py"]),
         (["run.stop_signal=SIGFOO"], ["run.stop_signal: 'SIGFOO' is not a signal that can be caught"]),

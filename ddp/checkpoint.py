@@ -5,7 +5,8 @@
     python -m ddp.checkpoint inspect PATH       epoch, step, world size, metrics, size, checksum
     python -m ddp.checkpoint export PATH OUT [--raw] [--state-dict]
         the model weights alone, for inference: the moving average's if the run kept one (--raw: the
-        trained ones); --state-dict writes the bare state dict that model.load_state_dict(torch.load(OUT)) takes
+        trained ones); --state-dict writes the bare state dict that model.load_state_dict(torch.load(OUT)) takes;
+        OUT - writes to stdout, for a pipe
 """
 
 from __future__ import annotations
@@ -323,10 +324,13 @@ def export(path: str | Path, out: str | Path, raw: bool = False, state_dict: boo
     """The model alone, for inference: with what rebuilding it needs (name, classes, normalisation),
     or with `state_dict` the bare state dict of the tutorial's `net.load_state_dict(torch.load(PATH))`.
     The moving average's weights when the run kept one, unless `raw`; in float32 (fp16-weights'
-    widened, exactly). Never replaces a file (a typo could name the checkpoint, or another run's). Returns the state."""
+    widened, exactly). Never replaces a file (a typo could name the checkpoint, or another run's); OUT "-" is stdout,
+    to a pipe (`| ssh host 'cat > model.pt'`). Returns the state."""
+    if str(out) == "-" and sys.stdout.isatty():
+        raise UsageError("OUT=- writes the weights to stdout, a terminal here: pipe it, e.g. | ssh host 'cat > m.pt'")
     if Path(out).is_dir():
         raise UsageError(f"OUT={out} is a directory: name the file to write, e.g. {Path(out) / 'model.pt'}")
-    if Path(out).exists():
+    if str(out) != "-" and Path(out).exists():
         raise UsageError(f"OUT={out} exists, and export never replaces a file: name a new one, or remove it first")
     state = load(path)
     exported = {k: v.float() if v.dtype == torch.float16 else v for k, v in weights.pick(state, raw).items()}
@@ -335,8 +339,8 @@ def export(path: str | Path, out: str | Path, raw: bool = False, state_dict: boo
         exported = {"format": "ddp-cifar-weights/1", "model_name": model["name"], "width": model.get("width", 1.0),
                     "dropout": model.get("dropout", 0.0), "classes": state["classes"], "normalize": state["normalize"],
                     "model": exported}  # fmt: skip
-    with files.atomic(Path(out), exclusive=True) as f:  # nor one a second export made meanwhile
-        torch.save(exported, f)
+    with files.atomic(Path(out), exclusive=True) if str(out) != "-" else cli.stdout_bytes() as f:  # nor one a
+        torch.save(exported, f)  # second export made meanwhile
     return state
 
 
@@ -377,14 +381,16 @@ def main(argv: list[str]) -> int:
         return EXIT_OK if whole else EXIT_FAILURE
     if len(words) != 3 or words[0] != "export":
         raise UsageError(USAGE)
-    state = export(words[1], words[2], options["raw"], options["state_dict"])
+    out, stdout = words[2], words[2] == "-"
+    state = export(words[1], out, options["raw"], options["state_dict"])
     weights_of = "the moving average" if state.get("ema") and not options["raw"] else "the trained model"
-    cli.show(f"wrote {words[2]} (model weights only: {weights_of}'s)")
+    say = (lambda line: print(line, file=sys.stderr)) if stdout else cli.show  # "-": stdout holds the weights
+    say(f"wrote {'stdout' if stdout else out} (model weights only: {weights_of}'s)")
     if options["state_dict"]:  # what the file itself does not hold
         norm = state["normalize"]
-        cli.show(
-            f"a bare state dict, for net.load_state_dict(torch.load({str(words[2])!r})); the model's inputs: "
-            f"transforms.ToTensor() then transforms.Normalize({norm['mean']}, {norm['std']}); "
+        say(
+            f"a bare state dict, for net.load_state_dict(torch.load({'FILE' if stdout else out!r})); the model's "
+            f"inputs: transforms.ToTensor() then transforms.Normalize({norm['mean']}, {norm['std']}); "
             f"its outputs: {state['classes']}"
         )
     return EXIT_OK

@@ -5,11 +5,13 @@ main(argv) and turns how it ended into one line on stderr and an exit code of dd
 from __future__ import annotations
 
 import atexit
+import contextlib
+import io
 import os
 import stat
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
@@ -77,7 +79,7 @@ def parse(argv: list[str], usage: str, options: list[Option]) -> tuple[dict[str,
             values[option.key] = option.convert(value)
         elif arg in by_name:
             values[by_name[arg].key] = True
-        elif arg.startswith("-"):
+        elif arg.startswith("-") and arg != "-":  # "-": stdout, a word
             known = ", ".join(f"{o.name} {o.metavar}".strip() for o in options)
             torchrun = name.lstrip("-").replace("-", "_") in TORCHRUN_OPTIONS  # given to a launch file, say
             hint = " (torchrun's option: it goes before ddp/train.py; launch files take NPROC=N)" if torchrun else ""
@@ -170,6 +172,22 @@ def show(text: str, end: str = "\n") -> None:
     WriteFailed: one line on stderr and exit 1, not a traceback. A reader gone (`| head`) is command's."""
     try:
         print(text, end=end, flush=True)
+    except BrokenPipeError:
+        raise
+    except OSError as e:
+        silence_stdout()
+        raise WriteFailed(f"cannot write the output to stdout ({e.strerror})") from None
+
+
+@contextlib.contextmanager
+def stdout_bytes() -> Iterator[io.BytesIO]:
+    """`with stdout_bytes() as f: write(f)`: what is written to f goes to stdout (a pipe) once whole; where the OS
+    refuses it, a WriteFailed as in show. A reader gone (`| head -c 10`) is command's."""
+    buffer = io.BytesIO()
+    yield buffer
+    try:
+        sys.stdout.buffer.write(buffer.getbuffer())
+        sys.stdout.buffer.flush()
     except BrokenPipeError:
         raise
     except OSError as e:

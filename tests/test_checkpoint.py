@@ -1,8 +1,10 @@
 """Checkpoint files: durability, fallback, refusal of code, inspection, export, loading anywhere."""
 
 import ast
+import io
 import json
 import os
+import pty
 import re
 import signal
 import struct
@@ -398,6 +400,27 @@ def test_a_checkpoint_through_a_pipe_is_read_whole_and_one_cut_short_is_said_so(
     with piped(whole[: len(whole) // 2]) as path:  # the pipe's writer stopped halfway: said as for a file
         assert command(checkpoint.main, ["inspect", path]) == 1
         assert "is not a loadable checkpoint (cut short: a zip without its end" in capsys.readouterr().out
+
+
+def test_export_to_stdout_is_for_a_pipe_not_a_terminal(run_dir, capsysbinary, monkeypatch):
+    """`export PATH - | ssh host 'cat > model.pt'`: the weights on stdout, what was written on stderr. "-" was an
+    unknown option. To a terminal it is refused (a pty here, a real one)."""
+    from ddp.cli import command
+
+    last = str(rundir.last_path(run_dir))
+    assert command(checkpoint.main, ["export", last, "-", "--state-dict"]) == 0
+    out, err = capsysbinary.readouterr()
+    assert set(torch.load(io.BytesIO(out), weights_only=True)) == set(models.build("small", 10).state_dict())
+    assert err.decode().startswith("wrote stdout (model weights only: the trained model's)\na bare state dict, for "
+                                   "net.load_state_dict(torch.load('FILE')); the model's inputs: ")  # fmt: skip
+    controller, terminal = pty.openpty()
+    with open(terminal, "w") as tty:
+        monkeypatch.setattr(sys, "stdout", tty)
+        assert command(checkpoint.main, ["export", last, "-"]) == 2
+    os.close(controller)
+    assert capsysbinary.readouterr().err.decode() == (
+        "error: OUT=- writes the weights to stdout, a terminal here: pipe it, e.g. | ssh host 'cat > m.pt'\n"
+    )
 
 
 def test_inspect_into_a_closed_pipe_ends_without_a_traceback(run_dir):

@@ -167,32 +167,33 @@ def debug_requested(argv: list[str]) -> bool:
 SILENT_RANK_GRACE_S = 15.0
 
 
-def show(text: str, end: str = "\n") -> None:
-    """A command's output on stdout, flushed. Where the OS refuses it (a full disk under `> FILE`) a
-    WriteFailed: one line on stderr and exit 1, not a traceback. A reader gone (`| head`) is command's."""
+@contextlib.contextmanager
+def _stdout_taken() -> Iterator[None]:
+    """Around a write to stdout: where the OS refuses it (a full disk under `> FILE`) a WriteFailed, one line on
+    stderr and exit 1, not a traceback. A reader gone (`| head`) is command's."""
     try:
-        print(text, end=end, flush=True)
+        yield
     except BrokenPipeError:
         raise
     except OSError as e:
         silence_stdout()
         raise WriteFailed(f"cannot write the output to stdout ({e.strerror})") from None
+
+
+def show(text: str, end: str = "\n") -> None:
+    """A command's output on stdout, flushed (_stdout_taken)."""
+    with _stdout_taken():
+        print(text, end=end, flush=True)
 
 
 @contextlib.contextmanager
 def stdout_bytes() -> Iterator[io.BytesIO]:
-    """`with stdout_bytes() as f: write(f)`: what is written to f goes to stdout (a pipe) once whole; where the OS
-    refuses it, a WriteFailed as in show. A reader gone (`| head -c 10`) is command's."""
+    """`with stdout_bytes() as f: write(f)`: what is written to f goes to stdout (a pipe) once whole (_stdout_taken)."""
     buffer = io.BytesIO()
     yield buffer
-    try:
+    with _stdout_taken():
         sys.stdout.buffer.write(buffer.getbuffer())
         sys.stdout.buffer.flush()
-    except BrokenPipeError:
-        raise
-    except OSError as e:
-        silence_stdout()
-        raise WriteFailed(f"cannot write the output to stdout ({e.strerror})") from None
 
 
 def silence_stdout() -> None:

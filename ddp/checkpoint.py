@@ -6,7 +6,7 @@
     python -m ddp.checkpoint export PATH OUT [--raw] [--state-dict]
         the model weights alone, for inference: the moving average's if the run kept one (--raw: the
         trained ones); --state-dict writes the bare state dict that model.load_state_dict(torch.load(OUT)) takes;
-        OUT - writes to stdout, for a pipe
+        PATH - reads stdin, OUT - writes stdout, for a pipe
 """
 
 from __future__ import annotations
@@ -374,7 +374,7 @@ USAGE = "usage: python -m ddp.checkpoint inspect PATH | export PATH OUT [--raw] 
 def main(argv: list[str]) -> int:
     options, words = cli.parse(argv, USAGE, [cli.Option("--raw"), cli.Option("--state-dict")])
     if len(words) == 2 and words[0] == "inspect" and not any(options.values()):
-        if not Path(words[1]).exists():  # a directory: load says which file in it to name
+        if words[1] != "-" and not Path(words[1]).exists():  # "-": stdin; a directory: load names its newest
             raise UsageError(f"checkpoint not found: {words[1]}")
         text, whole = describe(words[1])
         cli.show(text)

@@ -13,6 +13,7 @@ import io
 import os
 import shutil
 import stat
+import sys
 import tempfile
 import zipfile
 from collections.abc import Iterator
@@ -22,7 +23,7 @@ from typing import Any
 
 import torch
 
-from ddp.errors import WriteFailed
+from ddp.errors import UsageError, WriteFailed
 
 TEMPORARY = ".*.tmp"  # what a writer killed before its rename leaves beside the target (never a final name)
 
@@ -191,8 +192,12 @@ def digest(obj: Any) -> str:
 
 
 def seekable(path: Path) -> Path | io.BytesIO:
-    """`path`, or a pipe's bytes in memory (`--checkpoint <(ssh host cat last.pt)`, `... | --checkpoint
-    /dev/stdin`): torch.load and zipfile seek, which a pipe cannot, and it can be read only once."""
+    """`path`, or a pipe's bytes in memory (`--checkpoint <(ssh host cat last.pt)`, `... | --checkpoint -`, "-"
+    being stdin): torch.load and zipfile seek, which a pipe cannot, and it can be read only once."""
+    if str(path) == "-":
+        if sys.stdin.isatty():
+            raise UsageError("PATH - reads the checkpoint from stdin, a terminal here: pipe it, e.g. cat last.pt |")
+        return io.BytesIO(sys.stdin.buffer.read())
     try:
         return io.BytesIO(path.read_bytes()) if stat.S_ISFIFO(path.stat().st_mode) else path
     except OSError:

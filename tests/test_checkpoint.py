@@ -423,6 +423,25 @@ def test_export_to_stdout_is_for_a_pipe_not_a_terminal(run_dir, capsysbinary, mo
     )
 
 
+def test_a_checkpoint_from_stdin_is_read_as_path_dash_not_from_a_terminal(run_dir, capsys, monkeypatch):
+    """`cat last.pt | python -m ddp.checkpoint inspect -` (evaluate --checkpoint -, export - OUT): "-" was "checkpoint
+    not found". From a terminal it is refused (a pty here, a real one), where it would wait for input."""
+    from ddp.cli import command
+
+    whole = rundir.last_path(run_dir).read_bytes()
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(whole)))
+    assert command(checkpoint.main, ["inspect", "-"]) == 0
+    assert capsys.readouterr().out.startswith(f"-: {len(whole) / 1e6:.1f} MB, checksum ok\n  epoch 2 done")
+    controller, terminal = pty.openpty()
+    with open(terminal) as tty:
+        monkeypatch.setattr(sys, "stdin", tty)
+        assert command(checkpoint.main, ["inspect", "-"]) == 2
+    os.close(controller)
+    assert capsys.readouterr().err == (
+        "error: PATH - reads the checkpoint from stdin, a terminal here: pipe it, e.g. cat last.pt |\n"
+    )
+
+
 def test_inspect_into_a_closed_pipe_ends_without_a_traceback(run_dir):
     """`python -m ddp.checkpoint inspect PATH | head -1`: head leaves, the rest of the text has no reader.
     Exit 1 and nothing on stderr (it was a BrokenPipeError traceback). The pipe's reader is closed before

@@ -31,6 +31,9 @@
 #          (run.profile=1:13), step by step (bench/step_times.py): which step of the first epoch, which part
 #          of it, costs that epoch twice a later one's seconds (2026-11-27); steps.md (the trace not kept); again
 #          after a warm-up of 50 steps (steps-warm50.md): a GPU still ramping its clocks up, or a code path
+#   capture      bench/step_capture.py: DDP at world size 1 and the bare model, each step recorded whole in one CUDA
+#          graph (torch.cuda.graph, NCCL's all-reduce inside), against both eager, in turns (torch.compile's CUDA
+#          graphs left DDP +3% to +55% over the bare model, 2026-11-26/27); capture.md and .json; at most 240 s
 #   pairs        bench/epoch_pairs.py: airbench94, fast.yaml (bf16) and fast.yaml with fp16-weights PAIRS times each
 #          (default 8) in ONE process, in turns: epochs 2-10 against airbench94's without the up to 31% between
 #          processes (2026-11-27); pairs.md and .jsonl, the runs' logs in pairs/; PAIRS_ARMS: which of ours
@@ -40,13 +43,13 @@
 #   fsdp   FSDP2 at one rank took 4.1x DDP's step (resnet18, batch 256, bf16, 2026-11-25): the same with
 #          --amp off (bf16 shards each BatchNorm on its own: 27 FSDP2 units instead of 8)
 #   bash bench/gpu_probe.sh [ddp] [tune] [mfu] [graphs] [fast-graphs] [fast-seeds] [fast-fp16] [graphs-split] [recipe-steps]
-#          [overhead] [steps] [pairs] [fsdp]
+#          [overhead] [steps] [pairs] [capture] [fsdp]
 # Exit status: 1 if a probe (or one run of it) failed, named in the last line.
 #   bash bench/gpu_probe.sh --check PROBES...   the names and MFU_MODES / MFU_MODELS checked, nothing run: one
 #          line and exit 64 for a bad one (gpu_lease.sh asks first, so a typo costs no device time)
 set -uo pipefail
 cd "$(dirname "$0")/.."
-probes=" ddp tune mfu graphs fast-graphs fast-seeds fast-fp16 graphs-split recipe-steps overhead steps pairs fsdp "
+probes=" ddp tune mfu graphs fast-graphs fast-seeds fast-fp16 graphs-split recipe-steps overhead steps pairs capture fsdp "
 modes=" default reduce-overhead max-autotune max-autotune-no-cudagraphs "  # torch.compile's (run.compile_mode)
 bad() { echo "gpu_probe.sh: $*" >&2; exit 64; }
 for s in ${*#--check}; do [[ $probes == *" $s "* ]] || bad "no probe '$s' (the probes: $(echo $probes))"; done
@@ -125,6 +128,10 @@ for mode in sys.argv[2].split():
         timeout -k 10 300 python3 bench/graphs_split.py "$out" ${GRAPHS_SPLIT:-pair fused split} \
           >"$out/probe-graphs-split.log" 2>&1 || failed+=" graphs-split"
         cat "$out/pair.md" "$out/fused.md" "$out/split.md" >>"$out/probe-graphs-split.log" 2>/dev/null
+        ;;
+      capture)
+        # bounded: an all-reduce recorded in a CUDA graph may hang; what finished is written
+        timeout -k 10 240 python3 bench/step_capture.py "$out" >"$out/probe-capture.log" 2>&1 || failed+=" capture"
         ;;
       recipe-steps)
         python3 bench/recipe_steps.py "$out" --airbench .gpu/airbench-0.1.8.tar.gz >"$out/probe-recipe-steps.log" 2>&1 ||

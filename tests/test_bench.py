@@ -243,6 +243,21 @@ def test_bad_values_of_the_airbench_comparison_end_in_one_line(tmp_path, monkeyp
         assert exit_.value.code == 2 and reason in err and "Traceback" not in err, (args, err)
 
 
+def test_step_capture_dry_run_times_the_eager_ways_in_turns_and_refuses_a_bad_call(tmp_path):
+    """bench/step_capture.py on the CPU as the device call runs it: no CUDA graphs there, so the two eager
+    ways (the bare model, DDP over gloo at world size 1) only, their rows and ratio in capture.md."""
+    proc = subprocess.run([sys.executable, "bench/step_capture.py", str(tmp_path)], cwd=REPO,
+                          env=clean_env(PYTHONPATH=str(REPO)), capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads((tmp_path / "capture.json").read_text())
+    assert [r["way"] for r in rows] == ["eager bare", "eager ddp"] and all(r["step_s"] > 0 for r in rows), rows
+    md = (tmp_path / "capture.md").read_text()
+    assert "| eager ddp | " in md and "- DDP over the bare model, eager: " in md and "captured" not in md, md
+    wrong = subprocess.run([sys.executable, "bench/step_capture.py"], cwd=REPO, env=clean_env(PYTHONPATH=str(REPO)),
+                           capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert wrong.returncode == 64 and "python bench/step_capture.py OUT_DIR" in wrong.stderr
+
+
 def test_graphs_split_dry_run_writes_both_tables_and_leaves_out_the_steps_labels(tmp_path):
     """bench/graphs_split.py on the CPU (eager, toy sizes) as the device call runs it; and its kernel
     sums leave out the step's record_function labels, which a GPU trace lists beside the kernels."""

@@ -1,0 +1,159 @@
+"""DDP at world size 1 against the bare model, each step captured whole in one CUDA graph (issue 33, part 3).
+
+torch.compile's CUDA graphs left DDP +3% to +55% over the bare model in five samples (bench/graphs_split.py
+pair, 2026-11-26/27): dynamo cuts the step at DDP's buckets, and DDP's C++ reducer still runs on the host each
+backward. Here torch.cuda.graph records the whole step instead, NCCL's all-reduce inside it (NCCL >= 2.9.6 allows
+that), the way torch's CUDA-semantics notes describe for DDP: DDP built on a side stream, 11 eager steps before
+the capture. A replay then launches the step's every kernel, the all-reduce's too, from one host call.
+
+Four ways in one process, each its own job from the same seed, the same fixed batch (fast at 1024 on a GPU):
+eager bare, eager DDP, captured bare, captured DDP; timed in turns (bench.harness.alternating). The step is a
+plain one: zero_grad, forward under bf16 autocast, label-smoothed loss, backward, ddp/optim.py's fused SGD step.
+A replay repeats the recorded step as recorded: a scheduler or anything else decided on the host between
+steps is not in it; here nothing is. Then each captured way's replay profiled (kernels a step, NCCL's among
+them: DDP's all-reduce is in the graph), and the weights of the two captured ways compared after the same
+replays: DDP at world size 1 averages over one rank, so the two must agree.
+
+  python bench/step_capture.py OUT_DIR          (writes OUT_DIR/capture.md and capture.json)
+
+On a CPU (no CUDA graphs) it times the two eager ways at toy sizes over gloo: the dry run of the plumbing
+(tests/test_bench.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # `bench` and `ddp` from the checkout
+
+from bench import graphs_split, harness  # noqa: E402
+from ddp import distributed  # noqa: E402
+from ddp.devices import World  # noqa: E402
+
+GPU = torch.cuda.is_available()
+DEVICE = graphs_split.DEVICE
+MODEL, BATCH = ("fast", 1024) if GPU else ("small", 16)
+TIMING = graphs_split.TIMING
+EAGER_BEFORE_CAPTURE = 11  # DDP's reducer settles its buckets in its first steps (torch's notes: at least 11)
+
+
+def plain_step(job: harness.train.Job, fixed: harness.Batch) -> Callable[[], torch.Tensor]:
+    images, labels = job.to_input(fixed[0]), fixed[1].to(DEVICE)
+    amp = job.plan.amp
+
+    def step() -> torch.Tensor:
+        job.trained.optimizer.zero_grad(set_to_none=True)
+        with torch.autocast(DEVICE.type, dtype=amp, enabled=amp is not None):
+            loss = job.criterion(job.wrapped(images), labels)
+        loss.backward()
+        job.trained.optimizer.step()
+        return loss.detach()
+
+    return step
+
+
+def captured(step: Callable[[], torch.Tensor], side: torch.cuda.Stream) -> Callable[[], None]:
+    """`step` recorded in one CUDA graph (after EAGER_BEFORE_CAPTURE eager calls on `side`): its replay."""
+    for _ in range(EAGER_BEFORE_CAPTURE):
+        step()
+    torch.cuda.synchronize(DEVICE)
+    graph = torch.cuda.CUDAGraph()
+    cache = torch.is_autocast_cache_enabled()
+    torch.set_autocast_cache_enabled(False)  # autocast's cast weights must not outlive the capture
+    try:
+        with torch.cuda.graph(graph, stream=side):
+            step()
+    finally:
+        torch.set_autocast_cache_enabled(cache)
+    return graph.replay
+
+
+def run(out: Path) -> list[dict]:
+    world = World(0, 0, 1, DEVICE, "ddp", "bench", f"tcp://127.0.0.1:{harness.free_port()}")
+    rows: list[dict] = []
+    side = torch.cuda.Stream(DEVICE) if GPU else None
+    with distributed.setup(world, 120) as world, torch.cuda.stream(side) if GPU else contextlib.nullcontext():
+        # DDP built on the side stream, and every way stepped there: its gradient accumulators live on it
+        jobs = {label: harness.job(MODEL, BATCH, BATCH, w) for label, w in
+                (("bare", World(0, 0, 1, DEVICE, "none")), ("ddp", world))}  # fmt: skip
+        fixed = next(iter(jobs["bare"].train_loader))
+        steps: dict[str, Callable[[], object]] = {f"eager {k}": plain_step(j, fixed) for k, j in jobs.items()}
+        if GPU:
+            for label, w in (("bare", World(0, 0, 1, DEVICE, "none")), ("ddp", world)):
+                job = harness.job(MODEL, BATCH, BATCH, w)
+                jobs[f"captured {label}"] = job
+                try:
+                    steps[f"captured {label}"] = captured(plain_step(job, fixed), side)
+                except Exception as e:  # noqa: BLE001 (a way torch cannot capture is its row's result)
+                    traceback.print_exc()
+                    rows.append({"way": f"captured {label}", "error": f"{type(e).__name__}: {str(e).strip()[:300]}"})
+                    write(out, rows)  # a failed capture may leave the device unusable: its error is kept
+                    break
+        t = harness.alternating(steps, *TIMING)
+        for way, s in t.items():
+            row = {"way": way, "model": MODEL, "batch": BATCH, "step_s": s}
+            if way.startswith("captured"):
+                row["profiled"] = {k: v for k, v in graphs_split.profiled(steps[way], 5).items() if k != "by_name_ms"}
+                row["nccl_kernels"] = sum(n for k, n in row["profiled"]["launches_by_name"].items() if "nccl" in k)
+            rows.append(row)
+        if "captured bare" in steps and "captured ddp" in steps:
+            a, b = jobs["captured bare"].trained.model, jobs["captured ddp"].trained.model
+            steps["captured bare"](), steps["captured ddp"]()
+            torch.cuda.synchronize(DEVICE)
+            diff = max((p - q).abs().max().item() for p, q in zip(a.parameters(), b.parameters()))
+            rows.append({"way": "weights, captured ddp against captured bare", "max_abs_diff": diff})
+        write(out, rows)
+    return rows
+
+
+def lines(rows: list[dict]) -> list[str]:
+    head = f"# DDP at world size 1, each step one CUDA graph ({harness.device_name(DEVICE)}, torch {torch.__version__})"
+    window = f"{TIMING[1]} calls a window, {TIMING[2]} windows, medians"
+    out = [head, "", f"{MODEL} at batch {BATCH}, one fixed batch, the ways timed in turns in one process ({window}).",
+           "", "| way | step ms | kernels a step | NCCL kernels a step | device ms |",
+           "| --- | ---: | ---: | ---: | ---: |"]  # fmt: skip
+    by_way = {r["way"]: r for r in rows if "step_s" in r}
+    for r in rows:
+        if "error" in r:
+            out.append(f"| {r['way']} | failed: {r['error'][:200].replace('|', '/')} | | | |")
+        elif "step_s" in r:
+            p = r.get("profiled")
+            more = f"{p['kernels']:.1f} | {r['nccl_kernels']:.1f} | {p['device_ms']:.3f}" if p else "- | - | -"
+            out.append(f"| {r['way']} | {r['step_s'] * 1e3:.3f} | {more} |")
+    out.append("")
+    for how in ("eager", "captured"):
+        bare, ddp = by_way.get(f"{how} bare"), by_way.get(f"{how} ddp")
+        if bare and ddp:
+            out.append(f"- DDP over the bare model, {how}: {ddp['step_s'] / bare['step_s'] - 1:+.1%}")
+    if "captured bare" in by_way and "eager bare" in by_way:
+        ratio = by_way["captured bare"]["step_s"] / by_way["eager bare"]["step_s"]
+        out.append(f"- captured bare against eager bare: {ratio:.2f}x")
+    out += [f"- {r['way']}: max abs diff {r['max_abs_diff']:.3g}" for r in rows if "max_abs_diff" in r]
+    return out
+
+
+def write(out: Path, rows: list[dict]) -> None:
+    (out / "capture.json").write_text(json.dumps(rows, indent=1, default=str))
+    (out / "capture.md").write_text("\n".join(lines(rows)) + "\n")
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1:
+        print(__doc__, file=sys.stderr)
+        return 64
+    out = Path(argv[0])
+    out.mkdir(parents=True, exist_ok=True)
+    print("\n".join(lines(run(out))), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -6,17 +6,20 @@ backward. Here torch.cuda.graph records the whole step instead, NCCL's all-reduc
 that), the way torch's CUDA-semantics notes describe for DDP: DDP built on a side stream, 11 eager steps before
 the capture. A replay then launches the step's every kernel, the all-reduce's too, from one host call.
 
-Four ways in one process, each its own job from the same seed, the same fixed batch (fast at 1024 on a GPU):
-eager bare, eager DDP, captured bare, captured DDP; timed in turns (bench.harness.alternating). The step is a
-plain one: zero_grad, forward under bf16 autocast, label-smoothed loss, backward, ddp/optim.py's fused SGD step.
-A replay repeats the recorded step as recorded: a scheduler or anything else decided on the host between
-steps is not in it; here nothing is. Then each captured way's replay profiled (kernels a step, NCCL's among
-them: DDP's all-reduce is in the graph), and the weights of the two captured ways compared after the same
-replays: DDP at world size 1 averages over one rank, so the two must agree.
+The ways, in one process, the same fixed batch (fast at 1024 on a GPU), timed in turns
+(bench.harness.alternating): a plain step (zero_grad, forward under bf16 autocast, label-smoothed loss, backward,
+ddp/optim.py's fused SGD step) eager, bare and under DDP; ddp/train.py's train_step (its gradient norm, schedule
+and bookkeeping besides) on the same two jobs; and on a GPU the plain step recorded whole, bare and under DDP,
+each its own job from the same seed. A replay repeats the recorded step as recorded: a scheduler or anything
+else decided on the host between steps is not in it (the plain step has none). Each recorded way's replay is
+profiled (kernels a step; NCCL's among them). Then for each pair alike (eager, recorded) the DDP job is set to
+the bare one's weights, buffers and momentum in place and each takes one step: DDP at world size 1 averages
+over one rank, so the weights must agree (2026-11-27's first lease compared them after some 377 steps of
+their own on one batch instead: 0.12 apart, which says nothing at bf16).
 
   python bench/step_capture.py OUT_DIR          (writes OUT_DIR/capture.md and capture.json)
 
-On a CPU (no CUDA graphs) it times the two eager ways at toy sizes over gloo: the dry run of the plumbing
+On a CPU (no CUDA graphs) it runs the eager ways at toy sizes over gloo: the dry run of the plumbing
 (tests/test_bench.py).
 """
 
@@ -82,10 +85,12 @@ def run(out: Path) -> list[dict]:
     side = torch.cuda.Stream(DEVICE) if GPU else None
     with distributed.setup(world, 120) as world, torch.cuda.stream(side) if GPU else contextlib.nullcontext():
         # DDP built on the side stream, and every way stepped there: its gradient accumulators live on it
-        jobs = {label: harness.job(MODEL, BATCH, BATCH, w) for label, w in
+        jobs = {f"eager {label}": harness.job(MODEL, BATCH, BATCH, w) for label, w in
                 (("bare", World(0, 0, 1, DEVICE, "none")), ("ddp", world))}  # fmt: skip
-        fixed = next(iter(jobs["bare"].train_loader))
-        steps: dict[str, Callable[[], object]] = {f"eager {k}": plain_step(j, fixed) for k, j in jobs.items()}
+        fixed = next(iter(jobs["eager bare"].train_loader))
+        steps: dict[str, Callable[[], object]] = {k: plain_step(j, fixed) for k, j in jobs.items()}
+        for label in ("bare", "ddp"):  # ddp/train.py's step (its norms, schedule, bookkeeping) on the same jobs
+            steps[f"train_step {label}"] = harness.stepping(jobs[f"eager {label}"], lambda: fixed)
         if GPU:
             for label, w in (("bare", World(0, 0, 1, DEVICE, "none")), ("ddp", world)):
                 job = harness.job(MODEL, BATCH, BATCH, w)
@@ -104,14 +109,34 @@ def run(out: Path) -> list[dict]:
                 row["profiled"] = {k: v for k, v in graphs_split.profiled(steps[way], 5).items() if k != "by_name_ms"}
                 row["nccl_kernels"] = sum(n for k, n in row["profiled"]["launches_by_name"].items() if "nccl" in k)
             rows.append(row)
-        if "captured bare" in steps and "captured ddp" in steps:
-            a, b = jobs["captured bare"].trained.model, jobs["captured ddp"].trained.model
-            steps["captured bare"](), steps["captured ddp"]()
-            torch.cuda.synchronize(DEVICE)
-            diff = max((p - q).abs().max().item() for p, q in zip(a.parameters(), b.parameters()))
-            rows.append({"way": "weights, captured ddp against captured bare", "max_abs_diff": diff})
+        for how in ("eager", "captured"):
+            if f"{how} bare" in steps and f"{how} ddp" in steps:
+                diff = one_step_apart(
+                    jobs[f"{how} bare"], jobs[f"{how} ddp"], steps[f"{how} bare"], steps[f"{how} ddp"]
+                )
+                rows.append({"way": f"weights after one step from the same state, {how} ddp against {how} bare",
+                             "max_abs_diff": diff})  # fmt: skip
         write(out, rows)
     return rows
+
+
+def one_step_apart(a: harness.train.Job, b: harness.train.Job, step_a: Callable, step_b: Callable) -> float:
+    """b's weights, buffers and momentum set to a's, in place (a recorded graph keeps its tensors), then one
+    step of each: the largest difference of a weight. DDP at world size 1 averages over one rank: none."""
+    with torch.no_grad():
+        for pa, pb in zip(a.trained.model.parameters(), b.trained.model.parameters(), strict=True):
+            pb.copy_(pa)
+            state_a, state_b = a.trained.optimizer.state.get(pa, {}), b.trained.optimizer.state.get(pb, {})
+            for key, value in state_a.items():
+                if torch.is_tensor(value) and torch.is_tensor(state_b.get(key)):
+                    state_b[key].copy_(value)
+        for ba, bb in zip(a.trained.model.buffers(), b.trained.model.buffers(), strict=True):
+            bb.copy_(ba)
+    step_a()
+    step_b()
+    with torch.no_grad():
+        pairs = zip(a.trained.model.parameters(), b.trained.model.parameters(), strict=True)
+        return max((pa - pb).abs().max().item() for pa, pb in pairs)
 
 
 def lines(rows: list[dict]) -> list[str]:
@@ -129,7 +154,7 @@ def lines(rows: list[dict]) -> list[str]:
             more = f"{p['kernels']:.1f} | {r['nccl_kernels']:.1f} | {p['device_ms']:.3f}" if p else "- | - | -"
             out.append(f"| {r['way']} | {r['step_s'] * 1e3:.3f} | {more} |")
     out.append("")
-    for how in ("eager", "captured"):
+    for how in ("eager", "train_step", "captured"):
         bare, ddp = by_way.get(f"{how} bare"), by_way.get(f"{how} ddp")
         if bare and ddp:
             out.append(f"- DDP over the bare model, {how}: {ddp['step_s'] / bare['step_s'] - 1:+.1%}")

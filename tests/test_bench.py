@@ -244,15 +244,22 @@ def test_bad_values_of_the_airbench_comparison_end_in_one_line(tmp_path, monkeyp
 
 
 def test_step_capture_dry_run_times_the_eager_ways_in_turns_and_refuses_a_bad_call(tmp_path):
-    """bench/step_capture.py on the CPU as the device call runs it: no CUDA graphs there, so the two eager
-    ways (the bare model, DDP over gloo at world size 1) only, their rows and ratio in capture.md."""
+    """bench/step_capture.py on the CPU as the device call runs it: no CUDA graphs there, so the eager ways
+    only (the plain step and train_step, each bare and in DDP over gloo at world size 1), and the weights of
+    bare and DDP one step apart from the same state."""
     proc = subprocess.run([sys.executable, "bench/step_capture.py", str(tmp_path)], cwd=REPO,
                           env=clean_env(PYTHONPATH=str(REPO)), capture_output=True, text=True, timeout=120)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     rows = json.loads((tmp_path / "capture.json").read_text())
-    assert [r["way"] for r in rows] == ["eager bare", "eager ddp"] and all(r["step_s"] > 0 for r in rows), rows
+    timed, (agreement,) = rows[:-1], rows[-1:]
+    assert [r["way"] for r in timed] == ["eager bare", "eager ddp", "train_step bare", "train_step ddp"], rows
+    assert all(r["step_s"] > 0 for r in timed), rows
+    # DDP over one rank from the bare job's weights, buffers and momentum: the same step, to the bit in float32
+    assert agreement == {"way": "weights after one step from the same state, eager ddp against eager bare",
+                         "max_abs_diff": 0.0}  # fmt: skip
     md = (tmp_path / "capture.md").read_text()
-    assert "| eager ddp | " in md and "- DDP over the bare model, eager: " in md and "captured" not in md, md
+    assert "- DDP over the bare model, eager: " in md and "- DDP over the bare model, train_step: " in md, md
+    assert "captured" not in md, md
     wrong = subprocess.run([sys.executable, "bench/step_capture.py"], cwd=REPO, env=clean_env(PYTHONPATH=str(REPO)),
                            capture_output=True, text=True, timeout=60)  # fmt: skip
     assert wrong.returncode == 64 and "python bench/step_capture.py OUT_DIR" in wrong.stderr

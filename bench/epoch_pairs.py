@@ -14,7 +14,8 @@ OUT_DIR/pairs/.
     python bench/epoch_pairs.py OUT_DIR --dry-run [--pairs N] [--arms A,B]  (the CPU, toy sizes, every arm float32
                                                                            and eager, no airbench94)
 
---arms: which of ours (default fast,fast-fp16w; also fast-graphs and fast-fp16w-graphs, compiled with CUDA graphs).
+--arms: which of ours (default fast,fast-recorded,fast-graphs: eager; run.cuda_graph=true, the step recorded in one
+CUDA graph without a compile; compiled with CUDA graphs. Also fast-fp16w and fast-fp16w-graphs: run.amp=fp16-weights).
 ARCHIVE: airbench's source archive (default .gpu/airbench-*.tar.gz: make gpu-carry).
 """
 
@@ -42,11 +43,11 @@ from ddp.plot import read_run  # noqa: E402
 
 GRAPHS = ("run.compile=true", "run.compile_mode=reduce-overhead")  # CUDA graphs, compiled in the warm-up
 ARMS = {"fast": (), "fast-fp16w": ("run.amp=fp16-weights",), "fast-graphs": GRAPHS,
-        "fast-fp16w-graphs": ("run.amp=fp16-weights", *GRAPHS)}  # fmt: skip
+        "fast-fp16w-graphs": ("run.amp=fp16-weights", *GRAPHS), "fast-recorded": ("run.cuda_graph=true",)}  # fmt: skip
 # ours, beside "airbench94". A compiled arm compiles in its first run's warm-up (39.6 s on an H100 on 2026-11-27); the
 # later runs of the process reuse that code (dynamo takes a new model of the same net as new inputs: on the CPU a
 # warm-up of 22.8 s, then 0.0 s and 0.0 s for seeds 1 and 2)
-DEFAULT_ARMS = "fast,fast-fp16w"
+DEFAULT_ARMS = "fast,fast-recorded,fast-graphs"  # fp16-weights was no faster than bf16 (2026-11-27-b)
 TOY = ("data.dataset=synthetic", "data.synthetic_train=128", "data.synthetic_test=64", "train.epochs=2",
        "train.batch_size=64", "model.width=0.25", "run.device=cpu", "run.amp=off", "run.channels_last=false",
        "run.cudnn_benchmark=false")  # fmt: skip

@@ -34,10 +34,11 @@
 #   capture      bench/step_capture.py: DDP at world size 1 and the bare model, each step recorded whole in one CUDA
 #          graph (torch.cuda.graph, NCCL's all-reduce inside), against both eager, in turns (torch.compile's CUDA
 #          graphs left DDP +3% to +55% over the bare model, 2026-11-26/27); capture.md and .json; at most 240 s
-#   pairs        bench/epoch_pairs.py: airbench94, fast.yaml (bf16) and fast.yaml with fp16-weights PAIRS times each
+#   pairs        bench/epoch_pairs.py: airbench94 and fast.yaml's arms (PAIRS_ARMS, default fast,fast-recorded,fast-graphs) PAIRS times each
 #          (default 8) in ONE process, in turns: epochs 2-10 against airbench94's without the up to 31% between
 #          processes (2026-11-27); pairs.md and .jsonl, the runs' logs in pairs/; PAIRS_ARMS: which of ours
-#          (bench/epoch_pairs.py --arms; fast-graphs, fast-fp16w-graphs: compiled with CUDA graphs)
+#          (bench/epoch_pairs.py --arms; fast-graphs, fast-fp16w-graphs: compiled with CUDA graphs; fast-recorded:
+#          run.cuda_graph=true)
 # Each run's epoch lines (and profile tables) go to $OUT/probe-<step>.log; the fast-* runs' metrics.jsonl
 # to $OUT/<run>/.
 #   fsdp   FSDP2 at one rank took 4.1x DDP's step (resnet18, batch 256, bf16, 2026-11-25): the same with
@@ -56,10 +57,10 @@ for s in ${*#--check}; do [[ $probes == *" $s "* ]] || bad "no probe '$s' (the p
 for m in ${MFU_MODES:-default}; do [[ $modes == *" $m "* ]] || bad "MFU_MODES: '$m' is no run.compile_mode (one of: $(echo $modes))"; done
 for p in ${GRAPHS_SPLIT:-pair}; do [[ " pair fused split " == *" $p "* ]] || bad "GRAPHS_SPLIT: no part '$p' (the parts: pair fused split)"; done
 [[ ${PAIRS:-8} =~ ^[1-9][0-9]*$ ]] || bad "PAIRS: '$PAIRS' is not a whole number >= 1 (the pairs probe's count)"
-arms=${PAIRS_ARMS:-fast,fast-fp16w}
+arms=${PAIRS_ARMS:-fast,fast-recorded,fast-graphs}
 for a in ${arms//,/ }; do  # bench/epoch_pairs.py's ARMS
-  [[ " fast fast-fp16w fast-graphs fast-fp16w-graphs " == *" $a "* ]] ||
-    bad "PAIRS_ARMS: no arm '$a' (the arms: fast fast-fp16w fast-graphs fast-fp16w-graphs, comma-separated)"
+  [[ " fast fast-fp16w fast-graphs fast-fp16w-graphs fast-recorded " == *" $a "* ]] ||
+    bad "PAIRS_ARMS: no arm '$a' (the arms: fast fast-fp16w fast-graphs fast-fp16w-graphs fast-recorded, comma-separated)"
 done
 for r in ${MFU_MODELS:-fast:1}; do
   [[ $r =~ ^[a-z0-9_]+:[1-9][0-9]*$ ]] || bad "MFU_MODELS: '$r' is not MODEL:BATCH (fast:8192, say)"

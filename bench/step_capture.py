@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # `bench` and `ddp` from the checkout
 
 from bench import graphs_split, harness  # noqa: E402
-from ddp import distributed  # noqa: E402
+from ddp import distributed, graphed  # noqa: E402
 from ddp.devices import World  # noqa: E402
 
 GPU = torch.cuda.is_available()
@@ -91,7 +91,11 @@ def run(out: Path) -> list[dict]:
         steps: dict[str, Callable[[], object]] = {k: plain_step(j, fixed) for k, j in jobs.items()}
         for label in ("bare", "ddp"):  # ddp/train.py's step (its norms, schedule, bookkeeping) on the same jobs
             steps[f"train_step {label}"] = harness.stepping(jobs[f"eager {label}"], lambda: fixed)
-        if GPU:
+        for label, w in (("bare", World(0, 0, 1, DEVICE, "none")), ("ddp", world)):
+            if not recorded(label, w, fixed, jobs, steps, rows):
+                write(out, rows)  # a failed capture may leave the device unusable: its error is kept
+                break
+        if GPU and not rows:
             for label, w in (("bare", World(0, 0, 1, DEVICE, "none")), ("ddp", world)):
                 job = harness.job(MODEL, BATCH, BATCH, w)
                 jobs[f"captured {label}"] = job
@@ -105,11 +109,13 @@ def run(out: Path) -> list[dict]:
         t = harness.alternating(steps, *TIMING)
         for way, s in t.items():
             row = {"way": way, "model": MODEL, "batch": BATCH, "step_s": s}
-            if way.startswith("captured"):
+            if way.startswith("recorded"):
+                row["replays"] = jobs[way].recorded.replays
+            if way.startswith(("captured", "recorded")) and GPU:
                 row["profiled"] = {k: v for k, v in graphs_split.profiled(steps[way], 5).items() if k != "by_name_ms"}
                 row["nccl_kernels"] = sum(n for k, n in row["profiled"]["launches_by_name"].items() if "nccl" in k)
             rows.append(row)
-        for how in ("eager", "captured"):
+        for how in ("eager", "recorded", "captured"):
             if f"{how} bare" in steps and f"{how} ddp" in steps:
                 diff = one_step_apart(
                     jobs[f"{how} bare"], jobs[f"{how} ddp"], steps[f"{how} bare"], steps[f"{how} ddp"]
@@ -118,6 +124,23 @@ def run(out: Path) -> list[dict]:
                              "max_abs_diff": diff})  # fmt: skip
         write(out, rows)
     return rows
+
+
+def recorded(label: str, world: World, fixed: harness.Batch, jobs: dict, steps: dict, rows: list) -> bool:
+    """ddp/train.py's train_step with run.cuda_graph=true (graphed.Recorder) as the way `recorded LABEL`, taken
+    past its eager steps and its recording; False, with its error in `rows`, if that failed."""
+    way = f"recorded {label}"
+    try:
+        job = jobs[way] = harness.job(MODEL, BATCH, BATCH, world, "run.cuda_graph=true")
+        steps[way] = harness.stepping(job, lambda: fixed)
+        for _ in range(max(graphed.EAGER_STEPS.values()) + 1):  # as many for both: the same LR from the schedule
+            steps[way]()
+    except Exception as e:  # noqa: BLE001 (a way torch cannot record is its row's result)
+        traceback.print_exc()
+        steps.pop(way, None)
+        rows.append({"way": way, "error": f"{type(e).__name__}: {str(e).strip()[:300]}"})
+        return False
+    return True
 
 
 def one_step_apart(a: harness.train.Job, b: harness.train.Job, step_a: Callable, step_b: Callable) -> float:
@@ -143,18 +166,18 @@ def lines(rows: list[dict]) -> list[str]:
     head = f"# DDP at world size 1, each step one CUDA graph ({harness.device_name(DEVICE)}, torch {torch.__version__})"
     window = f"{TIMING[1]} calls a window, {TIMING[2]} windows, medians"
     out = [head, "", f"{MODEL} at batch {BATCH}, one fixed batch, the ways timed in turns in one process ({window}).",
-           "", "| way | step ms | kernels a step | NCCL kernels a step | device ms |",
-           "| --- | ---: | ---: | ---: | ---: |"]  # fmt: skip
+           "", "| way | step ms | kernels a step | NCCL kernels a step | device ms | replays |",
+           "| --- | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
     by_way = {r["way"]: r for r in rows if "step_s" in r}
     for r in rows:
         if "error" in r:
-            out.append(f"| {r['way']} | failed: {r['error'][:200].replace('|', '/')} | | | |")
+            out.append(f"| {r['way']} | failed: {r['error'][:200].replace('|', '/')} | | | | |")
         elif "step_s" in r:
             p = r.get("profiled")
             more = f"{p['kernels']:.1f} | {r['nccl_kernels']:.1f} | {p['device_ms']:.3f}" if p else "- | - | -"
-            out.append(f"| {r['way']} | {r['step_s'] * 1e3:.3f} | {more} |")
+            out.append(f"| {r['way']} | {r['step_s'] * 1e3:.3f} | {more} | {r.get('replays', '-')} |")
     out.append("")
-    for how in ("eager", "train_step", "captured"):
+    for how in ("eager", "train_step", "recorded", "captured"):
         bare, ddp = by_way.get(f"{how} bare"), by_way.get(f"{how} ddp")
         if bare and ddp:
             out.append(f"- DDP over the bare model, {how}: {ddp['step_s'] / bare['step_s'] - 1:+.1%}")

@@ -104,6 +104,8 @@ def check_combinations(cfg: Config, world: World) -> None:
         check_fsdp(cfg)
     if cfg.run.amp == "fp16-weights":
         check_fp16_weights(cfg)
+    if cfg.run.cuda_graph:
+        check_cuda_graph(cfg, world)
     if cfg.train.sync_bn and world.parallel == "dp":
         raise UsageError(
             "train.sync_bn=true needs DDP (nn.DataParallel computes BatchNorm per GPU): "
@@ -150,6 +152,26 @@ def check_fsdp(cfg: Config) -> None:
             f"ddp.{tuned[0]} tunes DistributedDataParallel, which run.parallel=fsdp does not use: leave ddp.* at "
             "their defaults"
         )
+
+
+def check_cuda_graph(cfg: Config, world: World) -> None:
+    """What a recorded step (run.cuda_graph: replayed as recorded, ddp/graphed.py) would get wrong or cannot record,
+    with why and what to use instead."""
+    if world.device.type != "cuda":
+        raise UsageError(f"run.cuda_graph=true records CUDA graphs: it needs a GPU, not {world.device} (run.device)")
+    t, run = cfg.train, cfg.run
+    refused = {
+        f"run.parallel={world.parallel}": (world.parallel in ("dp", "fsdp"), "recorded with one GPU a process: ddp"),
+        "run.compile": (run.compile, "use one: run.compile_mode=reduce-overhead records graphs of its own"),
+        "run.amp=fp16": (run.amp == "fp16", "its GradScaler decides on the host which steps to skip: use bf16"),
+        "train.grad_accum_steps": (t.grad_accum_steps > 1, "one batch a step is recorded: raise the batch instead"),
+        "train.sync_bn": (t.sync_bn, "its forward's collectives are not recorded (yet)"),
+        "ddp.find_unused_parameters": (cfg.ddp.find_unused_parameters, "DDP searches the graph on the host each step"),
+        f"optim.name={cfg.optim.name}": (cfg.optim.name != "sgd", "only SGD's fused step is recorded (yet)"),
+    }  # fmt: skip
+    for key, (on, why) in refused.items():
+        if on:
+            raise UsageError(f"{key} does not work with run.cuda_graph=true ({why})")
 
 
 def check_fp16_weights(cfg: Config) -> None:

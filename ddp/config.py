@@ -208,6 +208,7 @@ class RunConfig:
     compile: bool = opt(False, "torch.compile the model (before the DDP wrap)")
     compile_mode: str = opt("default", "torch.compile's mode (reduce-overhead: CUDA graphs, the fastest step on a GPU)",
                             ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"))  # fmt: skip
+    cuda_graph: bool = opt(False, "record the step in one CUDA graph, replay it: one launch a step, no compile (CUDA)")
     warmup_steps: int = opt(0, "throwaway steps and an evaluation before epoch 1 (compile, autotuning), all put back",
                             valid=NATURAL)  # fmt: skip
     channels_last: bool = opt(False, "NHWC memory format for model and inputs (faster convs on GPU)")
@@ -215,9 +216,8 @@ class RunConfig:
     save_every_steps: int = opt(200, "also checkpoint every N optimizer steps (0 = only at epoch ends and stops)",
                                 valid=NATURAL)  # fmt: skip
     keep_last: int = opt(3, "numbered checkpoints kept in out_dir/checkpoints (the newest N)", valid=POSITIVE)
-    stop_signal: str = opt(
-        "SIGTERM,SIGUSR1,SIGINT", "signals that stop at the next step with a checkpoint, exit 75 (none = off)"
-    )
+    stop_signal: str = opt("SIGTERM,SIGUSR1,SIGINT",
+                           "signals that stop at the next step with a checkpoint, exit 75 (none = off)")  # fmt: skip
     timeout_s: int = opt(300, "seconds a collective may wait before the run fails instead of hanging", valid=POSITIVE)
     progress: bool = opt(True, "tqdm bar on rank 0 when stdout is a terminal")
     tensorboard: bool = opt(False, "TensorBoard scalars in out_dir/tensorboard (pip install 'ddp-cifar[tensorboard]')")

@@ -176,6 +176,20 @@ def micro_batches(wrapped: nn.Module, count: int) -> Iterator[contextlib.Abstrac
         yield wrapped.no_sync() if ddp and i < count - 1 else contextlib.nullcontext()
 
 
+def forward(wrapped: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """wrapped(x), with DDP's error for a model that left parameters unused as a usage error."""
+    try:
+        return wrapped(x)
+    except RuntimeError as e:
+        if "Expected to have finished reduction in the prior iteration" not in str(e):
+            raise
+        raise UsageError(
+            "the model left some parameters without a gradient in the last step, and DDP waits for every "
+            "one: set ddp.find_unused_parameters=true (or ddp.static_graph=true if the same ones are unused "
+            "in every step)"
+        ) from None
+
+
 def for_eval(wrapped: nn.Module) -> nn.Module:
     """The module to evaluate with: DDP's inner module (no collectives in a forward that ranks may
     call a different number of times), DataParallel itself (it only splits the batch)."""

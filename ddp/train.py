@@ -38,6 +38,7 @@ from ddp import (
     distributed,
     ema,
     faults,
+    graphed,
     launchers,
     lifeline,
     loaders,
@@ -59,7 +60,7 @@ from ddp.checks import Plan
 from ddp.cli import command, leave, parse_args, show
 from ddp.config import Config
 from ddp.devices import World
-from ddp.errors import Diverged, UsageError
+from ddp.errors import Diverged
 
 USAGE = """usage: python ddp/train.py [--config FILE.yaml] [section.key=value ...] [--print-config]
        torchrun --standalone --nproc_per_node=N ddp/train.py [the same arguments]
@@ -82,7 +83,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     world = devices.resolve(cfg.run)  # rank, local_rank, world_size from the launcher; device cuda:<local_rank>
     with checked(cfg, world) as (data, plan):  # every mistake found before a rank can wait for another
         with lifeline.watched(world, plan.stop_signals, PARENT):  # the launcher's end, signals, deadlines
-            with distributed.setup(world, cfg.run.timeout_s) as world:  # set_device, init_process_group ...
+            with distributed.setup(world, cfg.run.timeout_s) as world, graphed.stream(cfg.run.cuda_graph, world.device):
                 alike.check(cfg, data, world)  # each machine's own code, settings and data: one that differs, said
                 return fit(cfg, world, data, plan)
 
@@ -138,6 +139,7 @@ class Job:
     to_input: Callable[[torch.Tensor], torch.Tensor]  # uint8 batch -> normalised float on the device
     criterion: nn.Module
     startup_s: float | None = None  # process start to the end of its first step (metrics.jsonl, first epoch)
+    recorded: graphed.Recorder | None = None  # run.cuda_graph: gradient_step recorded in a CUDA graph, replayed
     warmup_s: float | None = None  # run.warmup_steps' seconds (metrics.jsonl, first epoch)
 
 
@@ -185,6 +187,9 @@ def build(cfg: Config, world: World, data: datasets.Data, plan: Plan) -> tuple[J
         eval_loader=loaders.eval_loader(data.test, eval_batch, world, d.workers, d.loader),
         to_input=to_input, criterion=nn.CrossEntropyLoss(label_smoothing=cfg.train.label_smoothing),
     )  # fmt: skip
+    if cfg.run.cuda_graph:  # (on a CPU it replays by calling the step again: the tests' way; checks refuse it)
+        say = logs.say if world.is_main else None
+        job.recorded = graphed.Recorder(lambda x, y: gradient_step(job, x, y), optimizer, world, say)
     return job, resumed
 
 
@@ -282,31 +287,12 @@ def train_epoch(
 
 
 def train_step(job: Job, images: torch.Tensor, labels: torch.Tensor, mix: mixing.Mix | None = None) -> torch.Tensor:
-    """One optimizer step on this rank's batch (mixed by `mix`, if any), in train.grad_accum_steps
-    micro-batches: forward and backward of each (DDP averages the gradients over the ranks in the
-    last one's backward), then the gradients' norm (clipped to optim.clip_grad_norm), step, schedule,
-    the moving average. Returns the batch's mean loss, still on the device (reading it syncs)."""
-    accum, device, amp, scale = job.cfg.train.grad_accum_steps, job.world.device, job.plan.amp, job.plan.loss_scale
-    optimizer, scaler = job.trained.optimizer, job.trained.scaler
-    optimizer.zero_grad(set_to_none=True)
-    with record_function("data"):
-        y = labels.to(device, non_blocking=True)
-        x, y = mixing.apply(mix, job.to_input(images), y, job.data.num_classes)  # y: class probabilities if mixed
-    total: torch.Tensor | None = None
-    for micro, xs, ys in zip(distributed.micro_batches(job.wrapped, accum), x.chunk(accum), y.chunk(accum)):
-        with micro:  # forward and backward both inside no_sync
-            with record_function("forward"), torch.autocast(device.type, dtype=amp, enabled=amp is not None):
-                loss = job.criterion(forward(job.wrapped, xs), ys)
-                loss = loss / accum if accum > 1 else loss  # the big batch's mean (/ 1: 2 kernels for nothing)
-            with record_function("backward"):
-                scaler.scale(loss * scale if scale != 1.0 else loss).backward()  # fp16-weights: x the loss scale
-        total = loss.detach() if total is None else total + loss.detach()
-    with record_function("clip"):
-        scaler.unscale_(optimizer)  # the true gradients' norm, not fp16's scaled ones
-        job.stats.add_grad_norm(optim.clip_gradients(job.trained.model, job.cfg.optim.clip_grad_norm, scale))
+    """One optimizer step on this rank's batch (mixed by `mix`, if any): gradient_step (run.cuda_graph: replayed),
+    then the schedule, lookahead and the moving average. Returns the batch's mean loss, on the device (syncs read)."""
+    step = job.recorded if job.recorded and mix is None else lambda x, y: gradient_step(job, x, y, mix)
+    total, norm = step(images, labels)
+    job.stats.add_grad_norm(norm)
     with record_function("optimizer"):
-        scaler.step(optimizer)
-        scaler.update()
         job.trained.scheduler.step()
     if job.trained.lookahead:
         with record_function("lookahead"):
@@ -317,18 +303,32 @@ def train_step(job: Job, images: torch.Tensor, labels: torch.Tensor, mix: mixing
     return total
 
 
-def forward(wrapped: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """wrapped(x), with DDP's error for a model that left parameters unused as a usage error."""
-    try:
-        return wrapped(x)
-    except RuntimeError as e:
-        if "Expected to have finished reduction in the prior iteration" not in str(e):
-            raise
-        raise UsageError(
-            "the model left some parameters without a gradient in the last step, and DDP waits for every "
-            "one: set ddp.find_unused_parameters=true (or ddp.static_graph=true if the same ones are unused "
-            "in every step)"
-        ) from None
+def gradient_step(job: Job, images: torch.Tensor, labels: torch.Tensor, mix: mixing.Mix | None = None) -> graphed.Pair:
+    """The batch in train.grad_accum_steps micro-batches: forward and backward of each (DDP averages the
+    gradients over the ranks in the last one's backward), then the gradients' norm (clipped to
+    optim.clip_grad_norm) and the optimizer's step. Returns the batch's mean loss and the norm, on the device."""
+    accum, device, amp, scale = job.cfg.train.grad_accum_steps, job.world.device, job.plan.amp, job.plan.loss_scale
+    optimizer, scaler = job.trained.optimizer, job.trained.scaler
+    optimizer.zero_grad(set_to_none=True)
+    with record_function("data"):
+        y = labels.to(device, non_blocking=True)
+        x, y = mixing.apply(mix, job.to_input(images), y, job.data.num_classes)  # y: class probabilities if mixed
+    total: torch.Tensor | None = None
+    for micro, xs, ys in zip(distributed.micro_batches(job.wrapped, accum), x.chunk(accum), y.chunk(accum)):
+        with micro:  # forward and backward both inside no_sync
+            with record_function("forward"), torch.autocast(device.type, dtype=amp, enabled=amp is not None):
+                loss = job.criterion(distributed.forward(job.wrapped, xs), ys)
+                loss = loss / accum if accum > 1 else loss  # the big batch's mean (/ 1: 2 kernels for nothing)
+            with record_function("backward"):
+                scaler.scale(loss * scale if scale != 1.0 else loss).backward()  # fp16-weights: x the loss scale
+        total = loss.detach() if total is None else total + loss.detach()
+    with record_function("clip"):
+        scaler.unscale_(optimizer)  # the true gradients' norm, not fp16's scaled ones
+        norm = optim.clip_gradients(job.trained.model, job.cfg.optim.clip_grad_norm, scale)
+    with record_function("optimizer"):
+        scaler.step(optimizer)
+        scaler.update()
+    return total, norm
 
 
 def bn_agreement(cfg: Config) -> str:

@@ -244,19 +244,21 @@ def test_bad_values_of_the_airbench_comparison_end_in_one_line(tmp_path, monkeyp
 
 
 def test_step_capture_dry_run_times_the_eager_ways_in_turns_and_refuses_a_bad_call(tmp_path):
-    """bench/step_capture.py on the CPU as the device call runs it: no CUDA graphs there, so the eager ways
-    only (the plain step and train_step, each bare and in DDP over gloo at world size 1), and the weights of
-    bare and DDP one step apart from the same state."""
+    """bench/step_capture.py on the CPU as the device call runs it: no CUDA graphs there, so the eager ways (the
+    plain step and train_step, each bare and in DDP over gloo at world size 1) and run.cuda_graph's, replayed by
+    calling again, and the weights of bare and DDP one step apart from the same state."""
     proc = subprocess.run([sys.executable, "bench/step_capture.py", str(tmp_path)], cwd=REPO,
                           env=clean_env(PYTHONPATH=str(REPO)), capture_output=True, text=True, timeout=120)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     rows = json.loads((tmp_path / "capture.json").read_text())
-    timed, (agreement,) = rows[:-1], rows[-1:]
-    assert [r["way"] for r in timed] == ["eager bare", "eager ddp", "train_step bare", "train_step ddp"], rows
-    assert all(r["step_s"] > 0 for r in timed), rows
+    timed, agreements = rows[:-2], rows[-2:]
+    ways = ["eager bare", "eager ddp", "train_step bare", "train_step ddp", "recorded bare", "recorded ddp"]
+    assert [r["way"] for r in timed] == ways and all(r["step_s"] > 0 for r in timed), rows
+    # run.cuda_graph's Recorder (a CPU: its replay calls the step again on the static buffers): past its eager steps
+    assert [r.get("replays", 0) > 0 for r in timed] == [False] * 4 + [True] * 2, rows
     # DDP over one rank from the bare job's weights, buffers and momentum: the same step, to the bit in float32
-    assert agreement == {"way": "weights after one step from the same state, eager ddp against eager bare",
-                         "max_abs_diff": 0.0}  # fmt: skip
+    assert agreements == [{"way": f"weights after one step from the same state, {how} ddp against {how} bare",
+                           "max_abs_diff": 0.0} for how in ("eager", "recorded")]  # fmt: skip
     md = (tmp_path / "capture.md").read_text()
     assert "- DDP over the bare model, eager: " in md and "- DDP over the bare model, train_step: " in md, md
     assert "captured" not in md, md
@@ -408,7 +410,7 @@ def test_epoch_pairs_runs_ours_in_turns_in_one_process_and_sets_each_pair_agains
     is one cell and the pairs go on; bad values are one line."""
     from bench import epoch_pairs
 
-    assert epoch_pairs.main([str(tmp_path), "--dry-run", "--pairs", "2"]) == 0
+    assert epoch_pairs.main([str(tmp_path), "--dry-run", "--pairs", "2", "--arms", "fast,fast-fp16w"]) == 0
     pairs = [json.loads(line) for line in (tmp_path / "pairs.jsonl").read_text().splitlines()]
     assert [p["order"] for p in pairs] == [["airbench94", "fast", "fast-fp16w"], ["fast-fp16w", "fast", "airbench94"]]
     assert all(p[a]["later_s"] > 0 and 0 <= p[a]["accuracy"] <= 1 for p in pairs for a in ("fast", "fast-fp16w"))
@@ -428,7 +430,10 @@ def test_epoch_pairs_runs_ours_in_turns_in_one_process_and_sets_each_pair_agains
     broken.airbench, broken.loader = type("Airbench", (), {"train94": staticmethod(lambda **kwargs: 1 / 0)}), None
     assert broken.run(tmp_path / "ab") == {"failed": "ZeroDivisionError: division by zero"}
     assert (tmp_path / "ab.log").is_file()
-    unknown_arm = "--arms=fast,fast-graph: each once, of fast, fast-fp16w, fast-graphs, fast-fp16w-graphs (fast-graph)"
+    unknown_arm = (
+        "--arms=fast,fast-graph: each once, of fast, fast-fp16w, fast-graphs, fast-fp16w-graphs, "
+        "fast-recorded (fast-graph)"
+    )
     refusals = ((["--pairs", "0"], "--pairs must be at least 1, not 0"), ([], "no CUDA device"),
                 (["--arms", "fast,fast-graph"], unknown_arm), (["--arms", "fast,fast"], "(a repeat)"))  # fmt: skip
     for argv, told in refusals:

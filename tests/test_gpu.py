@@ -113,6 +113,30 @@ def test_deterministic_mode_gives_bitwise_equal_weights_twice(tmp_path):
 
 
 @needs_gpu
+def test_a_step_recorded_in_a_cuda_graph_trains_the_eager_steps_bits_alone_and_under_ddp(tmp_path):
+    """run.cuda_graph=true on the GPU: recorded after its eager steps and replayed (bf16, channels_last, lookahead,
+    clipping); deterministic kernels, so the same bits as the eager run, in one process and under torchrun with nccl
+    at world size 1 (DDP's all-reduce inside the graph), recorded at the step the log says."""
+    run = [*TINY, "model.name=fast", "model.width=0.25", "train.epochs=3", "train.lookahead_every=3", "run.amp=bf16",
+           "run.channels_last=true", "optim.clip_grad_norm=1.0", "run.deterministic=true"]  # fmt: skip
+    launch = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--standalone", "--nproc_per_node=1"]
+    ways = {"eager": [sys.executable], "recorded": [sys.executable], "recorded-ddp": launch}
+    states = {}
+    for name, cmd in ways.items():
+        extra = ["run.cuda_graph=true"] if name != "eager" else []
+        extra += ["run.parallel=ddp"] if name.endswith("ddp") else []
+        args = [*cmd, str(TRAIN), *run, *extra, f"run.out_dir={tmp_path / name}"]
+        proc = ok(subprocess.run(args, env=gpu_env(), capture_output=True, text=True, timeout=600))
+        step = {"eager": None, "recorded": 2, "recorded-ddp": 12}[name]  # graphed.EAGER_STEPS + 1
+        assert (f"the step recorded in a CUDA graph at this process's step {step};" in proc.stdout) == bool(step)
+        states[name] = torch.load(tmp_path / name / "checkpoints" / "last.pt", map_location="cpu", weights_only=True)
+        assert metrics(tmp_path / name)[-1]["parallel"] == ("ddp" if name.endswith("ddp") else "none")
+    for name in ("recorded", "recorded-ddp"):
+        assert all(torch.equal(states["eager"]["model"][k], states[name]["model"][k]) for k in states["eager"]["model"])
+        assert metrics(tmp_path / name)[-1]["train_loss"] == metrics(tmp_path / "eager")[-1]["train_loss"]
+
+
+@needs_gpu
 def test_fp16_clipping_unscales_first(tmp_path):
     """Under fp16 the GradScaler's gradients are the true ones x 65536: clipping and the logged norm
     must see the true ones. The same first step in fp32 gives the reference norm."""

@@ -148,7 +148,7 @@ def test_a_gpu_lease_run_to_its_end_packs_the_summary_and_refuses_bad_values_in_
            ((), {"GRAPHS_SPLIT": "pair splt"}, "GRAPHS_SPLIT: no part 'splt' (the parts: pair fused split)"),
            ((), {"PROBES": "pairs", "PAIRS": "0"}, "PAIRS: '0' is not a whole number >= 1 (the pairs probe's count)"),
            ((), {"PAIRS_ARMS": "fast,graphs"}, "PAIRS_ARMS: no arm 'graphs' (the arms: fast fast-fp16w fast-graphs "
-                                               "fast-fp16w-graphs, comma-separated)"),
+                                               "fast-fp16w-graphs fast-recorded, comma-separated)"),
            ]  # fmt: skip
     for args, more, said in bad:
         command, env = lease(tmp_path, *args)

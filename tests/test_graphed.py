@@ -1,0 +1,87 @@
+"""run.cuda_graph=true (ddp/graphed.py): the step recorded once and replayed. On a CPU there are no CUDA graphs: a
+replay calls the step again on the recording's static buffers and tensor LRs, which is what these tests check
+computes the eager step's numbers; the recording itself is tests/test_gpu.py's (skipped without CUDA)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import TINY
+
+from ddp import checks, config, graphed, train
+from ddp.devices import World
+from ddp.errors import UsageError
+
+RUN = [*TINY, "model.width=0.25", "train.epochs=2", "train.lookahead_every=3", "train.ema_decay=0.9",
+       "optim.clip_grad_norm=1.0", "run.save_every_steps=5", "run.keep_last=10", "run.progress=false"]  # fmt: skip
+
+
+def test_a_replayed_step_trains_the_eager_steps_numbers_through_a_warm_up_and_a_resume(tmp_path, monkeypatch, capsys):
+    """The same run eager and replayed (its schedule read from the LR tensors, lookahead, the moving average and
+    clipping around the replays), the replayed one with a warm-up that records and is then put back (new momentum
+    tensors: recorded again) and resumed from a mid-epoch checkpoint: every epoch's metrics and the last checkpoint
+    the same to the bit, and most steps replays."""
+    monkeypatch.setattr(checks, "check_cuda_graph", lambda cfg, world: None)  # its "a GPU only" (its own test below)
+    made: list[graphed.Recorder] = []
+
+    class Counted(graphed.Recorder):
+        def __init__(self, *args: object) -> None:
+            super().__init__(*args)  # type: ignore[arg-type]
+            made.append(self)
+
+    monkeypatch.setattr(graphed, "Recorder", Counted)
+    eager = train.main([f"run.out_dir={tmp_path / 'eager'}", *RUN])
+    assert made == []
+    replayed = train.main([f"run.out_dir={tmp_path / 'replayed'}", *RUN, "run.cuda_graph=true", "run.warmup_steps=3"])
+    step_5 = tmp_path / "replayed" / "checkpoints" / "step-000000005.pt"
+    resumed = train.main([f"run.out_dir={tmp_path / 'resumed'}", *RUN, "run.cuda_graph=true", f"run.resume={step_5}"])
+    keys = ("train_loss", "test_acc", "raw_test_acc", "grad_norm_mean", "grad_norm_max", "lr")
+    assert {k: replayed[k] for k in keys} == {k: eager[k] for k in keys} == {k: resumed[k] for k in keys}
+    ends = {n: torch.load(tmp_path / n / "checkpoints" / "last.pt", weights_only=True) for n in ("eager", "replayed",
+                                                                                                "resumed")}  # fmt: skip
+    for part in ("model", "ema", "lookahead", "optimizer"):
+        for name in ("replayed", "resumed"):
+            assert all(torch.equal(a, b) for a, b in zip(tensors(ends["eager"][part]), tensors(ends[name][part]),
+                                                         strict=True)), (name, part)  # fmt: skip
+    for name in ("replayed", "resumed"):  # the file's LRs are floats, as an eager run's (the tensors are the replay's)
+        assert ends[name]["optimizer"]["param_groups"] == ends["eager"]["optimizer"]["param_groups"], name
+    # 16 steps (8 an epoch): the warm-up's 3 (1 eager, recorded at the 2nd) put back, then 1 eager and 15 replays;
+    # resumed after step 5: 1 eager and 10 replays
+    assert [r.replays for r in made] == [2 + 15, 10]
+    said = [line.split("at this process's ")[1] for line in capsys.readouterr().out.splitlines() if "recorded" in line]
+    assert said == ["step 2; replayed from here", "step 5; replayed from here", "step 2; replayed from here"]
+
+
+def tensors(state: object) -> list[torch.Tensor]:
+    """Every tensor in a state dict, nested as it is, in order."""
+    if isinstance(state, torch.Tensor):
+        return [state]
+    if isinstance(state, dict):
+        return [t for v in state.values() for t in tensors(v)]
+    if isinstance(state, (list, tuple)):
+        return [t for v in state for t in tensors(v)]
+    return []
+
+
+@pytest.mark.parametrize(
+    ("settings", "said"),
+    [
+        (["run.parallel=dp"], "run.parallel=dp does not work with run.cuda_graph=true (recorded with one GPU a proce"),
+        (["run.compile=true"], "run.compile does not work with run.cuda_graph=true (use one: run.compile_mode=reduce-"),
+        (["run.amp=fp16"], "run.amp=fp16 does not work with run.cuda_graph=true (its GradScaler decides on the host"),
+        (["train.grad_accum_steps=2"], "train.grad_accum_steps does not work with run.cuda_graph=true (one batch a"),
+        (["train.sync_bn=true"], "train.sync_bn does not work with run.cuda_graph=true (its forward's collectives"),
+        (["ddp.find_unused_parameters=true"], "ddp.find_unused_parameters does not work with run.cuda_graph=true"),
+        (["optim.name=adamw"], "optim.name=adamw does not work with run.cuda_graph=true (only SGD's fused step"),
+    ],
+)  # fmt: skip
+def test_what_a_replay_would_get_wrong_is_refused_with_why(settings, said):
+    """checks.check_combinations on a GPU's world (a torch.device needs no GPU): each refusal names the key and why."""
+    cfg = config.load(None, ["run.cuda_graph=true", *settings])
+    parallel = "dp" if "run.parallel=dp" in settings else "none"
+    with pytest.raises(UsageError) as e:
+        checks.check_combinations(cfg, World(0, 0, 1, torch.device("cuda", 0), parallel))
+    assert said in str(e.value)
+    checks.check_combinations(
+        config.load(None, ["run.cuda_graph=true"]), World(0, 0, 1, torch.device("cuda", 0), "ddp")
+    )

@@ -165,6 +165,10 @@ def check_cuda_graph(cfg: Config, world: World) -> None:
         "run.compile": (run.compile, "use one: run.compile_mode=reduce-overhead records graphs of its own"),
         "run.amp=fp16": (run.amp == "fp16", "its GradScaler decides on the host which steps to skip: use bf16"),
         "train.grad_accum_steps": (t.grad_accum_steps > 1, "one batch a step is recorded: raise the batch instead"),
+        "data.mixup_alpha / cutmix_alpha under DDP": (
+            world.parallel == "ddp" and (cfg.data.mixup_alpha > 0 or cfg.data.cutmix_alpha > 0),
+            "each rank draws its own mixed batches, which take the eager step: one rank's all-reduce recorded and "
+            "another's not, which NCCL does not allow"),
         "train.sync_bn": (t.sync_bn, "its forward's collectives are not recorded (yet)"),
         "ddp.find_unused_parameters": (cfg.ddp.find_unused_parameters, "DDP searches the graph on the host each step"),
         f"optim.name={cfg.optim.name}": (cfg.optim.name != "sgd", "only SGD's fused step is recorded (yet)"),

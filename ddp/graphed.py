@@ -15,7 +15,8 @@ step. A replay repeats the recorded kernels on the same tensors, so:
 The first steps run eagerly before the recording: cuDNN's autotuning, the momentum buffers and DDP's buckets
 settle in them (torch's CUDA-graph notes ask 11 DDP steps before a capture); the run is on a side stream, where
 DDP is built too (the capture must not touch the default stream: stream()). checks.check_cuda_graph refuses
-what a replay would get wrong or what is not recorded yet (accumulation, fp16's skipped steps, SyncBatchNorm, ...).
+what a replay would get wrong or what is not recorded yet (accumulation, fp16's skipped steps, SyncBatchNorm, a
+mix under DDP: a rank's eager all-reduce against another's recorded one, ...).
 """
 
 from __future__ import annotations

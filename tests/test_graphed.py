@@ -73,15 +73,17 @@ def tensors(state: object) -> list[torch.Tensor]:
         (["train.sync_bn=true"], "train.sync_bn does not work with run.cuda_graph=true (its forward's collectives"),
         (["ddp.find_unused_parameters=true"], "ddp.find_unused_parameters does not work with run.cuda_graph=true"),
         (["optim.name=adamw"], "optim.name=adamw does not work with run.cuda_graph=true (only SGD's fused step"),
+        (["data.mixup_alpha=0.2", "run.parallel=ddp"], "data.mixup_alpha / cutmix_alpha under DDP does not work with "
+                                                       "run.cuda_graph=true (each rank draws its own mixed batches"),
     ],
 )  # fmt: skip
 def test_what_a_replay_would_get_wrong_is_refused_with_why(settings, said):
     """checks.check_combinations on a GPU's world (a torch.device needs no GPU): each refusal names the key and why."""
     cfg = config.load(None, ["run.cuda_graph=true", *settings])
-    parallel = "dp" if "run.parallel=dp" in settings else "none"
+    parallel = next((s.split("=")[1] for s in settings if s.startswith("run.parallel=")), "none")
     with pytest.raises(UsageError) as e:
         checks.check_combinations(cfg, World(0, 0, 1, torch.device("cuda", 0), parallel))
     assert said in str(e.value)
-    checks.check_combinations(
-        config.load(None, ["run.cuda_graph=true"]), World(0, 0, 1, torch.device("cuda", 0), "ddp")
-    )
+    fine = ["run.cuda_graph=true", "data.mixup_alpha=0.2"]  # one process: a mixed batch takes the eager step alone
+    checks.check_combinations(config.load(None, fine), World(0, 0, 1, torch.device("cuda", 0), "none"))
+    checks.check_combinations(config.load(None, fine[:1]), World(0, 0, 1, torch.device("cuda", 0), "ddp"))

@@ -110,7 +110,9 @@ class Recorder:
         cache = torch.is_autocast_cache_enabled()
         torch.set_autocast_cache_enabled(False)  # autocast's cast weights must not outlive the capture
         try:
-            with self._tensor_lrs(), torch.cuda.graph(graph, stream=torch.cuda.current_stream()):
+            # thread_local: another thread's CUDA calls (a DataLoader's pin-memory thread, NCCL's watchdog) are its own
+            with self._tensor_lrs(), torch.cuda.graph(graph, stream=torch.cuda.current_stream(),
+                                                      capture_error_mode="thread_local"):  # fmt: skip
                 self.outputs = self.gradient_step(*self.inputs)
         finally:
             torch.set_autocast_cache_enabled(cache)

@@ -4,6 +4,9 @@ computes the eager step's numbers; the recording itself is tests/test_gpu.py's (
 
 from __future__ import annotations
 
+import contextlib
+import inspect
+
 import pytest
 import torch
 from conftest import TINY
@@ -50,6 +53,43 @@ def test_a_replayed_step_trains_the_eager_steps_numbers_through_a_warm_up_and_a_
     assert [r.replays for r in made] == [2 + 15, 10]
     said = [line.split("at this process's ")[1] for line in capsys.readouterr().out.splitlines() if "recorded" in line]
     assert said == ["step 2; replayed from here", "step 5; replayed from here", "step 2; replayed from here"]
+
+
+def test_the_recording_calls_torch_cuda_graph_as_this_torch_takes_it_and_puts_the_float_lrs_back(monkeypatch):
+    """graphed.Recorder's GPU path with torch.cuda's graph calls faked (no CUDA here): the arguments it passes bind to
+    this torch's torch.cuda.graph; the step runs once inside it with the groups' LRs as tensors, floats again after;
+    the recording call and every later one replay."""
+    calls: list[object] = []
+
+    class Graph:
+        def replay(self) -> None:
+            calls.append("replay")
+
+    def graph(g: Graph, **kwargs: object) -> contextlib.AbstractContextManager[None]:
+        inspect.signature(torch.cuda.graph).bind(g, **kwargs)  # a misspelt or missing argument: TypeError
+        calls.append(("capture", kwargs.get("capture_error_mode")))
+        return contextlib.nullcontext()
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    monkeypatch.setattr(torch.cuda, "graph", graph)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: "side")
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    seen_lrs: list[object] = []
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> graphed.Pair:
+        seen_lrs.append(optimizer.param_groups[0]["lr"])
+        optimizer.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        optimizer.step()
+        return loss.detach(), loss.detach()
+
+    recorder = graphed.Recorder(step, optimizer, World(0, 0, 1, torch.device("cuda", 0), "none"))
+    for _ in range(3):
+        recorder(torch.randn(8, 4), torch.randn(8, 2))
+    assert calls == [("capture", "thread_local"), "replay", "replay"] and recorder.replays == 2
+    assert seen_lrs[0] == 0.1 and isinstance(seen_lrs[1], torch.Tensor) and optimizer.param_groups[0]["lr"] == 0.1
 
 
 def tensors(state: object) -> list[torch.Tensor]:

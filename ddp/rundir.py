@@ -94,20 +94,48 @@ def lock(out_dir: str, world: World) -> Iterator[None]:
         yield
         return
     path = Path(out_dir) / LOCK
+    made = [d for d in (path.parent, *path.parent.parents) if not d.exists()]  # what a refused run takes away again
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = _open_locked(path, out_dir)
     except OSError as e:
         raise _cannot_write(out_dir, e) from None
     try:
-        if _take(fd, out_dir):
+        if fd is not None:
             holder = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
             with contextlib.suppress(OSError):  # a full disk: the lock holds all the same, unsigned
                 os.ftruncate(fd, 0)
                 os.pwrite(fd, json.dumps(holder).encode(), 0)
         yield
+    except BaseException:
+        if fd is not None and made and [p.name for p in path.parent.iterdir()] == [LOCK]:
+            with contextlib.suppress(OSError):  # refused before it wrote anything: no folder of a lock alone left
+                path.unlink()  # (under the lock: a run that opened it meanwhile finds it gone, _open_locked)
+                for folder in made:
+                    folder.rmdir()
+        raise
     finally:
-        os.close(fd)  # releases the lock
+        if fd is not None:
+            os.close(fd)  # releases the lock
+
+
+def _open_locked(path: Path, out_dir: str) -> int | None:
+    """out_dir/.lock opened and locked (UsageError if another run holds it), or None where the filesystem cannot
+    lock. A lock file that a refused run removed while this one waited to open it is opened again."""
+    while True:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            if not _take(fd, out_dir):
+                os.close(fd)
+                return None
+            if os.fstat(fd).st_ino == os.stat(path).st_ino:
+                return fd
+        except FileNotFoundError:
+            pass  # removed after our open: locked, but no longer the file of this out_dir
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)
 
 
 def _cannot_write(out_dir: str, e: OSError) -> UsageError:

@@ -89,6 +89,32 @@ def test_where_locks_do_not_work_a_warning_and_no_wait(tmp_path, monkeypatch, ca
     assert "warning: cannot lock run.out_dir=" in capsys.readouterr().err
 
 
+def test_a_refused_run_takes_away_the_folders_it_made_for_its_lock_and_nothing_else(tmp_path, capsys):
+    """A run refused before it wrote anything (here: no such data file) leaves no out_dir holding a lock file alone:
+    the folders it made go, the ones that were there stay; and a lock file taken away between another run's open and
+    its lock is opened again, so that the two never hold locks on different files."""
+    new = tmp_path / "runs" / "new"
+    assert train.cli([f"run.out_dir={new}", "data.dataset=npz", f"data.path={tmp_path / 'none.npz'}"]) == 2
+    assert "none.npz" in capsys.readouterr().err and not (tmp_path / "runs").exists()
+    (tmp_path / "there").mkdir()
+    assert (
+        train.cli([f"run.out_dir={tmp_path / 'there'}", "data.dataset=npz", f"data.path={tmp_path / 'none.npz'}"]) == 2
+    )
+    assert (tmp_path / "there").is_dir()  # not made by the run: stays (with its lock file)
+    lock, real_take, taken = tmp_path / "raced" / rundir.LOCK, rundir._take, []
+
+    def raced(fd: int, out_dir: str) -> bool:  # the first file removed after its open, as a refused run does
+        if not taken:
+            lock.unlink()
+        taken.append(os.fstat(fd).st_ino)
+        return real_take(fd, out_dir)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(rundir, "_take", raced)
+        with rundir.lock(str(lock.parent), World(0, 0, 1, torch.device("cpu"), "none")):
+            assert len(taken) == 2 and taken[-1] == lock.stat().st_ino  # the second open's file: the one there
+
+
 def test_a_lock_file_that_does_not_say_who_holds_it(tmp_path):
     (tmp_path / rundir.LOCK).write_text("not json")
     with open(tmp_path / rundir.LOCK) as held:  # another process's lock, as far as flock can tell

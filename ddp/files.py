@@ -159,9 +159,9 @@ def append(path: Path, text: str) -> None:
         os.close(fd)
 
 
-def remove_temporary(directory: Path) -> None:
-    """The temporary files that writers killed before their rename left in `directory`."""
-    for tmp in Path(directory).glob(TEMPORARY):
+def remove_temporary(directory: Path, pattern: str = TEMPORARY) -> None:
+    """The temporary files that writers killed before their rename left in `directory` (those `pattern` names)."""
+    for tmp in Path(directory).glob(pattern):
         tmp.unlink(missing_ok=True)
 
 

@@ -70,7 +70,13 @@ class Profile:
         # whose bytes files.atomic puts in place. Where it cannot write, torch only logs so: its trace is missing.
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=path.parent, prefix=".") as scratch, files.atomic(path) as trace:
+            for killed in path.parent.glob(f".{path.stem}-*"):  # a killed export's scratch folder (this rank's: the
+                shutil.rmtree(killed, ignore_errors=True)  # lock keeps out_dir one run's; other ranks may export now)
+            files.remove_temporary(path.parent, f".{path.name}.*.tmp")
+            with (
+                tempfile.TemporaryDirectory(dir=path.parent, prefix=f".{path.stem}-") as scratch,
+                files.atomic(path) as trace,
+            ):
                 profiler.export_chrome_trace(f"{scratch}/trace.json")
                 trace.write(Path(scratch, "trace.json").read_bytes())
         except FileNotFoundError:  # torch wrote nothing (it only logs "Failed to write to log file!")

@@ -242,9 +242,15 @@ def test_a_checkpoint_of_another_width_is_refused_on_resume(tmp_path):
 
 def test_a_profile_resumed_inside_its_steps_traces_the_rest(tmp_path, capsys):
     """run.profile=2:5 and a run resumed after step 2: steps 3 and 4 are profiled; resumed after
-    step 4 or later, nothing is left (and parse says so with None)."""
+    step 4 or later, nothing is left (and parse says so with None). What this rank's export left when it was killed
+    (its scratch folder, its temporary file) goes; another rank's, which may be exporting now, stays."""
     assert profiling.parse("2:5", 10, steps_done=4) is None and profiling.parse("2:5", 10, steps_done=2) == range(2, 5)
     world = World(0, 0, 1, torch.device("cpu"), "none")
+    killed = [tmp_path / "profile" / name for name in (".rank0-a1b2", ".rank0.json.k3y.tmp", ".rank1-c3d4")]
+    killed[0].mkdir(parents=True)
+    (killed[0] / "trace.json").write_text("{")
+    killed[1].write_text("{")
+    killed[2].mkdir()
     with profiling.Profile(range(2, 5), str(tmp_path), world) as profile:
         for step in (3, 4, 5):
             profile.before_step(step)
@@ -252,6 +258,7 @@ def test_a_profile_resumed_inside_its_steps_traces_the_rest(tmp_path, capsys):
             profile.after_step(step)
     assert "profile of global steps 3-4 (rank 0" in capsys.readouterr().out
     assert "aten::mm" in (tmp_path / "profile" / "rank0.json").read_text()
+    assert [p.exists() for p in killed] == [False, False, True]
 
 
 def test_a_profile_needs_no_room_in_tmpdir_and_a_full_out_dir_is_one_line(tmp_path):

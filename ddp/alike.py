@@ -36,10 +36,13 @@ def settings(cfg: Config) -> dict[str, Any]:
 def described(cfg: Config, data: datasets.Data | None = None) -> dict[str, Any]:
     """This rank's host, torch, code, settings and (given) data, as differences compares them."""
     mine = {"host": socket.gethostname(), "torch": torch.__version__, "code": code(), "settings": settings(cfg)}
-    if data is not None:
-        where = f"data.path={cfg.data.path}" if cfg.data.dataset == "npz" else f"data.root={cfg.data.root}"
-        mine["data"] = (*datasets.digest(data), where)
-    return mine
+    return mine | data_of(cfg.data, data) if data is not None else mine
+
+
+def data_of(d: config.DataConfig, data: datasets.Data) -> dict[str, Any]:
+    """The data part of described's: the data's digest (datasets.digest) and where this machine read it."""
+    where = f"data.path={d.path}" if d.dataset == "npz" else f"data.root={d.root}"
+    return {"data": (*datasets.digest(data), where)}
 
 
 def check(cfg: Config, data: datasets.Data, world: World) -> None:
@@ -60,7 +63,7 @@ def check(cfg: Config, data: datasets.Data, world: World) -> None:
 
 def differences(first: dict[str, Any], other: dict[str, Any]) -> str:
     """How `other` (described's) differs from `first`, torch aside: "has other ..., other ...", or "" if alike.
-    Data only where both have it (the doctor's have none)."""
+    Data only where both have it (the doctor's: the ranks that read it, one a machine)."""
     code0, modules, settings0, values = first["code"], other["code"], first["settings"], other["settings"]
     changed = [name for name in sorted(code0.keys() | modules.keys()) if code0.get(name) != modules.get(name)]
     differ = [f"ddp-cifar code ({', '.join(f'ddp/{name}' for name in changed)})"] if changed else []

@@ -90,19 +90,24 @@ def check_out_dir(out_dir: str) -> tuple[str | None, str | None]:
         return None, f"run.out_dir={out_dir} is not writable ({why}); choose another run.out_dir"
 
 
-def check_data(data: DataConfig, world: World) -> tuple[str, str | None]:
-    """(a line on the data ddp/train.py would read, a problem or None): read here as the run would,
-    without a download (one the run would make is said)."""
+def check_data(data: DataConfig, world: World) -> tuple[str, str | None, dict[str, Any]]:
+    """(a line on the data ddp/train.py would read, a problem or None, what every machine must have alike of it:
+    alike.data_of's, or nothing unread): read here as the run would, without a download (one the run would make is
+    said)."""
     try:
         found = datasets.read(replace(data, download=False), world)
     except datasets.DataMissing as e:
         if data.download:
-            return f"data: {data.dataset} is not in data.root={data.root} yet: the run downloads it", None
-        return "data: missing", str(e)
+            return f"data: {data.dataset} is not in data.root={data.root} yet: the run downloads it", None, {}
+        return "data: missing", str(e), {}
     except UsageError as e:
-        return "data: unusable", str(e)
+        return "data: unusable", str(e), {}
     train, test = len(found.train.labels), len(found.test.labels)
-    return f"data: {train} training and {test} test images, {len(found.classes)} classes", None
+    return (
+        f"data: {train} training and {test} test images, {len(found.classes)} classes",
+        None,
+        alike.data_of(data, found),
+    )
 
 
 SHM_NEEDED_MIB = 1024  # NVIDIA's containers are started with docker run --shm-size=1g
@@ -172,14 +177,14 @@ def print_report(r: dict[str, Any]) -> None:
 
 def machine_problems(reports: list[tuple[Any, ...]], mismatch: str | None) -> list[str]:
     """What rank 0 finds in every rank's (report, ...), once per machine: SLURM's tasks against its GPUs (but rank
-    0's own `mismatch`, said already), a /dev/shm too small for NCCL between its GPUs, and other code or settings
-    than rank 0's (alike.differences: the run would stop on them)."""
+    0's own `mismatch`, said already), a /dev/shm too small for NCCL between its GPUs, and other code, settings or
+    data than rank 0's (alike.differences: the run would stop on them)."""
     gpu_ranks = collections.Counter(r["host"] for r, *_ in reports if r["device"].startswith("cuda"))
     shm = {p for r, *_ in reports if (p := shared_memory_problem(r, gpu_ranks[r["host"]]))}
     first = reports[0][0]
     unlike = {
         f"rank {r['rank']} on {r['host']} {d} than rank 0 on {first['host']}: every machine must run the same "
-        "checkout and settings"
+        "checkout, settings and data"
         for r, *_ in reports
         if (d := alike.differences(first["alike"], r["alike"]))
     }
@@ -209,7 +214,7 @@ def diagnose(run: config.RunConfig, data: DataConfig, mine: dict[str, Any]) -> l
         if token:
             (Path(run.out_dir) / token).unlink()
             show(f"run.out_dir {Path(run.out_dir).resolve()}: writable")
-        line, problem = check_data(data, world)
+        line, problem, _ = check_data(data, world)
         show(line)
         return problems + ([problem] if problem else [])
     with distributed.setup(world, run.timeout_s) as world:
@@ -219,7 +224,10 @@ def diagnose(run: config.RunConfig, data: DataConfig, mine: dict[str, Any]) -> l
         sees = shared[0] is not None and (Path(run.out_dir) / shared[0]).is_file()
         reduced = distributed.all_reduce_sum(torch.tensor([float(world.rank)], device=world.device), world)
         checked = check_data(data, world) if world.is_local_main else None  # one per machine
-        reports = distributed.gather_objects((report(world, run.out_dir, mine), sees, mismatch, checked), world)
+        mine = mine | checked[2] if checked else mine  # the data's digest, where this machine read it
+        reports = distributed.gather_objects(
+            (report(world, run.out_dir, mine), sees, mismatch, checked and checked[:2]), world
+        )
         if world.is_main:
             for r, _, _, data_checked in reports:
                 print_report(r)

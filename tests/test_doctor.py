@@ -102,20 +102,28 @@ def test_under_torchrun_every_rank_reports_and_an_all_reduce_runs(tmp_path):
 def test_an_out_dir_that_differs_between_nodes_is_a_problem(tmp_path):
     """Two torchrun agents as two nodes; the second sees its own (tmpfs) out_dir, as a node-local
     disk would be: the doctor must say the directory is not shared. The second was also given another
-    optim.lr on its command line, which the run would stop on (ddp/alike.py): a problem too."""
+    optim.lr on its command line, and finds other images at the same data.path (its own copy, one pixel off), both of
+    which the run would stop on (ddp/alike.py): problems too."""
     if shutil.which("unshare") is None or subprocess.run(["unshare", "--mount", "true"]).returncode != 0:
         pytest.skip("needs `unshare --mount` (root, util-linux) to give one 'node' its own filesystem")
     local = tmp_path / "run"
     local.mkdir()
+    images = np.random.default_rng(0).integers(0, 256, (20, 32, 32, 3), dtype=np.uint8)
+    for name, pixel in (("here.npz", 0), ("there.npz", 1)):  # the second node's copy: one pixel off
+        images[0, 0, 0, 0] = pixel
+        np.savez(tmp_path / name, x_train=images, y_train=np.arange(20) % 10, x_test=images[:10], y_test=np.arange(10))
+    shutil.copy(tmp_path / "here.npz", local / "data.npz")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = str(s.getsockname()[1])
     rdzv = ["--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}"]
-    node = [str(BIN / "torchrun"), *rdzv, "-m", "ddp.doctor", f"run.out_dir={local}"]
+    node = [str(BIN / "torchrun"), *rdzv, "-m", "ddp.doctor", f"run.out_dir={local}", "data.dataset=npz",
+            f"data.path={local / 'data.npz'}"]  # fmt: skip
     host = subprocess.Popen([*node[:1], *node[1:5], "--rdzv_conf=is_host=true", *node[5:]], cwd=REPO,
                             env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
     other = subprocess.run(
-        ["unshare", "--mount", "bash", "-c", f'mount -t tmpfs none "{local}" && exec "$@"', "node1",
+        ["unshare", "--mount", "bash", "-c",
+         f'mount -t tmpfs none "{local}" && cp "{tmp_path / "there.npz"}" "{local}/data.npz" && exec "$@"', "node1",
          *node[:5], "--rdzv_conf=is_host=false", *node[5:], "optim.lr=0.2"],
         cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=120,
     )  # fmt: skip
@@ -124,8 +132,9 @@ def test_an_out_dir_that_differs_between_nodes_is_a_problem(tmp_path):
     assert host.returncode != 0 or other.returncode != 0, both
     assert "do not see rank 0's files in run.out_dir" in both and "a filesystem every node shares" in both
     name = socket.gethostname()
-    assert (f"doctor: PROBLEM: rank 1 on {name} has other settings (optim.lr=0.2 against 0.1) than rank 0 on {name}: "
-            "every machine must run the same checkout and settings") in both  # fmt: skip
+    assert (f"doctor: PROBLEM: rank 1 on {name} has other settings (optim.lr=0.2 against 0.1); other data "
+            f"(data.path={local / 'data.npz'}: other images or labels) than rank 0 on {name}: every machine must run "
+            "the same checkout, settings and data") in both  # fmt: skip
 
 
 @pytest.mark.parametrize(

@@ -161,7 +161,7 @@ def check_cuda_graph(cfg: Config, world: World) -> None:
         raise UsageError(f"run.cuda_graph=true records CUDA graphs: it needs a GPU, not {world.device} (run.device)")
     t, run = cfg.train, cfg.run
     refused = {
-        f"run.parallel={world.parallel}": (world.parallel in ("dp", "fsdp"), "recorded with one GPU a process: ddp"),
+        f"run.parallel={world.parallel}": (world.parallel in ("dp", "fsdp"), "a recording is one GPU's: use DDP"),
         "run.compile": (run.compile, "use one: run.compile_mode=reduce-overhead records graphs of its own"),
         "run.amp=fp16": (run.amp == "fp16", "its GradScaler decides on the host which steps to skip: use bf16"),
         "train.grad_accum_steps": (t.grad_accum_steps > 1, "one batch a step is recorded: raise the batch instead"),

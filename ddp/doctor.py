@@ -191,6 +191,31 @@ def machine_problems(reports: list[tuple[Any, ...]], mismatch: str | None) -> li
     return sorted({m for _, _, m, _ in reports if m and m != mismatch}) + sorted(shm) + sorted(unlike)
 
 
+def one_process(run: config.RunConfig, data: DataConfig, world: World) -> list[str]:
+    """diagnose's problems where no launcher started ranks: this machine's report, the rendezvous it would use,
+    run.out_dir and the data."""
+    problems = []
+    print_report(here := report(world, run.out_dir))
+    problems += [p] if (p := shared_memory_problem(here)) else []
+    addr, port, source = launchers.planned_rendezvous()
+    try:
+        network.check_master(addr, port, node_rank=0, timeout_s=0)  # node 0: whether it resolves
+    except UsageError as e:
+        problems.append(str(e))
+    free = port_free(addr, port)
+    show(f"rendezvous port {port} ({source}): " + ("free" if free else "IN USE"))
+    if not free:
+        problems.append(f"port {port} ({source}) is in use on this machine: set MASTER_PORT to a free port")
+    token, problem = check_out_dir(run.out_dir)
+    problems += [problem] if problem else []
+    if token:
+        (Path(run.out_dir) / token).unlink()
+        show(f"run.out_dir {Path(run.out_dir).resolve()}: writable")
+    line, problem, _ = check_data(data, world)
+    show(line)
+    return problems + ([problem] if problem else [])
+
+
 def diagnose(run: config.RunConfig, data: DataConfig, mine: dict[str, Any]) -> list[str]:
     """Problems on this rank and, under a launcher, across ranks (`mine`: alike.described's); prints the reports."""
     world = devices.resolve(run)
@@ -198,25 +223,7 @@ def diagnose(run: config.RunConfig, data: DataConfig, mine: dict[str, Any]) -> l
     if mismatch := launchers.slurm_gpu_problem(torch.cuda.device_count()):
         problems.append(mismatch)
     if not world.grouped:
-        print_report(here := report(world, run.out_dir))
-        problems += [p] if (p := shared_memory_problem(here)) else []
-        addr, port, source = launchers.planned_rendezvous()
-        try:
-            network.check_master(addr, port, node_rank=0, timeout_s=0)  # node 0: whether it resolves
-        except UsageError as e:
-            problems.append(str(e))
-        free = port_free(addr, port)
-        show(f"rendezvous port {port} ({source}): " + ("free" if free else "IN USE"))
-        if not free:
-            problems.append(f"port {port} ({source}) is in use on this machine: set MASTER_PORT to a free port")
-        token, problem = check_out_dir(run.out_dir)
-        problems += [problem] if problem else []
-        if token:
-            (Path(run.out_dir) / token).unlink()
-            show(f"run.out_dir {Path(run.out_dir).resolve()}: writable")
-        line, problem, _ = check_data(data, world)
-        show(line)
-        return problems + ([problem] if problem else [])
+        return problems + one_process(run, data, world)
     with distributed.setup(world, run.timeout_s) as world:
         token, problem = check_out_dir(run.out_dir) if world.is_main else (None, None)
         shared = distributed.gather_objects((token, problem), world)[0]
@@ -225,11 +232,9 @@ def diagnose(run: config.RunConfig, data: DataConfig, mine: dict[str, Any]) -> l
         reduced = distributed.all_reduce_sum(torch.tensor([float(world.rank)], device=world.device), world)
         checked = check_data(data, world) if world.is_local_main else None  # one per machine
         mine = mine | checked[2] if checked else mine  # the data's digest, where this machine read it
-        reports = distributed.gather_objects(
-            (report(world, run.out_dir, mine), sees, mismatch, checked and checked[:2]), world
-        )
+        reports = distributed.gather_objects((report(world, run.out_dir, mine), sees, mismatch, checked), world)
         if world.is_main:
-            for r, _, _, data_checked in reports:
+            for r, _, _, data_checked in reports:  # (line, problem, digest) on one rank a machine
                 print_report(r)
                 if data_checked:
                     show(f"  {data_checked[0]}")

@@ -149,6 +149,28 @@ def metrics(out_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def tensors(state: object) -> list[torch.Tensor]:
+    """Every tensor in a nested state (dicts and lists), in a fixed order; a number as a tensor."""
+    if isinstance(state, torch.Tensor):
+        return [state]
+    if isinstance(state, dict):
+        return [t for key in sorted(state, key=str) for t in tensors(state[key])]
+    if isinstance(state, (list, tuple)):
+        return [t for item in state for t in tensors(item)]
+    return [torch.tensor(float(state))] if isinstance(state, (int, float)) and not isinstance(state, bool) else []
+
+
+def same_last_checkpoints(root: Path, reference: str, others: tuple[str, ...], parts: tuple[str, ...]) -> dict:
+    """The last checkpoints of the runs in root/<name>, each part of each of `others` equal to `reference`'s to the
+    bit; returns them by name."""
+    ends = {n: torch.load(root / n / "checkpoints" / "last.pt", weights_only=True) for n in (reference, *others)}
+    for part in parts:
+        for name in others:
+            pairs = zip(tensors(ends[reference][part]), tensors(ends[name][part]), strict=True)
+            assert all(torch.equal(a, b) for a, b in pairs), (name, part)
+    return ends
+
+
 def ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
     assert proc.returncode == 0, f"exit {proc.returncode}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}"
     return proc

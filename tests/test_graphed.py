@@ -9,7 +9,7 @@ import inspect
 
 import pytest
 import torch
-from conftest import TINY
+from conftest import TINY, same_last_checkpoints
 
 from ddp import checks, config, graphed, train
 from ddp.devices import World
@@ -40,12 +40,7 @@ def test_a_replayed_step_trains_the_eager_steps_numbers_through_a_warm_up_and_a_
     resumed = train.main([f"run.out_dir={tmp_path / 'resumed'}", *RUN, "run.cuda_graph=true", f"run.resume={step_5}"])
     keys = ("train_loss", "test_acc", "raw_test_acc", "grad_norm_mean", "grad_norm_max", "lr")
     assert {k: replayed[k] for k in keys} == {k: eager[k] for k in keys} == {k: resumed[k] for k in keys}
-    ends = {n: torch.load(tmp_path / n / "checkpoints" / "last.pt", weights_only=True) for n in ("eager", "replayed",
-                                                                                                "resumed")}  # fmt: skip
-    for part in ("model", "ema", "lookahead", "optimizer"):
-        for name in ("replayed", "resumed"):
-            assert all(torch.equal(a, b) for a, b in zip(tensors(ends["eager"][part]), tensors(ends[name][part]),
-                                                         strict=True)), (name, part)  # fmt: skip
+    ends = same_last_checkpoints(tmp_path, "eager", ("replayed", "resumed"), ("model", "ema", "lookahead", "optimizer"))
     for name in ("replayed", "resumed"):  # the file's LRs are floats, as an eager run's (the tensors are the replay's)
         assert ends[name]["optimizer"]["param_groups"] == ends["eager"]["optimizer"]["param_groups"], name
     # 16 steps (8 an epoch): the warm-up's 3 (1 eager, recorded at the 2nd) put back, then 1 eager and 15 replays;
@@ -92,21 +87,10 @@ def test_the_recording_calls_torch_cuda_graph_as_this_torch_takes_it_and_puts_th
     assert seen_lrs[0] == 0.1 and isinstance(seen_lrs[1], torch.Tensor) and optimizer.param_groups[0]["lr"] == 0.1
 
 
-def tensors(state: object) -> list[torch.Tensor]:
-    """Every tensor in a state dict, nested as it is, in order."""
-    if isinstance(state, torch.Tensor):
-        return [state]
-    if isinstance(state, dict):
-        return [t for v in state.values() for t in tensors(v)]
-    if isinstance(state, (list, tuple)):
-        return [t for v in state for t in tensors(v)]
-    return []
-
-
 @pytest.mark.parametrize(
     ("settings", "said"),
     [
-        (["run.parallel=dp"], "run.parallel=dp does not work with run.cuda_graph=true (recorded with one GPU a proce"),
+        (["run.parallel=dp"], "run.parallel=dp does not work with run.cuda_graph=true (a recording is one GPU's"),
         (["run.compile=true"], "run.compile does not work with run.cuda_graph=true (use one: run.compile_mode=reduce-"),
         (["run.amp=fp16"], "run.amp=fp16 does not work with run.cuda_graph=true (its GradScaler decides on the host"),
         (["train.grad_accum_steps=2"], "train.grad_accum_steps does not work with run.cuda_graph=true (one batch a"),

@@ -4,7 +4,7 @@ import re
 
 import pytest
 import torch
-from conftest import TINY, TRAIN, metrics, ok, torchrun
+from conftest import TINY, TRAIN, metrics, ok, same_last_checkpoints, tensors, torchrun
 
 from ddp import checkpoint, config, models, train, warmup
 from ddp import metrics as step_metrics
@@ -104,17 +104,6 @@ def test_warmup_puts_back_the_random_generators_a_step_draws_from():
     assert torch.equal(torch.rand(3), expected) and seconds >= 0 and len(evaluations) == 1
 
 
-def tensors(state) -> list[torch.Tensor]:
-    """Every tensor in a nested state (dicts and lists), in a fixed order."""
-    if isinstance(state, torch.Tensor):
-        return [state]
-    if isinstance(state, dict):
-        return [t for key in sorted(state, key=str) for t in tensors(state[key])]
-    if isinstance(state, (list, tuple)):
-        return [t for item in state for t in tensors(item)]
-    return [torch.tensor(float(state))] if isinstance(state, (int, float)) and not isinstance(state, bool) else []
-
-
 def test_fp16_weights_train_warm_up_and_resume_bit_for_bit_and_the_file_loads_as_float32(tmp_path, capsys):
     """run.amp=fp16-weights (airbench's: fp16 weights but BatchNorm's, the loss x 32 here, the LR / 32): with
     lookahead, a warm-up and a resume from the middle of epoch 1 it ends on the same checkpoint to the bit; the file
@@ -127,12 +116,9 @@ def test_fp16_weights_train_warm_up_and_resume_bit_for_bit_and_the_file_loads_as
     train.main([f"run.out_dir={tmp_path / 'warm'}", *run, "run.warmup_steps=2"])
     step_3 = tmp_path / "whole" / "checkpoints" / "step-000000003.pt"
     train.main([f"run.out_dir={tmp_path / 'resumed'}", *run, f"run.resume={step_3}"])
-    ends = {n: torch.load(tmp_path / n / "checkpoints" / "last.pt", weights_only=True) for n in ("whole", "warm",
-                                                                                                "resumed")}  # fmt: skip
-    for part in ("model", "optimizer", "scheduler", "lookahead"):
-        for name in ("warm", "resumed"):
-            assert all(torch.equal(a, b) for a, b in zip(tensors(ends["whole"][part]), tensors(ends[name][part]),
-                                                         strict=True)), (name, part)  # fmt: skip
+    ends = same_last_checkpoints(
+        tmp_path, "whole", ("warm", "resumed"), ("model", "optimizer", "scheduler", "lookahead")
+    )
     weights = ends["whole"]["model"]
     assert weights["0.0.weight"].dtype == torch.float16 and weights["0.1.weight"].dtype == torch.float32  # conv, BN
     assert {s["momentum_buffer"].dtype for s in ends["whole"]["optimizer"]["state"].values()} == {torch.float32}

@@ -1,6 +1,7 @@
 """run.cuda_graph=true: the training step recorded once in one CUDA graph and replayed for every batch after, so
-that a step is one launch from the host instead of hundreds (DDP's all-reduce inside it). The step is host-bound
-on a GPU (fast at batch 1024: about 4.5 ms of kernels, 7-8 ms of host work in eager mode); recorded, it is not.
+that a step is one launch from the host instead of hundreds (DDP's all-reduce inside it). The eager step is
+host-bound on a GPU (configs/fast.yaml on an H100: 4.46 ms of kernels a step, 7.6 ms a step in its epochs,
+bench/results/nvidia-h100-80gb-hbm3-check-2026-11-27-b.md); a replay does not wait on the host.
 
 What is recorded is the step's gradient part (train.gradient_step: zero_grad, the forward, the backward, the
 gradients' norm and clipping, the optimizer's step) on static input buffers; the rest of a step (the schedule,
@@ -8,8 +9,8 @@ lookahead, the moving average, the step statistics) runs eagerly after each repl
 step. A replay repeats the recorded kernels on the same tensors, so:
   - each batch is copied into the static buffers first; a batch of another shape (an epoch's last, short one)
     or a mixed one (MixUp/CutMix: its mix is drawn on the host) takes the eager step instead;
-  - the learning rates are read from device tensors that each replay's host part fills with the schedule's
-    values (the fused SGD step reads a tensor LR; recorded, a Python LR would stay the one of the recording);
+  - the learning rates are read from device tensors, filled with the schedule's values before each replay (the
+    fused SGD step reads a tensor LR; recorded, a Python LR would stay the one of the recording);
   - an optimizer state replaced after the recording (a checkpoint or the warm-up's restore: load_state_dict
     makes new momentum tensors) drops the recording, and the step records again.
 The first steps run eagerly before the recording: cuDNN's autotuning, the momentum buffers and DDP's buckets

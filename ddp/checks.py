@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ddp import fsdp, models
+from ddp import fsdp, mixing, models
 from ddp.config import Config, DdpConfig
 from ddp.devices import World
 from ddp.errors import UsageError
@@ -169,6 +169,9 @@ def check_cuda_graph(cfg: Config, world: World) -> None:
             world.parallel == "ddp" and (cfg.data.mixup_alpha > 0 or cfg.data.cutmix_alpha > 0),
             "each rank draws its own mixed batches, which take the eager step: one rank's all-reduce recorded and "
             "another's not, which NCCL does not allow"),
+        "data.mix_prob=1": (
+            mixing_always(cfg), "every batch is mixed and a mixed one takes the eager step: nothing would be "
+            "recorded; set data.mix_off_epoch to record the epochs after it, or data.mix_prob below 1"),
         "train.sync_bn": (t.sync_bn, "its forward's collectives are not recorded (yet)"),
         "ddp.find_unused_parameters": (cfg.ddp.find_unused_parameters, "DDP searches the graph on the host each step"),
         f"optim.name={cfg.optim.name}": (cfg.optim.name != "sgd", "only SGD's fused step is recorded (yet)"),
@@ -176,6 +179,11 @@ def check_cuda_graph(cfg: Config, world: World) -> None:
     for key, (on, why) in refused.items():
         if on:
             raise UsageError(f"{key} does not work with run.cuda_graph=true ({why})")
+
+
+def mixing_always(cfg: Config) -> bool:
+    """Whether MixUp/CutMix mixes every training batch of the run."""
+    return cfg.data.mix_prob >= 1 and all(mixing.enabled(cfg.data, e) for e in range(1, cfg.train.epochs + 1))
 
 
 def check_fp16_weights(cfg: Config) -> None:

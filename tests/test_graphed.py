@@ -97,6 +97,8 @@ def test_the_recording_calls_torch_cuda_graph_as_this_torch_takes_it_and_puts_th
         (["train.sync_bn=true"], "train.sync_bn does not work with run.cuda_graph=true (its forward's collectives"),
         (["ddp.find_unused_parameters=true"], "ddp.find_unused_parameters does not work with run.cuda_graph=true"),
         (["optim.name=adamw"], "optim.name=adamw does not work with run.cuda_graph=true (only SGD's fused step"),
+        (["data.cutmix_alpha=1", "train.epochs=3", "data.mix_off_epoch=4"], "data.mix_prob=1 does not work with "
+                                                  "run.cuda_graph=true (every batch is mixed and a mixed one takes"),
         (["data.mixup_alpha=0.2", "run.parallel=ddp"], "data.mixup_alpha / cutmix_alpha under DDP does not work with "
                                                        "run.cuda_graph=true (each rank draws its own mixed batches"),
     ],
@@ -108,6 +110,8 @@ def test_what_a_replay_would_get_wrong_is_refused_with_why(settings, said):
     with pytest.raises(UsageError) as e:
         checks.check_combinations(cfg, World(0, 0, 1, torch.device("cuda", 0), parallel))
     assert said in str(e.value)
-    fine = ["run.cuda_graph=true", "data.mixup_alpha=0.2"]  # one process: a mixed batch takes the eager step alone
+    fine = ["run.cuda_graph=true", "data.mixup_alpha=0.2", "data.mix_prob=0.5"]  # one process: mixed ones eager
     checks.check_combinations(config.load(None, fine), World(0, 0, 1, torch.device("cuda", 0), "none"))
+    mixed_first = [*fine[:2], "data.mix_off_epoch=2"]  # every batch of epoch 1 mixed, the epochs after recorded
+    checks.check_combinations(config.load(None, mixed_first), World(0, 0, 1, torch.device("cuda", 0), "none"))
     checks.check_combinations(config.load(None, fine[:1]), World(0, 0, 1, torch.device("cuda", 0), "ddp"))

@@ -6,16 +6,19 @@ backward. Here torch.cuda.graph records the whole step instead, NCCL's all-reduc
 that), the way torch's CUDA-semantics notes describe for DDP: DDP built on a side stream, 11 eager steps before
 the capture. A replay then launches the step's every kernel, the all-reduce's too, from one host call.
 
-The ways, in one process, the same fixed batch (fast at 1024 on a GPU), timed in turns
-(bench.harness.alternating): a plain step (zero_grad, forward under bf16 autocast, label-smoothed loss, backward,
-ddp/optim.py's fused SGD step) eager, bare and under DDP; ddp/train.py's train_step (its gradient norm, schedule
-and bookkeeping besides) on the same two jobs; and on a GPU the plain step recorded whole, bare and under DDP,
-each its own job from the same seed. A replay repeats the recorded step as recorded: a scheduler or anything
-else decided on the host between steps is not in it (the plain step has none). Each recorded way's replay is
-profiled (kernels a step; NCCL's among them). Then for each pair alike (eager, recorded) the DDP job is set to
-the bare one's weights, buffers and momentum in place and each takes one step: DDP at world size 1 averages
-over one rank, so the weights must agree (2026-11-27's first lease compared them after some 377 steps of
-their own on one batch instead: 0.12 apart, which says nothing at bf16).
+The ways, in one process, one fixed batch a size (on a GPU the bench's DDP rows: fast at 1024 and 256,
+resnet18 at 512), timed in turns (bench.harness.alternating):
+  - eager: a plain step (zero_grad, forward under bf16 autocast, label-smoothed loss, backward, ddp/optim.py's
+    fused SGD step), bare and under DDP;
+  - train_step: ddp/train.py's step (its gradient norm, schedule and bookkeeping besides) on the same two jobs;
+  - recorded: train_step with run.cuda_graph=true (ddp/graphed.py's Recorder), bare and under DDP;
+  - captured (a GPU): the plain step recorded whole by this file, bare and under DDP, each its own job.
+A replay repeats the recorded step as recorded: a scheduler or anything else decided on the host between steps is
+not in it (the plain step has none; the Recorder runs them after each replay). Each recorded way's replay is
+profiled (kernels a step; NCCL's among them). Then for each pair alike (eager, recorded, captured) the DDP job is
+set to the bare one's weights, buffers and momentum in place and each takes one step: DDP at world size 1 averages
+over one rank, so the weights must agree (2026-11-27's first lease compared them after some 377 steps of their
+own on one batch instead: 0.12 apart, which says nothing at bf16).
 
   python bench/step_capture.py OUT_DIR          (writes OUT_DIR/capture.md and capture.json)
 
@@ -43,7 +46,7 @@ from ddp.devices import World  # noqa: E402
 
 GPU = torch.cuda.is_available()
 DEVICE = graphs_split.DEVICE
-MODEL, BATCH = ("fast", 1024) if GPU else ("small", 16)
+SIZES = [("fast", 1024), ("fast", 256), ("resnet18", 512)] if GPU else [("small", 16)]  # the bench's DDP rows
 TIMING = graphs_split.TIMING
 EAGER_BEFORE_CAPTURE = 11  # DDP's reducer settles its buckets in its first steps (torch's notes: at least 11)
 
@@ -84,63 +87,58 @@ def run(out: Path) -> list[dict]:
     rows: list[dict] = []
     side = torch.cuda.Stream(DEVICE) if GPU else None
     with distributed.setup(world, 120) as world, torch.cuda.stream(side) if GPU else contextlib.nullcontext():
-        # DDP built on the side stream, and every way stepped there: its gradient accumulators live on it
-        jobs = {f"eager {label}": harness.job(MODEL, BATCH, BATCH, w) for label, w in
-                (("bare", World(0, 0, 1, DEVICE, "none")), ("ddp", world))}  # fmt: skip
-        fixed = next(iter(jobs["eager bare"].train_loader))
-        steps: dict[str, Callable[[], object]] = {k: plain_step(j, fixed) for k, j in jobs.items()}
-        for label in ("bare", "ddp"):  # ddp/train.py's step (its norms, schedule, bookkeeping) on the same jobs
-            steps[f"train_step {label}"] = harness.stepping(jobs[f"eager {label}"], lambda: fixed)
-        for label, w in (("bare", World(0, 0, 1, DEVICE, "none")), ("ddp", world)):
-            if not recorded(label, w, fixed, jobs, steps, rows):
-                write(out, rows)  # a failed capture may leave the device unusable: its error is kept
-                break
-        if GPU and not rows:
-            for label, w in (("bare", World(0, 0, 1, DEVICE, "none")), ("ddp", world)):
-                job = harness.job(MODEL, BATCH, BATCH, w)
-                jobs[f"captured {label}"] = job
-                try:
-                    steps[f"captured {label}"] = captured(plain_step(job, fixed), side)
-                except Exception as e:  # noqa: BLE001 (a way torch cannot capture is its row's result)
-                    traceback.print_exc()
-                    rows.append({"way": f"captured {label}", "error": f"{type(e).__name__}: {str(e).strip()[:300]}"})
-                    write(out, rows)  # a failed capture may leave the device unusable: its error is kept
-                    break
-        t = harness.alternating(steps, *TIMING)
-        for way, s in t.items():
-            row = {"way": way, "model": MODEL, "batch": BATCH, "step_s": s}
-            if way.startswith("recorded"):
-                row["replays"] = jobs[way].recorded.replays
-            if way.startswith(("captured", "recorded")) and GPU:
-                row["profiled"] = {k: v for k, v in graphs_split.profiled(steps[way], 5).items() if k != "by_name_ms"}
-                row["nccl_kernels"] = sum(n for k, n in row["profiled"]["launches_by_name"].items() if "nccl" in k)
-            rows.append(row)
-        for how in ("eager", "recorded", "captured"):
-            if f"{how} bare" in steps and f"{how} ddp" in steps:
-                diff = one_step_apart(
-                    jobs[f"{how} bare"], jobs[f"{how} ddp"], steps[f"{how} bare"], steps[f"{how} ddp"]
-                )
-                rows.append({"way": f"weights after one step from the same state, {how} ddp against {how} bare",
-                             "max_abs_diff": diff})  # fmt: skip
-        write(out, rows)
+        for model, batch in SIZES:  # DDP built on the side stream, every way stepped there (its accumulators' stream)
+            done = one_size(model, batch, world, side, rows)
+            write(out, rows)  # after each size: a call cut off keeps what finished
+            if not done:
+                break  # a failed recording may leave the device unusable: its error is kept
     return rows
 
 
-def recorded(label: str, world: World, fixed: harness.Batch, jobs: dict, steps: dict, rows: list) -> bool:
-    """ddp/train.py's train_step with run.cuda_graph=true (graphed.Recorder) as the way `recorded LABEL`, taken
-    past its eager steps and its recording; False, with its error in `rows`, if that failed."""
-    way = f"recorded {label}"
-    try:
-        job = jobs[way] = harness.job(MODEL, BATCH, BATCH, world, "run.cuda_graph=true")
-        steps[way] = harness.stepping(job, lambda: fixed)
-        for _ in range(max(graphed.EAGER_STEPS.values()) + 1):  # as many for both: the same LR from the schedule
-            steps[way]()
-    except Exception as e:  # noqa: BLE001 (a way torch cannot record is its row's result)
-        traceback.print_exc()
-        steps.pop(way, None)
-        rows.append({"way": way, "error": f"{type(e).__name__}: {str(e).strip()[:300]}"})
-        return False
+def one_size(model: str, batch: int, world: World, side: torch.cuda.Stream | None, rows: list[dict]) -> bool:
+    """Every way at one model and batch, timed in turns, then each alike pair one step apart; its rows into
+    `rows`. False when a recording failed (its error is a row)."""
+    size = {"model": model, "batch": batch}
+    jobs = {f"eager {label}": harness.job(model, batch, batch, w) for label, w in
+            (("bare", World(0, 0, 1, DEVICE, "none")), ("ddp", world))}  # fmt: skip
+    fixed = next(iter(jobs["eager bare"].train_loader))
+    steps: dict[str, Callable[[], object]] = {k: plain_step(j, fixed) for k, j in jobs.items()}
+    for label in ("bare", "ddp"):  # ddp/train.py's step (its norms, schedule, bookkeeping) on the same jobs
+        steps[f"train_step {label}"] = harness.stepping(jobs[f"eager {label}"], lambda: fixed)
+    for label, w in (("bare", World(0, 0, 1, DEVICE, "none")), ("ddp", world)):
+        way = f"recorded {label}"
+        try:
+            recorded(way, harness.job(model, batch, batch, w, "run.cuda_graph=true"), fixed, jobs, steps)
+            if GPU:  # the plain step recorded whole, without ddp/train.py
+                jobs[f"captured {label}"] = job = harness.job(model, batch, batch, w)
+                way = f"captured {label}"
+                steps[way] = captured(plain_step(job, fixed), side)
+        except Exception as e:  # noqa: BLE001 (a way torch cannot record is its row's result)
+            traceback.print_exc()
+            rows.append({"way": way, **size, "error": f"{type(e).__name__}: {str(e).strip()[:300]}"})
+            return False
+    for way, s in harness.alternating(steps, *TIMING).items():
+        row = {"way": way, **size, "step_s": s}
+        if way.startswith("recorded"):
+            row["replays"] = jobs[way].recorded.replays
+        if way.startswith(("captured", "recorded")) and GPU:
+            row["profiled"] = {k: v for k, v in graphs_split.profiled(steps[way], 5).items() if k != "by_name_ms"}
+            row["nccl_kernels"] = sum(n for k, n in row["profiled"]["launches_by_name"].items() if "nccl" in k)
+        rows.append(row)
+    for how in ("eager", "recorded", "captured"):
+        if f"{how} bare" in steps and f"{how} ddp" in steps:
+            diff = one_step_apart(jobs[f"{how} bare"], jobs[f"{how} ddp"], steps[f"{how} bare"], steps[f"{how} ddp"])
+            rows.append({"way": f"weights after one step from the same state, {how} ddp against {how} bare", **size,
+                         "max_abs_diff": diff})  # fmt: skip
     return True
+
+
+def recorded(way: str, job: harness.train.Job, fixed: harness.Batch, jobs: dict, steps: dict) -> None:
+    """ddp/train.py's train_step with run.cuda_graph=true (graphed.Recorder) as `way`, taken past its eager
+    steps and its recording."""
+    jobs[way], steps[way] = job, harness.stepping(job, lambda: fixed)
+    for _ in range(max(graphed.EAGER_STEPS.values()) + 1):  # as many for both: the same LR from the schedule
+        steps[way]()
 
 
 def one_step_apart(a: harness.train.Job, b: harness.train.Job, step_a: Callable, step_b: Callable) -> float:
@@ -165,9 +163,16 @@ def one_step_apart(a: harness.train.Job, b: harness.train.Job, step_a: Callable,
 def lines(rows: list[dict]) -> list[str]:
     head = f"# DDP at world size 1, each step one CUDA graph ({harness.device_name(DEVICE)}, torch {torch.__version__})"
     window = f"{TIMING[1]} calls a window, {TIMING[2]} windows, medians"
-    out = [head, "", f"{MODEL} at batch {BATCH}, one fixed batch, the ways timed in turns in one process ({window}).",
-           "", "| way | step ms | kernels a step | NCCL kernels a step | device ms | replays |",
-           "| --- | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
+    out = [head, "", f"One fixed batch a size, the ways timed in turns in one process ({window})."]
+    for model, batch in dict.fromkeys((r["model"], r["batch"]) for r in rows):
+        mine = [r for r in rows if (r["model"], r["batch"]) == (model, batch)]
+        out += size_lines(model, batch, mine)
+    return out
+
+
+def size_lines(model: str, batch: int, rows: list[dict]) -> list[str]:
+    out = ["", f"## {model} at batch {batch}", "", "| way | step ms | kernels a step | NCCL kernels a step | device ms "
+           "| replays |", "| --- | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
     by_way = {r["way"]: r for r in rows if "step_s" in r}
     for r in rows:
         if "error" in r:

@@ -257,8 +257,9 @@ def test_step_capture_dry_run_times_the_eager_ways_in_turns_and_refuses_a_bad_ca
     # run.cuda_graph's Recorder (a CPU: its replay calls the step again on the static buffers): past its eager steps
     assert [r.get("replays", 0) > 0 for r in timed] == [False] * 4 + [True] * 2, rows
     # DDP over one rank from the bare job's weights, buffers and momentum: the same step, to the bit in float32
-    assert agreements == [{"way": f"weights after one step from the same state, {how} ddp against {how} bare",
-                           "max_abs_diff": 0.0} for how in ("eager", "recorded")]  # fmt: skip
+    apart = "weights after one step from the same state, {0} ddp against {0} bare"
+    assert agreements == [{"way": apart.format(how), "model": "small", "batch": 16, "max_abs_diff": 0.0}
+                          for how in ("eager", "recorded")]  # fmt: skip
     md = (tmp_path / "capture.md").read_text()
     assert "- DDP over the bare model, eager: " in md and "- DDP over the bare model, train_step: " in md, md
     assert "captured" not in md, md

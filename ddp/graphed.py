@@ -1,7 +1,8 @@
 """run.cuda_graph=true: the training step recorded once in one CUDA graph and replayed for every batch after, so
-that a step is one launch from the host instead of hundreds (DDP's all-reduce inside it). The eager step is
-host-bound on a GPU (configs/fast.yaml on an H100: 4.46 ms of kernels a step, 7.6 ms a step in its epochs,
-bench/results/nvidia-h100-80gb-hbm3-check-2026-11-27-b.md); a replay does not wait on the host.
+that a step is one launch from the host instead of hundreds (DDP's all-reduce inside it).
+
+The eager step is host-bound on a GPU (configs/fast.yaml on an H100: 4.46 ms of kernels a step, 7.6 ms a step in
+its epochs, bench/results/nvidia-h100-80gb-hbm3-check-2026-11-27-b.md); a replay does not wait on the host.
 
 What is recorded is the step's gradient part (train.gradient_step: zero_grad, the forward, the backward, the
 gradients' norm and clipping, the optimizer's step) on static input buffers; the rest of a step (the schedule,

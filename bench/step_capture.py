@@ -12,7 +12,7 @@ resnet18 at 512), timed in turns (bench.harness.alternating):
     fused SGD step), bare and under DDP;
   - train_step: ddp/train.py's step (its gradient norm, schedule and bookkeeping besides) on the same two jobs;
   - recorded: train_step with run.cuda_graph=true (ddp/graphed.py's Recorder), bare and under DDP;
-  - captured (a GPU): the plain step recorded whole by this file, bare and under DDP, each its own job.
+  - captured (a GPU): the plain step recorded whole by the same Recorder, bare and under DDP, each its own job.
 A replay repeats the recorded step as recorded: a scheduler or anything else decided on the host between steps is
 not in it (the plain step has none; the Recorder runs them after each replay). Each recorded way's replay is
 profiled (kernels a step; NCCL's among them). Then for each pair alike (eager, recorded, captured) the DDP job is
@@ -48,38 +48,38 @@ GPU = torch.cuda.is_available()
 DEVICE = graphs_split.DEVICE
 SIZES = [("fast", 1024), ("fast", 256), ("resnet18", 512)] if GPU else [("small", 16)]  # the bench's DDP rows
 TIMING = graphs_split.TIMING
-EAGER_BEFORE_CAPTURE = 11  # DDP's reducer settles its buckets in its first steps (torch's notes: at least 11)
 
 
-def plain_step(job: harness.train.Job, fixed: harness.Batch) -> Callable[[], torch.Tensor]:
-    images, labels = job.to_input(fixed[0]), fixed[1].to(DEVICE)
+def plain_step(job: harness.train.Job) -> graphed.GradientStep:
+    """The plain step on a batch already on the device: zero_grad, the forward under autocast, the loss, the backward,
+    the fused SGD step; (loss, loss), as graphed.Recorder takes a step."""
     amp = job.plan.amp
 
-    def step() -> torch.Tensor:
+    def step(images: torch.Tensor, labels: torch.Tensor) -> graphed.Pair:
         job.trained.optimizer.zero_grad(set_to_none=True)
         with torch.autocast(DEVICE.type, dtype=amp, enabled=amp is not None):
             loss = job.criterion(job.wrapped(images), labels)
         loss.backward()
         job.trained.optimizer.step()
-        return loss.detach()
+        return loss.detach(), loss.detach()
 
     return step
 
 
-def captured(step: Callable[[], torch.Tensor], side: torch.cuda.Stream) -> Callable[[], None]:
-    """`step` recorded in one CUDA graph (after EAGER_BEFORE_CAPTURE eager calls on `side`): its replay."""
-    for _ in range(EAGER_BEFORE_CAPTURE):
-        step()
-    torch.cuda.synchronize(DEVICE)
-    graph = torch.cuda.CUDAGraph()
-    cache = torch.is_autocast_cache_enabled()
-    torch.set_autocast_cache_enabled(False)  # autocast's cast weights must not outlive the capture
-    try:
-        with torch.cuda.graph(graph, stream=side):
-            step()
-    finally:
-        torch.set_autocast_cache_enabled(cache)
-    return graph.replay
+def eager(job: harness.train.Job, fixed: harness.Batch) -> Callable[[], object]:
+    """A call: the plain step of `job` on `fixed`, normalised once (the input copy is no part of the step)."""
+    step, batch = plain_step(job), (job.to_input(fixed[0]), fixed[1].to(DEVICE))
+    return lambda: step(*batch)
+
+
+def captured(job: harness.train.Job, fixed: harness.Batch, world: World) -> Callable[[], object]:
+    """A call: the plain step of `job` on `fixed` replayed, recorded whole by ddp/graphed.py's Recorder after its
+    eager steps (as many for bare and DDP)."""
+    recorder = graphed.Recorder(plain_step(job), job.trained.optimizer, world)
+    batch = (job.to_input(fixed[0]), fixed[1].to(DEVICE))
+    for _ in range(max(graphed.EAGER_STEPS.values()) + 1):
+        recorder(*batch)
+    return lambda: recorder(*batch)
 
 
 def run(out: Path) -> list[dict]:
@@ -88,21 +88,21 @@ def run(out: Path) -> list[dict]:
     side = torch.cuda.Stream(DEVICE) if GPU else None
     with distributed.setup(world, 120) as world, torch.cuda.stream(side) if GPU else contextlib.nullcontext():
         for model, batch in SIZES:  # DDP built on the side stream, every way stepped there (its accumulators' stream)
-            done = one_size(model, batch, world, side, rows)
+            done = one_size(model, batch, world, rows)
             write(out, rows)  # after each size: a call cut off keeps what finished
             if not done:
                 break  # a failed recording may leave the device unusable: its error is kept
     return rows
 
 
-def one_size(model: str, batch: int, world: World, side: torch.cuda.Stream | None, rows: list[dict]) -> bool:
+def one_size(model: str, batch: int, world: World, rows: list[dict]) -> bool:
     """Every way at one model and batch, timed in turns, then each alike pair one step apart; its rows into
     `rows`. False when a recording failed (its error is a row)."""
     size = {"model": model, "batch": batch}
     jobs = {f"eager {label}": harness.job(model, batch, batch, w) for label, w in
             (("bare", World(0, 0, 1, DEVICE, "none")), ("ddp", world))}  # fmt: skip
     fixed = next(iter(jobs["eager bare"].train_loader))
-    steps: dict[str, Callable[[], object]] = {k: plain_step(j, fixed) for k, j in jobs.items()}
+    steps: dict[str, Callable[[], object]] = {k: eager(j, fixed) for k, j in jobs.items()}
     for label in ("bare", "ddp"):  # ddp/train.py's step (its norms, schedule, bookkeeping) on the same jobs
         steps[f"train_step {label}"] = harness.stepping(jobs[f"eager {label}"], lambda: fixed)
     for label, w in (("bare", World(0, 0, 1, DEVICE, "none")), ("ddp", world)):
@@ -112,7 +112,7 @@ def one_size(model: str, batch: int, world: World, side: torch.cuda.Stream | Non
             if GPU:  # the plain step recorded whole, without ddp/train.py
                 jobs[f"captured {label}"] = job = harness.job(model, batch, batch, w)
                 way = f"captured {label}"
-                steps[way] = captured(plain_step(job, fixed), side)
+                steps[way] = captured(job, fixed, w)
         except Exception as e:  # noqa: BLE001 (a way torch cannot record is its row's result)
             traceback.print_exc()
             rows.append({"way": way, **size, "error": f"{type(e).__name__}: {str(e).strip()[:300]}"})

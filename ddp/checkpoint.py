@@ -339,8 +339,8 @@ def export(path: str | Path, out: str | Path, raw: bool = False, state_dict: boo
         exported = {"format": "ddp-cifar-weights/1", "model_name": model["name"], "width": model.get("width", 1.0),
                     "dropout": model.get("dropout", 0.0), "classes": state["classes"], "normalize": state["normalize"],
                     "model": exported}  # fmt: skip
-    with files.atomic(Path(out), exclusive=True) if str(out) != "-" else cli.stdout_bytes() as f:  # nor one a
-        torch.save(exported, f)  # second export made meanwhile
+    with files.atomic(Path(out), exclusive=True) if str(out) != "-" else cli.stdout_bytes() as f:
+        torch.save(exported, f)
     return state
 
 

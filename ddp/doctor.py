@@ -90,24 +90,19 @@ def check_out_dir(out_dir: str) -> tuple[str | None, str | None]:
         return None, f"run.out_dir={out_dir} is not writable ({why}); choose another run.out_dir"
 
 
-def check_data(data: DataConfig, world: World) -> tuple[str, str | None, dict[str, Any]]:
-    """(a line on the data ddp/train.py would read, a problem or None, what every machine must have alike of it:
-    alike.data_of's, or nothing unread): read here as the run would, without a download (one the run would make is
-    said)."""
+def check_data(data: DataConfig, world: World) -> tuple[str, str | None, datasets.Data | None]:
+    """(a line on the data ddp/train.py would read, a problem or None, the data or None): read here as the run
+    would, without a download (one the run would make is said)."""
     try:
         found = datasets.read(replace(data, download=False), world)
     except datasets.DataMissing as e:
         if data.download:
-            return f"data: {data.dataset} is not in data.root={data.root} yet: the run downloads it", None, {}
-        return "data: missing", str(e), {}
+            return f"data: {data.dataset} is not in data.root={data.root} yet: the run downloads it", None, None
+        return "data: missing", str(e), None
     except UsageError as e:
-        return "data: unusable", str(e), {}
+        return "data: unusable", str(e), None
     train, test = len(found.train.labels), len(found.test.labels)
-    return (
-        f"data: {train} training and {test} test images, {len(found.classes)} classes",
-        None,
-        alike.data_of(data, found),
-    )
+    return f"data: {train} training and {test} test images, {len(found.classes)} classes", None, found
 
 
 SHM_NEEDED_MIB = 1024  # NVIDIA's containers are started with docker run --shm-size=1g
@@ -230,11 +225,12 @@ def diagnose(run: config.RunConfig, data: DataConfig, mine: dict[str, Any]) -> l
         # Every rank looks for rank 0's file: missing means another filesystem (not shared across nodes).
         sees = shared[0] is not None and (Path(run.out_dir) / shared[0]).is_file()
         reduced = distributed.all_reduce_sum(torch.tensor([float(world.rank)], device=world.device), world)
-        checked = check_data(data, world) if world.is_local_main else None  # one per machine
-        mine = mine | checked[2] if checked else mine  # the data's digest, where this machine read it
+        line, problem, found = check_data(data, world) if world.is_local_main else (None, None, None)  # one a machine
+        mine = mine | alike.data_of(data, found) if found else mine  # the data's digest, where this machine read it
+        checked = (line, problem) if line else None
         reports = distributed.gather_objects((report(world, run.out_dir, mine), sees, mismatch, checked), world)
         if world.is_main:
-            for r, _, _, data_checked in reports:  # (line, problem, digest) on one rank a machine
+            for r, _, _, data_checked in reports:  # (line, problem) on one rank a machine
                 print_report(r)
                 if data_checked:
                     show(f"  {data_checked[0]}")

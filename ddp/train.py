@@ -289,8 +289,8 @@ def train_epoch(
 def train_step(job: Job, images: torch.Tensor, labels: torch.Tensor, mix: mixing.Mix | None = None) -> torch.Tensor:
     """One optimizer step on this rank's batch (mixed by `mix`, if any): gradient_step (run.cuda_graph: replayed),
     then the schedule, lookahead and the moving average. Returns the batch's mean loss, on the device (syncs read)."""
-    step = job.recorded if job.recorded and mix is None else lambda x, y: gradient_step(job, x, y, mix)
-    total, norm = step(images, labels)
+    recorded = job.recorded if mix is None else None  # a mixed batch: the eager step
+    total, norm = recorded(images, labels) if recorded else gradient_step(job, images, labels, mix)
     job.stats.add_grad_norm(norm)
     with record_function("optimizer"):
         job.trained.scheduler.step()

@@ -39,18 +39,21 @@
 #          processes (2026-11-27); pairs.md and .jsonl, the runs' logs in pairs/; PAIRS_ARMS: which of ours
 #          (bench/epoch_pairs.py --arms; fast-graphs, fast-fp16w-graphs: compiled with CUDA graphs; fast-recorded:
 #          run.cuda_graph=true)
+#   ddp-runs     bench/ddp_runs.sh: configs/fast.yaml end to end, python ddp/train.py against torchrun DDP at world
+#          size 1, eager and run.cuda_graph=true, 3 epochs of CIFAR-10-sized synthetic data, the four runs twice
+#          (2026-11-28: recorded -8.9% and +0.6%, eager +19% and +32%); ddp-runs/ddp-runs.md; at most 300 s
 # Each run's epoch lines (and profile tables) go to $OUT/probe-<step>.log; the fast-* runs' metrics.jsonl
 # to $OUT/<run>/.
 #   fsdp   FSDP2 at one rank took 4.1x DDP's step (resnet18, batch 256, bf16, 2026-11-25): the same with
 #          --amp off (bf16 shards each BatchNorm on its own: 27 FSDP2 units instead of 8)
 #   bash bench/gpu_probe.sh [ddp] [tune] [mfu] [graphs] [fast-graphs] [fast-seeds] [fast-fp16] [graphs-split] [recipe-steps]
-#          [overhead] [steps] [pairs] [capture] [fsdp]
+#          [overhead] [steps] [pairs] [capture] [ddp-runs] [fsdp]
 # Exit status: 1 if a probe (or one run of it) failed, named in the last line.
 #   bash bench/gpu_probe.sh --check PROBES...   the names and MFU_MODES / MFU_MODELS checked, nothing run: one
 #          line and exit 64 for a bad one (gpu_lease.sh asks first, so a typo costs no device time)
 set -uo pipefail
 cd "$(dirname "$0")/.."
-probes=" ddp tune mfu graphs fast-graphs fast-seeds fast-fp16 graphs-split recipe-steps overhead steps pairs capture fsdp "
+probes=" ddp tune mfu graphs fast-graphs fast-seeds fast-fp16 graphs-split recipe-steps overhead steps pairs capture ddp-runs fsdp "
 modes=" default reduce-overhead max-autotune max-autotune-no-cudagraphs "  # torch.compile's (run.compile_mode)
 bad() { echo "gpu_probe.sh: $*" >&2; exit 64; }
 for s in ${*#--check}; do [[ $probes == *" $s "* ]] || bad "no probe '$s' (the probes: $(echo $probes))"; done
@@ -133,6 +136,11 @@ for mode in sys.argv[2].split():
       capture)
         # bounded: an all-reduce recorded in a CUDA graph may hang; what finished is written
         timeout -k 10 240 python3 bench/step_capture.py "$out" >"$out/probe-capture.log" 2>&1 || failed+=" capture"
+        ;;
+      ddp-runs)
+        # bounded: four runs of fast.yaml twice, each a process of its own (2026-11-28: 3 epochs, 266 s with capture)
+        timeout -k 10 300 bash bench/ddp_runs.sh "$out/ddp-runs" >"$out/probe-ddp-runs.log" 2>&1 || failed+=" ddp-runs"
+        cat "$out/ddp-runs/ddp-runs.md" >>"$out/probe-ddp-runs.log" 2>/dev/null
         ;;
       recipe-steps)
         python3 bench/recipe_steps.py "$out" --airbench .gpu/airbench-0.1.8.tar.gz >"$out/probe-recipe-steps.log" 2>&1 ||

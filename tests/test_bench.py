@@ -2,6 +2,7 @@
 code at small sizes) is make gpu-check's dry-run bench step: tests/test_gpu_check.py checks its output."""
 
 import json
+import statistics
 import subprocess
 import sys
 from collections import Counter
@@ -266,6 +267,22 @@ def test_step_capture_dry_run_times_the_eager_ways_in_turns_and_refuses_a_bad_ca
     wrong = subprocess.run([sys.executable, "bench/step_capture.py"], cwd=REPO, env=clean_env(PYTHONPATH=str(REPO)),
                            capture_output=True, text=True, timeout=60)  # fmt: skip
     assert wrong.returncode == 64 and "python bench/step_capture.py OUT_DIR" in wrong.stderr
+
+
+def test_ddp_runs_dry_run_trains_one_process_and_torchrun_ddp_and_compares_their_later_epochs(tmp_path):
+    """bench/ddp_runs.sh on the CPU (the probe ddp-runs' dry run): fast.yaml at toy sizes, one process and DDP at
+    world size 1 under the real torchrun over gloo, eager; its table from each run's own metrics.jsonl."""
+    proc = subprocess.run(["bash", "bench/ddp_runs.sh", str(tmp_path)], cwd=REPO, env=clean_env(),
+                          capture_output=True, text=True, timeout=180)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "launcher=torchrun parallel=ddp world_size=1" in (tmp_path / "ddp-eager-1.log").read_text()
+    assert "launcher=none" in (tmp_path / "one-eager-1.log").read_text()
+    later = [statistics.mean(json.loads(r)["train_s"] for r in (tmp_path / f"{launch}-eager-1" / "metrics.jsonl")
+                             .read_text().splitlines()[1:]) for launch in ("one", "ddp")]  # fmt: skip
+    rows = (tmp_path / "ddp-runs.md").read_text().splitlines()
+    assert len(rows) == 3 and rows[2].startswith(f"| eager | 1 | {later[0]:.4f} | {later[1]:.4f} | "), rows
+    wrong = subprocess.run(["bash", "bench/ddp_runs.sh"], cwd=REPO, capture_output=True, text=True, timeout=30)
+    assert wrong.returncode != 0 and "usage: bash bench/ddp_runs.sh OUT" in wrong.stderr
 
 
 def test_graphs_split_dry_run_writes_both_tables_and_leaves_out_the_steps_labels(tmp_path):

@@ -99,7 +99,8 @@ def job(name: str, global_batch: int, images: int, world: World, *extra: str) ->
     per_rank = checks.split_batch(global_batch, world.world_size, "batch", cfg.train.grad_accum_steps)
     steps = checks.steps_per_epoch(cfg, images)
     precision = checks.precision(amp, world.device, global_batch)  # autocast, weights, loss scale
-    built, _ = train.build(cfg, world, data, checks.Plan(per_rank, steps, *precision))
+    recorded = checks.cuda_graph(cfg, world, print)  # run.cuda_graph=true: as asked (step_capture's dry run: a CPU)
+    built, _ = train.build(cfg, world, data, checks.Plan(per_rank, steps, *precision, recorded=recorded))
     built.train_loader.sampler.set_epoch(1, start_step=0)
     return built
 

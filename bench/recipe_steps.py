@@ -40,7 +40,7 @@ def measure(work: Path) -> dict[str, dict]:
     steps = host_cost.END - host_cost.FIRST
     ours_args = (
         *host_cost.FAST, *(() if GPU else host_cost.FP32), "data.augment=true", f"model.width={WIDTH}",
-        f"train.batch_size={BATCH}", f"data.synthetic_train={BATCH * host_cost.END}",
+        f"train.batch_size={BATCH}", f"data.synthetic_train={BATCH * host_cost.END}", "run.cuda_graph=false",  # eager
     )  # fmt: skip
     rows = {"ours (configs/fast.yaml)": ("ours", ())}
     if GPU:  # fp16 takes cuDNN's BatchNorm, as airbench94's fp16 does (bf16 takes torch's own), and adds a GradScaler;

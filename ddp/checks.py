@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import signal
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +27,7 @@ class Plan:
     loss_scale: float = 1.0  # the loss's factor before the backward (run.amp=fp16-weights: see precision)
     stop_signals: tuple[signal.Signals, ...] = ()  # each asks for a stop at the next step boundary
     profile_steps: range | None = None  # global steps to trace (run.profile), None for none
+    recorded: bool = False  # the step recorded in a CUDA graph and replayed (run.cuda_graph, resolved: cuda_graph())
 
 
 def split_batch(global_batch: int, world_size: int, key: str, accum_steps: int = 1) -> int:
@@ -104,7 +106,7 @@ def check_combinations(cfg: Config, world: World) -> None:
         check_fsdp(cfg)
     if cfg.run.amp == "fp16-weights":
         check_fp16_weights(cfg)
-    if cfg.run.cuda_graph:
+    if cfg.run.cuda_graph == "true":
         check_cuda_graph(cfg, world)
     if cfg.train.sync_bn and world.parallel == "dp":
         raise UsageError(
@@ -155,13 +157,31 @@ def check_fsdp(cfg: Config) -> None:
 
 
 def check_cuda_graph(cfg: Config, world: World) -> None:
-    """What a recorded step (run.cuda_graph: replayed as recorded, ddp/graphed.py) would get wrong or cannot record,
-    with why and what to use instead."""
-    if world.device.type != "cuda":
-        raise UsageError(f"run.cuda_graph=true records CUDA graphs: it needs a GPU, not {world.device} (run.device)")
+    """run.cuda_graph=true: refused, with why, where cuda_graph_refusal finds something."""
+    refused = cuda_graph_refusal(cfg, world)
+    if refused:
+        raise UsageError(f"{refused[0]} does not work with run.cuda_graph=true ({refused[1]})")
+
+
+def cuda_graph(cfg: Config, world: World, say: Callable[[str], None] | None) -> bool:
+    """run.cuda_graph resolved for this run: whether its step is recorded. true was checked in check_combinations;
+    auto records where cuda_graph_refusal finds nothing, and where it finds something `say`s why not."""
+    if cfg.run.cuda_graph != "auto":
+        return cfg.run.cuda_graph == "true"
+    refused = cuda_graph_refusal(cfg, world)
+    if refused and say:
+        say(f"run.cuda_graph=auto: the step runs eager, not recorded ({refused[0]}: {refused[1]})")
+    return not refused
+
+
+def cuda_graph_refusal(cfg: Config, world: World) -> tuple[str, str] | None:
+    """What a recorded step (run.cuda_graph: replayed as recorded, ddp/graphed.py) would get wrong or cannot record:
+    (the setting, why and what to use instead), or None."""
     t, run = cfg.train, cfg.run
     refused = {
+        f"run.device={world.device}": (world.device.type != "cuda", "CUDA graphs need a GPU"),
         f"run.parallel={world.parallel}": (world.parallel in ("dp", "fsdp"), "a recording is one GPU's: use DDP"),
+        "run.backend=gloo": (world.grouped and world.backend == "gloo", "gloo's all-reduce runs on the host: use nccl"),
         "run.compile": (run.compile, "use one: run.compile_mode=reduce-overhead records graphs of its own"),
         "run.amp=fp16": (run.amp == "fp16", "its GradScaler decides on the host which steps to skip: use bf16"),
         "train.grad_accum_steps": (t.grad_accum_steps > 1, "one batch a step is recorded: raise the batch instead"),
@@ -176,9 +196,7 @@ def check_cuda_graph(cfg: Config, world: World) -> None:
         "ddp.find_unused_parameters": (cfg.ddp.find_unused_parameters, "DDP searches the graph on the host each step"),
         f"optim.name={cfg.optim.name}": (cfg.optim.name != "sgd", "only SGD's fused step is recorded (yet)"),
     }  # fmt: skip
-    for key, (on, why) in refused.items():
-        if on:
-            raise UsageError(f"{key} does not work with run.cuda_graph=true ({why})")
+    return next(((key, why) for key, (on, why) in refused.items() if on), None)
 
 
 def mixing_always(cfg: Config) -> bool:

@@ -106,14 +106,10 @@ class TrainConfig:
     label_smoothing: float = opt(0.0, "label smoothing of the cross-entropy loss (0 = off)", valid=FRACTION)
     tta_flip: bool = opt(False, "evaluate on each test image and its mirror image, averaging the logits")
     tta_translate: bool = opt(False, "also evaluate each test image shifted 1 px up-left and down-right (airbench)")
-    eval_every: int = opt(
-        1, "evaluate the test set after every N-th epoch and after the last (the epochs between: loss and speed only)",
-        valid=POSITIVE,
-    )  # fmt: skip
-    ema_decay: float = opt(
-        0.0, "keep a moving average of the weights, decayed by this per step, and evaluate it (0 = off)",
-        valid=FRACTION,
-    )  # fmt: skip
+    eval_every: int = opt(1, "evaluate the test set after every N-th epoch and after the last (the epochs between: "
+                          "loss and speed only)", valid=POSITIVE)  # fmt: skip
+    ema_decay: float = opt(0.0, "keep a moving average of the weights, decayed by this per step, and evaluate it "
+                           "(0 = off)", valid=FRACTION)  # fmt: skip
     ema_warmup: int = opt(
         10, "update n of the average decays by min(ema_decay, (1+n)/(ema_warmup+n)) (0 = ema_decay from the start)",
         valid=NATURAL,
@@ -208,7 +204,8 @@ class RunConfig:
     compile: bool = opt(False, "torch.compile the model (before the DDP wrap)")
     compile_mode: str = opt("default", "torch.compile's mode (reduce-overhead: CUDA graphs, the fastest step on a GPU)",
                             ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"))  # fmt: skip
-    cuda_graph: bool = opt(False, "record the step in one CUDA graph, replay it: one launch a step, no compile (CUDA)")
+    cuda_graph: str = opt("false", "true = the step recorded in one CUDA graph and replayed: one launch a step, no "
+                          "compile (CUDA) | auto = where the run allows it", ("false", "true", "auto"))  # fmt: skip
     warmup_steps: int = opt(0, "throwaway steps and an evaluation before epoch 1 (compile, autotuning), all put back",
                             valid=NATURAL)  # fmt: skip
     channels_last: bool = opt(False, "NHWC memory format for model and inputs (faster convs on GPU)")
@@ -224,12 +221,10 @@ class RunConfig:
     debug: bool = opt(False, "show the Python traceback of errors instead of one line (for bug reports)")
     tf32: bool = opt(False, "TensorFloat-32 for CUDA matmuls and cuDNN convolutions (faster, ~10-bit mantissa)")
     cudnn_benchmark: bool = opt(False, "let cuDNN time its convolution algorithms for the fixed input shapes")
-    profile: str = opt(
-        "", "A:B = a torch.profiler trace of global steps A..B-1 per rank in out_dir/profile, a top-10 (empty = off)"
-    )
-    deterministic: bool = opt(
-        False, "deterministic algorithms only (torch, cuDNN, cuBLAS): bitwise-repeatable runs, slower on GPU"
-    )
+    profile: str = opt("", "A:B = a torch.profiler trace of global steps A..B-1 per rank in out_dir/profile, a "
+                       "top-10 (empty = off)")  # fmt: skip
+    deterministic: bool = opt(False, "deterministic algorithms only (torch, cuDNN, cuBLAS): bitwise-repeatable runs, "
+                              "slower on GPU")  # fmt: skip
 
 
 @dataclass
@@ -297,6 +292,8 @@ def _coerce(key: str, value: Any, f: dataclasses.Field) -> Any:
     except ValueError:
         raise UsageError(f"{key}: expected {kind.__name__}, got {value!r}") from None
     choices = f.metadata.get("choices")
+    if "true" in choices and parse_bool(value) is not None:  # a switch with more than two settings (auto)
+        value = str(parse_bool(value)).lower()
     if choices and value not in choices:
         raise UsageError(f"{key}: {value!r} is not one of {', '.join(choices)}")
     return value

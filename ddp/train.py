@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     world = devices.resolve(cfg.run)  # rank, local_rank, world_size from the launcher; device cuda:<local_rank>
     with checked(cfg, world) as (data, plan):  # every mistake found before a rank can wait for another
         with lifeline.watched(world, plan.stop_signals, PARENT):  # the launcher's end, signals, deadlines
-            with distributed.setup(world, cfg.run.timeout_s) as world, graphed.stream(cfg.run.cuda_graph, world.device):
+            with distributed.setup(world, cfg.run.timeout_s) as world, graphed.stream(plan.recorded, world.device):
                 alike.check(cfg, data, world)  # each machine's own code, settings and data: one that differs, said
                 return fit(cfg, world, data, plan)
 
@@ -118,7 +118,8 @@ def checked(cfg: Config, world: World) -> Iterator[tuple[datasets.Data, Plan]]:
         data = datasets.read(cfg.data, world)  # a file that lies stops every rank alike, before the group
         steps = checks.steps_per_epoch(cfg, len(data.train.labels))
         profile_steps = profiling.parse(cfg.run.profile, steps * cfg.train.epochs)
-        yield data, Plan(per_rank_batch, steps, *precision, stop_signals, profile_steps)
+        recorded = checks.cuda_graph(cfg, world, logs.say if world.is_main else None)  # auto: where it can be
+        yield data, Plan(per_rank_batch, steps, *precision, stop_signals, profile_steps, recorded)
 
 
 @dataclass
@@ -149,8 +150,7 @@ def build(cfg: Config, world: World, data: datasets.Data, plan: Plan) -> tuple[J
     rng.seed_everything(cfg.run.seed)
     if cfg.run.deterministic:
         rng.deterministic()  # before any CUDA kernel runs
-    # TF32: CUDA matmuls and cuDNN convolutions in TensorFloat-32 (both switches, so one key decides).
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = cfg.run.tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = cfg.run.tf32  # both: one key decides
     torch.backends.cudnn.benchmark = cfg.run.cudnn_benchmark
     m, steps = cfg.model, plan.steps_per_epoch
     model = models.build(m.name, data.num_classes, m.dropout, m.width, plan.weights).to(world.device)  # the raw one
@@ -187,7 +187,7 @@ def build(cfg: Config, world: World, data: datasets.Data, plan: Plan) -> tuple[J
         eval_loader=loaders.eval_loader(data.test, eval_batch, world, d.workers, d.loader),
         to_input=to_input, criterion=nn.CrossEntropyLoss(label_smoothing=cfg.train.label_smoothing),
     )  # fmt: skip
-    if cfg.run.cuda_graph:  # (on a CPU it replays by calling the step again: the tests' way; checks refuse it)
+    if plan.recorded:  # (on a CPU it replays by calling the step again: the tests' way; checks refuse it)
         say = logs.say if world.is_main else None
         job.recorded = graphed.Recorder(lambda x, y: gradient_step(job, x, y), optimizer, world, say)
     return job, resumed

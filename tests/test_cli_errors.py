@@ -119,8 +119,8 @@ def test_bad_input_for_want_of_a_gpu_exits_2_with_one_line(args, fragments, tmp_
         ),  # fmt: skip
         ([*TINY, "train.micro_batch_size=8", "--preflight", "3"], ["3 x 8 = 24", "a train.batch_size that 3 divides"]),
         (["run.amp=fp16-weight"], ["run.amp: 'fp16-weight' is not one of off, bf16, fp16, fp16-weights"]),
-        (["run.cuda_graph=true"], ["run.cuda_graph=true records CUDA graphs: it needs a GPU, not cpu (run.device)"]),
-        (["run.cuda_graph=maybe"], ["run.cuda_graph: expected bool, got 'maybe'"]),
+        (["run.cuda_graph=true"], ["run.device=cpu does not work with run.cuda_graph=true (CUDA graphs need a GPU)"]),
+        (["run.cuda_graph=maybe"], ["run.cuda_graph: 'maybe' is not one of false, true, auto"]),
         (["run.amp=fp16-weights", "optim.name=adamw"], ["optim.name=adamw does not work with run.amp=fp16-weights "
                                                          "(its squared gradients overflow fp16); use run.amp=bf16"]),
         (["run.amp=fp16-weights", "train.ema_decay=0.99"], ["train.ema_decay does not work with run.amp=fp16-weights"]),

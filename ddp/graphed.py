@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from ddp.devices import World
+from ddp.errors import UsageError, out_of_memory
 
 EAGER_STEPS = {False: 1, True: 11}  # eager steps before the recording: one process, DDP (its buckets settle)
 
@@ -116,6 +117,12 @@ class Recorder:
             with self._tensor_lrs(), torch.cuda.graph(graph, stream=torch.cuda.current_stream(),
                                                       capture_error_mode="thread_local"):  # fmt: skip
                 self.outputs = self.gradient_step(*self.inputs)
+        except RuntimeError as e:  # an operation a capture does not allow (a sync, a host read): the step cannot be
+            if out_of_memory(e):  # recorded; out of memory is said as it is said anywhere else
+                raise
+            said = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise UsageError(f"run.cuda_graph: this run's step could not be recorded in a CUDA graph ({said}); "
+                             "run.cuda_graph=false runs it eager") from e  # fmt: skip
         finally:
             torch.set_autocast_cache_enabled(cache)
         return graph.replay

@@ -93,6 +93,21 @@ def test_the_recording_calls_torch_cuda_graph_as_this_torch_takes_it_and_puts_th
     assert calls == [("capture", "thread_local"), "replay", "replay"] and recorder.replays == 2
     assert seen_lrs[0] == 0.1 and isinstance(seen_lrs[1], torch.Tensor) and optimizer.param_groups[0]["lr"] == 0.1
 
+    def syncs(x: torch.Tensor, y: torch.Tensor) -> graphed.Pair:  # what torch raises for a host read in a capture
+        if calls[-1] == ("capture", "thread_local"):
+            raise RuntimeError("CUDA error: operation not permitted when stream is capturing\nCUDA kernel errors ...")
+        return step(x, y)
+
+    failing = graphed.Recorder(syncs, optimizer, World(0, 0, 1, GPU, "none"))
+    failing(torch.randn(8, 4), torch.randn(8, 2))  # the eager step before the recording
+    with pytest.raises(UsageError) as e:  # one line naming the setting, the float LRs and autocast's cache put back
+        failing(torch.randn(8, 4), torch.randn(8, 2))
+    assert str(e.value) == (
+        "run.cuda_graph: this run's step could not be recorded in a CUDA graph (CUDA error: "
+        "operation not permitted when stream is capturing); run.cuda_graph=false runs it eager"
+    )
+    assert optimizer.param_groups[0]["lr"] == 0.1 and torch.is_autocast_cache_enabled()
+
 
 @pytest.mark.parametrize(
     ("settings", "said"),

@@ -2,7 +2,9 @@
 that a step is one launch from the host instead of hundreds (DDP's all-reduce inside it).
 
 The eager step is host-bound on a GPU (configs/fast.yaml on an H100: 4.46 ms of kernels a step, 7.6 ms a step in
-its epochs, bench/results/nvidia-h100-80gb-hbm3-check-2026-11-27-b.md); a replay does not wait on the host.
+its epochs, bench/results/nvidia-h100-80gb-hbm3-check-2026-11-27-b.md); a replay does not wait on the host: on one
+H200 a recorded step of fast at batch 1024 took 4.35 ms for 4.34 ms of kernels, and DDP at world size 1 added 0.7-2.4%
+on the bench's rows (bench/results/nvidia-h200-check-2026-11-28.md).
 
 What is recorded is the step's gradient part (train.gradient_step: zero_grad, the forward, the backward, the
 gradients' norm and clipping, the optimizer's step) on static input buffers; the rest of a step (the schedule,
@@ -18,7 +20,8 @@ The first steps run eagerly before the recording: cuDNN's autotuning, the moment
 settle in them (torch's CUDA-graph notes ask 11 DDP steps before a capture); the run is on a side stream, where
 DDP is built too (the capture must not touch the default stream: stream()). checks.check_cuda_graph refuses
 what a replay would get wrong or what is not recorded yet (accumulation, fp16's skipped steps, SyncBatchNorm, a
-mix under DDP: a rank's eager all-reduce against another's recorded one, ...).
+mix under DDP: a rank's eager all-reduce against another's recorded one, ...); run.cuda_graph=auto (configs/fast.yaml)
+runs such a run's step eager instead, and records where nothing is refused.
 """
 
 from __future__ import annotations

@@ -5,9 +5,12 @@ in the same order with the same crops and flips; the shards of training (Distrib
 
 from __future__ import annotations
 
+import contextlib
 import signal
+import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -128,6 +131,43 @@ def _leave_stopping_to_the_main_process(worker_id: int) -> None:
         signal.signal(sig, signal.SIG_IGN)
 
 
+class WorkerLoader(DataLoader):
+    """A DataLoader (data.loader=torch) that says a worker lost while its batch was being received as torch says it
+    when it finds a worker gone ("DataLoader worker (pid(s) N) exited unexpectedly": errors.lost_worker, one line),
+    not as a socket's EOFError or ConnectionResetError from fetching the batch's shared memory of the dead worker."""
+
+    def __iter__(self) -> Iterator[Any]:
+        batches = super().__iter__()
+        while True:
+            try:
+                batch = next(batches)
+            except StopIteration:
+                return
+            except (EOFError, ConnectionError) as e:
+                lost = _lost_worker(batches)
+                if lost is None:
+                    raise
+                raise lost from e
+            yield batch
+
+
+def _lost_worker(batches: Iterator[Any]) -> RuntimeError | None:
+    """torch's error for a worker of `batches` found dead within 2 s (its socket closes before it can be reaped),
+    its workers shut down (torch's SIGCHLD handler would raise it again in their clean-up); None if all live."""
+    workers, deadline = getattr(batches, "_workers", []), time.monotonic() + 2
+    try:
+        while not (gone := [w.pid for w in workers if not w.is_alive()]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        pids = ", ".join(map(str, gone))
+        lost = RuntimeError(f"DataLoader worker (pid(s) {pids}) exited unexpectedly") if gone else None
+    except RuntimeError as found:  # torch's SIGCHLD handler found it first: its own line for it
+        lost = found
+    if lost:
+        with contextlib.suppress(RuntimeError):
+            batches._shutdown_workers()  # type: ignore[attr-defined]
+    return lost
+
+
 def train_loader(
     split: Split,
     per_rank_batch: int,
@@ -147,7 +187,7 @@ def train_loader(
     if kind == "device":
         return DeviceLoader(split, per_rank_batch, world, how, seed)
     dataset = _Images(split, None if how is None else seed, how)
-    return DataLoader(
+    return WorkerLoader(
         dataset,
         batch_size=per_rank_batch,
         sampler=ResumableSampler(dataset, world, per_rank_batch, seed),
@@ -173,7 +213,7 @@ def eval_loader(split: Split, per_rank_batch: int, world: World, workers: int, k
         loader: Iterable[tuple[torch.Tensor, torch.Tensor]] = DeviceEvalLoader(split, per_rank_batch, world)
     else:
         shard = Subset(_Images(split, None), eval_shard(len(split.labels), world).tolist())
-        loader = DataLoader(
+        loader = WorkerLoader(
             shard,
             batch_size=per_rank_batch,
             num_workers=workers,

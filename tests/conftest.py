@@ -228,6 +228,19 @@ def children(pid: int) -> list[int]:
     return _processes_with(1, pid)  # ppid
 
 
+def forks(pid: int) -> list[int]:
+    """`pid`'s children running its own command line (a DataLoader worker), not another program (an import's
+    `/sbin/ldconfig -p`, seen as the first child of ddp/train.py under load: 2026-11-28)."""
+
+    def command(p: int) -> bytes | None:
+        with contextlib.suppress(OSError):
+            return Path(f"/proc/{p}/cmdline").read_bytes()
+        return None
+
+    parent = command(pid)
+    return [child for child in children(pid) if parent is not None and command(child) == parent]
+
+
 def session(sid: int) -> list[int]:
     """The processes of session `sid` (a Popen(start_new_session=True)'s pid): its whole tree, process
     groups of its own (timeout's) included."""

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, TINY, TRAIN, children, clean_env, metrics, piped, python, torchrun
+from conftest import REPO, TINY, TRAIN, clean_env, forks, metrics, piped, python, torchrun
 
 from ddp import cli, errors, rundir, train
 
@@ -434,12 +434,16 @@ def test_a_dataloader_worker_killed_is_one_line_saying_who_kills_so(tmp_path):
     """A worker of data.loader=torch killed with SIGKILL, as the kernel's out-of-memory killer does: torch's
     traceback ("DataLoader worker (pid N) is killed by signal: Killed.", or by the timing "DataLoader worker
     (pid(s) N) exited unexpectedly"). Now one line, exit 1."""
-    run = [sys.executable, str(TRAIN), f"run.out_dir={tmp_path}", *TINY, "train.epochs=1000", "data.loader=torch",
-           "data.workers=1"]  # fmt: skip
+    # The worker killed is a fork of the run, after its start line (its imports' `ldconfig -p` done), in one long
+    # epoch: under load the first child of the run had been that ldconfig, or an epoch's worker already exiting,
+    # and the run went on (2026-11-28).
+    run = [sys.executable, str(TRAIN), f"run.out_dir={tmp_path}", *TINY, "data.synthetic_train=20000",
+           "data.loader=torch", "data.workers=1"]  # fmt: skip
     proc = subprocess.Popen(run, cwd=REPO, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120
-        while not (workers := children(proc.pid)) and time.monotonic() < deadline and proc.poll() is None:
+        assert proc.stdout and " on synthetic (20000 train " in proc.stdout.readline()
+        while not (workers := forks(proc.pid)) and time.monotonic() < deadline and proc.poll() is None:
             time.sleep(0.05)
         os.kill(workers[0], signal.SIGKILL)
         _, err = proc.communicate(timeout=120)

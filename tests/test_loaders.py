@@ -2,12 +2,14 @@
 augmentation, the device-resident path against the DataLoader path."""
 
 import math
+import os
+import signal
 
 import pytest
 import torch
 from torch.utils.data import DistributedSampler
 
-from ddp import datasets, loaders
+from ddp import datasets, errors, loaders
 from ddp.config import DataConfig
 from ddp.devices import World
 
@@ -216,3 +218,33 @@ def test_the_samplers_order_is_distributed_samplers_own_for_every_rank_seed_epoc
                 ours.set_epoch(epoch, start_step=start)
                 theirs.set_epoch(epoch)
                 assert ours.order().tolist() == list(theirs)[2 * start :] == [i for i, _ in ours]
+
+
+def test_a_worker_lost_while_its_batch_is_received_is_said_as_torch_says_a_lost_worker(monkeypatch):
+    """data.loader=torch: a worker killed while the main process fetches its batch's shared memory from it raised
+    the socket's EOFError or ConnectionResetError (a loaded suite, 2026-11-28), a traceback. Now torch's own line for a
+    worker gone, which the CLI says in one line; the same error with every worker alive stays what it was."""
+    from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
+
+    loader = loaders.WorkerLoader(torch.utils.data.TensorDataset(torch.zeros(8, 1)), batch_size=2, num_workers=1)
+
+    killed: list[int] = []
+
+    def lost(self: _MultiProcessingDataLoaderIter) -> object:
+        killed.append(self._workers[0].pid)
+        os.kill(killed[0], signal.SIGKILL)
+        raise EOFError  # what multiprocessing's resource_sharer raises for the dead worker's socket
+
+    monkeypatch.setattr(_MultiProcessingDataLoaderIter, "_next_data", lost)
+    with pytest.raises(RuntimeError) as e:
+        next(iter(loader))
+    # torch's line for a worker found gone, or the one of its SIGCHLD handler if that finds it first
+    gone = (f"DataLoader worker (pid(s) {killed[0]}) exited unexpectedly", f"DataLoader worker (pid {killed[0]}) is ")
+    assert str(e.value).startswith(gone) and errors.lost_worker(e.value), e.value
+
+    def reset(self: _MultiProcessingDataLoaderIter) -> object:
+        raise ConnectionResetError(104, "Connection reset by peer")  # every worker alive: not a lost one
+
+    monkeypatch.setattr(_MultiProcessingDataLoaderIter, "_next_data", reset)
+    with pytest.raises(ConnectionResetError):
+        next(iter(loader))

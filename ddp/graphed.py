@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from ddp.devices import World
-from ddp.errors import UsageError, out_of_memory
+from ddp.errors import UsageError, first_line, out_of_memory
 
 EAGER_STEPS = {False: 1, True: 11}  # eager steps before the recording: one process, DDP (its buckets settle)
 
@@ -123,9 +123,8 @@ class Recorder:
         except RuntimeError as e:  # an operation a capture does not allow (a sync, a host read): the step cannot be
             if out_of_memory(e):  # recorded; out of memory is said as it is said anywhere else
                 raise
-            said = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise UsageError(f"run.cuda_graph: this run's step could not be recorded in a CUDA graph ({said}); "
-                             "run.cuda_graph=false runs it eager") from e  # fmt: skip
+            raise UsageError(f"run.cuda_graph: this run's step could not be recorded in a CUDA graph "
+                             f"({first_line(e)}); run.cuda_graph=false runs it eager") from e  # fmt: skip
         finally:
             torch.set_autocast_cache_enabled(cache)
         return graph.replay

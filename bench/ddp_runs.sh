@@ -8,7 +8,9 @@
 # runs it. make gpu-lease runs it as the probe ddp-runs (bench/gpu_probe.sh).
 set -euo pipefail
 out=${1:?usage: bash bench/ddp_runs.sh OUT [EPOCHS]}
-epochs=${2:-3}
+epochs=${2:-3}  # the table is of epochs 2 on: at least 2
+[[ $epochs =~ ^[1-9][0-9]*$ && $epochs -ge 2 ]] ||
+  { echo "ddp_runs.sh: EPOCHS must be a whole number >= 2 (the table is of epochs 2 on), not '$epochs'" >&2; exit 64; }
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 py=${PYTHON:-python3}

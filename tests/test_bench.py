@@ -283,6 +283,12 @@ def test_ddp_runs_dry_run_trains_one_process_and_torchrun_ddp_and_compares_their
     assert len(rows) == 3 and rows[2].startswith(f"| eager | 1 | {later[0]:.4f} | {later[1]:.4f} | "), rows
     wrong = subprocess.run(["bash", "bench/ddp_runs.sh"], cwd=REPO, capture_output=True, text=True, timeout=30)
     assert wrong.returncode != 0 and "usage: bash bench/ddp_runs.sh OUT" in wrong.stderr
+    for epochs in ("1", "x", "0", "-2"):  # no later epoch to average, or not a number: said before any run
+        wrong = subprocess.run(["bash", "bench/ddp_runs.sh", str(tmp_path / "bad"), epochs], cwd=REPO,
+                               capture_output=True, text=True, timeout=30)  # fmt: skip
+        assert wrong.returncode == 64 and wrong.stderr == (
+            f"ddp_runs.sh: EPOCHS must be a whole number >= 2 (the table is of epochs 2 on), not '{epochs}'\n")
+        assert not (tmp_path / "bad").exists()
 
 
 def test_graphs_split_dry_run_writes_both_tables_and_leaves_out_the_steps_labels(tmp_path):

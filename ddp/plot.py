@@ -97,6 +97,9 @@ def label(name: str, rows: list[dict[str, Any]]) -> str:
     return f"{name} ({rows[-1].get('world_size', 1)} proc)"
 
 
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".svg", ".pdf")
+
+
 def plot(run_dirs: list[Path], out: Path) -> list[Path]:
     try:
         import matplotlib
@@ -110,6 +113,9 @@ def plot(run_dirs: list[Path], out: Path) -> list[Path]:
     tested = [(d, rows) for d, rows in tested if rows]
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out={out} is a file: name a directory for the charts (made if missing)")
+    if not out.exists() and out.suffix.lower() in IMAGE_SUFFIXES:  # --out curves.png: a directory of that name
+        raise UsageError(f"--out={out} names a directory for the charts (it writes several PNGs), not an image: "
+                         f"e.g. --out {out.with_suffix('')}")  # fmt: skip
     written = []
 
     fig, (loss_ax, acc_ax) = plt.subplots(1, 2, figsize=(10, 4), dpi=DPI)

@@ -287,7 +287,8 @@ def test_ddp_runs_dry_run_trains_one_process_and_torchrun_ddp_and_compares_their
         wrong = subprocess.run(["bash", "bench/ddp_runs.sh", str(tmp_path / "bad"), epochs], cwd=REPO,
                                capture_output=True, text=True, timeout=30)  # fmt: skip
         assert wrong.returncode == 64 and wrong.stderr == (
-            f"ddp_runs.sh: EPOCHS must be a whole number >= 2 (the table is of epochs 2 on), not '{epochs}'\n")
+            f"ddp_runs.sh: EPOCHS must be a whole number >= 2 (the table is of epochs 2 on), not '{epochs}'\n"
+        )
         assert not (tmp_path / "bad").exists()
 
 

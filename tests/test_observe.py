@@ -64,6 +64,13 @@ def test_plots_of_a_real_subset_run_and_of_several_runs_on_one_chart(subset, tmp
     assert command(plot.main, [str(real), "--out", str(jsonl)]) == 2 and capsys.readouterr().err == (
         f"error: --out={jsonl} is a file: name a directory for the charts (made if missing)\n"
     )
+    for image in ("curves.png", "Charts.PDF"):  # an image's name, which would have become a directory of that name
+        assert command(plot.main, [str(real), "--out", str(tmp_path / image)]) == 2
+        assert capsys.readouterr().err == (
+            f"error: --out={tmp_path / image} names a directory for the charts (it "
+            f"writes several PNGs), not an image: e.g. --out {tmp_path / image[:-4]}\n"
+        )
+        assert not (tmp_path / image).exists()
     assert command(plot.main, [str(real), "--out", "/proc/charts"]) == 1
     assert capsys.readouterr().err.startswith("error: cannot write /proc/charts/curves.png: ")
 

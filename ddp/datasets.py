@@ -8,8 +8,11 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import http.client
 import sys
 import time
+import urllib.error
+import urllib.request
 import zipfile
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -185,12 +188,44 @@ def _download_lock(root: Path, name: str) -> Iterator[None]:
         lock.close()
 
 
+def _cifar(cfg: DataConfig) -> tuple[type, str]:
+    """torchvision's dataset class of data.dataset (cifar10 or cifar100), and its name."""
+    torchvision_datasets = models.torchvision(f"data.dataset={cfg.dataset}").datasets
+    if cfg.dataset == "cifar10":
+        return torchvision_datasets.CIFAR10, "CIFAR-10"
+    return torchvision_datasets.CIFAR100, "CIFAR-100"
+
+
+DOWNLOAD_ANSWER_S = 10.0  # how long ddp.doctor waits for CIFAR's address to answer
+
+
+def download_problem(cfg: DataConfig, timeout_s: float = DOWNLOAD_ANSWER_S) -> str | None:
+    """Why data.download=true could not fetch CIFAR from this machine (its address does not answer within
+    timeout_s: a cluster's compute node without internet, a proxy not set), or None; None too where data.root
+    holds the whole archive, which the run unpacks without a download. ddp.doctor says it before a run fails."""
+    from torchvision.datasets.utils import USER_AGENT, check_integrity  # torchvision's own request and check
+
+    cls, name = _cifar(cfg)
+    if check_integrity(Path(cfg.root) / cls.filename, cls.tgz_md5):
+        return None
+    try:  # the response's head only: closed before its body
+        with urllib.request.urlopen(urllib.request.Request(cls.url, headers={"User-Agent": USER_AGENT}),
+                                    timeout=timeout_s):  # fmt: skip
+            return None
+    except (OSError, ValueError, http.client.HTTPException) as e:  # URLError, HTTPError and timeouts are OSErrors
+        cause = e.reason if isinstance(e, urllib.error.URLError) and isinstance(e.reason, BaseException) else e
+        why = first_line(cause, typed=True)  # the socket's own error, not urllib's wrapper of it
+    root = cfg.root
+    return (f"{name} is not in data.root={root}, and this machine cannot download it: {cls.url} does not answer "
+            f"({why}); download it where there is internet (python -c \"import torchvision; torchvision.datasets."
+            f"{cls.__name__}('{root}', download=True)\") into a data.root this machine sees, set https_proxy if "
+            "this network has a proxy, or use data.dataset=npz data.path=FILE.npz")  # fmt: skip
+
+
 def _torchvision(cfg: DataConfig, world: World) -> tuple[Split, Split, list[str]]:
     """CIFAR-10/100 from data.root; local rank 0 downloads if allowed, the others of its node wait
     for the files to appear (no process group is needed: the data is read before joining one)."""
-    torchvision_datasets = models.torchvision(f"data.dataset={cfg.dataset}").datasets
-    cls = torchvision_datasets.CIFAR10 if cfg.dataset == "cifar10" else torchvision_datasets.CIFAR100
-    name = "CIFAR-10" if cfg.dataset == "cifar10" else "CIFAR-100"
+    cls, name = _cifar(cfg)
     folder = cls.base_folder
     offline_fix = f"put the torchvision copy ({folder}/) in data.root, or use data.dataset=npz data.path=FILE.npz"
     if Path(cfg.root).name == cls.filename and Path(cfg.root).is_file():  # make train DATA=the archive

@@ -6,7 +6,8 @@ cuDNN and NCCL versions; each visible GPU with its memory; TF32 and cudnn.benchm
 rendezvous port is free (before a launch); /dev/shm's size (too small for NCCL between a machine's
 GPUs: a problem); whether run.out_dir is writable and is the same directory
 on every rank (a shared filesystem across nodes); on each machine (local rank 0), the data as
-ddp/train.py would read it (a CIFAR download it would make is said, not made). Under a launcher it
+ddp/train.py would read it (a CIFAR download it would make is said, not made, and its address must
+answer there: a compute node without internet is a problem). Under a launcher it
 also runs one all_reduce on the real backend. Takes the training's arguments (--config FILE,
 key=value) so it checks that setup.
 
@@ -96,6 +97,8 @@ def check_data(data: DataConfig, world: World) -> tuple[str, str | None, dataset
     try:
         found = datasets.read(replace(data, download=False), world)
     except datasets.DataMissing as e:
+        if data.download and (problem := datasets.download_problem(data)):
+            return "data: missing, and no download", problem, None
         if data.download:
             return f"data: {data.dataset} is not in data.root={data.root} yet: the run downloads it", None, None
         return "data: missing", str(e), None

@@ -7,20 +7,25 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 from conftest import BIN, REPO, clean_env, ok, torchrun
 
 from ddp import launchers
 
+SYNTHETIC = ("data.dataset=synthetic", "data.synthetic_train=64", "data.synthetic_test=32")
+
 
 def doctor(*args: str, **env: str) -> subprocess.CompletedProcess:
+    """python -m ddp.doctor ARGS on small synthetic data unless ARGS name other data (a CIFAR download's address is
+    asked, and whether it answers depends on the machine's network: tests that are not of it keep off it)."""
     return subprocess.run(
-        [sys.executable, "-m", "ddp.doctor", *args], cwd=REPO, env=clean_env(**env), capture_output=True, text=True,
-        timeout=120,
+        [sys.executable, "-m", "ddp.doctor", *SYNTHETIC, *args], cwd=REPO, env=clean_env(**env), capture_output=True,
+        text=True, timeout=120,
     )  # fmt: skip
 
 
 def test_a_single_process_setup_is_reported_and_ok(tmp_path):
-    proc = ok(doctor(f"run.out_dir={tmp_path / 'run'}", f"data.root={tmp_path / 'data'}"))
+    proc = ok(doctor(f"run.out_dir={tmp_path / 'run'}"))
     assert "rank 0/1  local_rank 0" in proc.stdout and "launcher none  device cpu" in proc.stdout
     assert "versions:  python" in proc.stdout and "torch " in proc.stdout and "nccl" in proc.stdout
     assert "GPUs: none visible" in proc.stdout and "TF32: matmul" in proc.stdout and "cudnn.benchmark" in proc.stdout
@@ -29,8 +34,68 @@ def test_a_single_process_setup_is_reported_and_ok(tmp_path):
     assert f"run.out_dir {tmp_path / 'run'}: writable" in proc.stdout
     assert proc.stdout.rstrip().endswith("doctor: OK")
     assert list((tmp_path / "run").iterdir()) == []  # its probe file is gone
-    assert f"data: cifar10 is not in data.root={tmp_path / 'data'} yet: the run downloads it" in proc.stdout
-    assert not (tmp_path / "data").exists()  # said, not downloaded
+    assert "data: 64 training and 32 test images, 10 classes" in proc.stdout
+
+
+def test_a_download_is_said_where_its_address_answers_and_a_problem_where_it_does_not(tmp_path, monkeypatch):
+    """CIFAR missing with data.download=true: said, not made, where its address answers (a server on this machine
+    stands in for it); a problem with the fix where it does not (refused, an HTTP error, no answer in time), as on
+    a cluster's compute node without internet; none where data.root holds the whole archive (unpacked, no
+    download). The same check on hosts with no route out: tests/test_hosts.py."""
+    import hashlib
+    import http.server
+    import threading
+
+    import torchvision
+
+    from ddp import datasets
+    from ddp import doctor as doctor_module
+    from ddp.config import DataConfig
+    from ddp.devices import World
+
+    class Archive(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 (http.server's name)
+            self.send_response(200 if self.path.endswith(".tar.gz") else 404)
+            self.end_headers()
+            self.wfile.write(b"not the archive: the check reads no body")
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Archive)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    with socket.socket() as closed, socket.socket() as silent:  # nothing listens / listens and never answers
+        closed.bind(("127.0.0.1", 0))
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        web, cls = f"http://127.0.0.1:{server.server_address[1]}", torchvision.datasets.CIFAR10
+        data = DataConfig(dataset="cifar10", root=str(tmp_path / "data"), download=True)
+        cpu = World(0, 0, 1, torch.device("cpu"), "none")
+        try:
+            monkeypatch.setattr(cls, "url", f"{web}/cifar-10-python.tar.gz")
+            line, problem, _ = doctor_module.check_data(data, cpu)
+            assert (line, problem) == (f"data: cifar10 is not in data.root={data.root} yet: the run downloads it", None)
+            assert not (tmp_path / "data").exists()  # said, not downloaded
+            for url, why in [
+                (f"http://127.0.0.1:{closed.getsockname()[1]}/a.tar.gz", "ConnectionRefusedError: [Errno 111] Conn"),
+                (f"{web}/moved", "HTTPError: HTTP Error 404: Not Found"),
+            ]:
+                monkeypatch.setattr(cls, "url", url)
+                line, problem, _ = doctor_module.check_data(data, cpu)
+                assert line == "data: missing, and no download" and problem.startswith(
+                    f"CIFAR-10 is not in data.root={data.root}, and this machine cannot download it: {url} does not "
+                    f"answer ({why}"
+                ), problem
+                assert "torchvision.datasets.CIFAR10(" in problem and problem.endswith("data.path=FILE.npz")
+            monkeypatch.setattr(cls, "url", f"http://127.0.0.1:{silent.getsockname()[1]}/a.tar.gz")
+            assert "does not answer (TimeoutError: timed out)" in datasets.download_problem(data, timeout_s=0.5)
+            archive = tmp_path / "data" / cls.filename  # whole: its md5 is the one torchvision checks
+            archive.parent.mkdir()
+            archive.write_bytes(b"an archive")
+            monkeypatch.setattr(cls, "tgz_md5", hashlib.md5(b"an archive").hexdigest())
+            assert datasets.download_problem(data, timeout_s=0.5) is None  # no request: unpacked, not downloaded
+        finally:
+            server.shutdown()
 
 
 def test_data_the_run_could_not_read_is_a_problem_and_data_it_can_is_counted(tmp_path):
@@ -40,7 +105,10 @@ def test_data_the_run_could_not_read_is_a_problem_and_data_it_can_is_counted(tmp
     assert "data: 4 training and 2 test images, 4 classes" in proc.stdout
     for args, problem in [
         (("data.dataset=npz",), "data.dataset=npz needs data.path=FILE.npz"),
-        ((f"data.root={tmp_path}", "data.download=false"), f"CIFAR-10 not found in data.root={tmp_path} and data."),
+        (
+            ("data.dataset=cifar10", f"data.root={tmp_path}", "data.download=false"),
+            f"CIFAR-10 not found in data.root={tmp_path} and data.",
+        ),
     ]:
         proc = doctor(f"run.out_dir={tmp_path / 'run'}", *args)
         assert proc.returncode == 1 and f"doctor: PROBLEM: {problem}" in proc.stderr, proc.stderr

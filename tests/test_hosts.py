@@ -201,6 +201,9 @@ def test_the_doctor_before_a_launch_finds_a_master_that_does_not_resolve(tmp_pat
                       clean_env(MASTER_ADDR="nosuchhost", MASTER_PORT=PORT))  # fmt: skip
     assert proc.returncode == 1, proc.stderr
     assert f"doctor: PROBLEM: MASTER_ADDR=nosuchhost does not resolve on {h0.name}" in proc.stderr
+    # a host with no route out, as a cluster's compute node without internet: CIFAR's download would fail there
+    assert "doctor: PROBLEM: CIFAR-10 is not in data.root=data, and this machine cannot download it: https://" in (
+        proc.stderr)  # fmt: skip
     assert "network: eth0 (10.250.0.1, this host's name)" in proc.stdout
 
 
@@ -212,7 +215,7 @@ def test_the_doctor_across_two_hosts_shows_each_ranks_host_and_interface(tmp_pat
         for host in (h0, h1):
             cmd = [str(BIN / "torchrun"), "--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d",
                    f"--rdzv_endpoint={h0.name}:{PORT}", "--rdzv_id=doctor", f"--rdzv_conf=is_host={host is h0}",
-                   "-m", "ddp.doctor", f"run.out_dir={tmp_path}"]  # fmt: skip
+                   "-m", "ddp.doctor", f"run.out_dir={tmp_path}", "data.dataset=synthetic"]  # fmt: skip
             procs.append(host.popen(cmd, REPO, clean_env()))
         results = finish(*procs, timeout=120)
     ok_all(results)

@@ -111,7 +111,7 @@ def test_srun_starts_the_ranks_directly(slurm, tmp_path):
 
 def test_doctor_under_srun_checks_every_task(slurm, tmp_path):
     proc = subprocess.run(
-        ["srun", "--ntasks=2", "python", "-m", "ddp.doctor", f"run.out_dir={tmp_path}"],
+        ["srun", "--ntasks=2", "python", "-m", "ddp.doctor", f"run.out_dir={tmp_path}", "data.dataset=synthetic"],
         cwd=REPO, env=slurm, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     ok(proc)

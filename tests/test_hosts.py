@@ -197,13 +197,13 @@ def test_a_host_cut_off_mid_training_every_rank_and_launcher_leaves_and_leaves_a
 
 def test_the_doctor_before_a_launch_finds_a_master_that_does_not_resolve(tmp_path):
     with hosts(1) as (h0,):
-        proc = h0.run([sys.executable, "-m", "ddp.doctor", f"run.out_dir={tmp_path}"], REPO,
+        proc = h0.run([sys.executable, "-m", "ddp.doctor", f"run.out_dir={tmp_path}", f"data.root={tmp_path}/d"], REPO,
                       clean_env(MASTER_ADDR="nosuchhost", MASTER_PORT=PORT))  # fmt: skip
     assert proc.returncode == 1, proc.stderr
     assert f"doctor: PROBLEM: MASTER_ADDR=nosuchhost does not resolve on {h0.name}" in proc.stderr
     # a host with no route out, as a cluster's compute node without internet: CIFAR's download would fail there
-    assert "doctor: PROBLEM: CIFAR-10 is not in data.root=data, and this machine cannot download it: https://" in (
-        proc.stderr)  # fmt: skip
+    assert (f"doctor: PROBLEM: CIFAR-10 is not in data.root={tmp_path}/d, and this machine cannot download it: "
+            "https://") in proc.stderr  # fmt: skip
     assert "network: eth0 (10.250.0.1, this host's name)" in proc.stdout
 
 

@@ -9,6 +9,7 @@ import contextlib
 import fcntl
 import hashlib
 import http.client
+import socket
 import sys
 import time
 import urllib.error
@@ -162,6 +163,20 @@ def _synthetic(cfg: DataConfig) -> tuple[Split, Split, list[str]]:
 
 
 DOWNLOAD_WAIT_S = 3600  # how long the other ranks of a node wait for local rank 0's download
+DOWNLOAD_STALL_S = 60.0  # a download that receives nothing for this long fails (torchvision's has no limit)
+
+
+@contextlib.contextmanager
+def _stall_limit(seconds: float) -> Iterator[None]:
+    """Sockets opened inside wait at most `seconds` for each connect and read: torchvision's urlopen has no timeout,
+    so a connection that stalls (a firewall that drops, a proxy that hangs) held local rank 0, and the ranks
+    waiting on it, for good. Set process-wide while inside: the data is read before any process group or thread."""
+    before = socket.getdefaulttimeout()
+    socket.setdefaulttimeout(seconds)
+    try:
+        yield
+    finally:
+        socket.setdefaulttimeout(before)
 
 
 @contextlib.contextmanager
@@ -251,8 +266,9 @@ def _torchvision(cfg: DataConfig, world: World) -> tuple[Split, Split, list[str]
             found = opened()  # another run's download may have brought it meanwhile
             if found is None:
                 try:
-                    for train in (True, False):
-                        cls(cfg.root, train=train, download=True)
+                    with _stall_limit(DOWNLOAD_STALL_S):
+                        for train in (True, False):
+                            cls(cfg.root, train=train, download=True)
                 except Exception as e:  # offline, proxy, disk full: all mean "no data here"
                     why = first_line(e, typed=True)
                     raise UsageError(

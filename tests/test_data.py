@@ -411,6 +411,21 @@ def test_cifar_download_failure_is_a_clear_error(tmp_path, monkeypatch):
         datasets.read(DataConfig(dataset="cifar10", root=str(tmp_path), download=True), CPU)
 
 
+def test_a_download_that_stalls_fails_in_bounded_time(tmp_path, monkeypatch):
+    """CIFAR's address accepts the connection and then sends nothing (a proxy or firewall that hangs): torchvision's
+    request has no timeout, so local rank 0 waited for good. Now each connect and read waits DOWNLOAD_STALL_S
+    (60 s; 0.5 here), and the run stops with the download's one line; the process's socket timeout is put back."""
+    with socket.socket() as silent:  # listens (the kernel accepts) and never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        monkeypatch.setattr(tv_datasets.CIFAR10, "url", f"http://127.0.0.1:{silent.getsockname()[1]}/c.tar.gz")
+        monkeypatch.setattr(datasets, "DOWNLOAD_STALL_S", 0.5)
+        start = time.monotonic()
+        with pytest.raises(UsageError, match=f"could not download CIFAR-10 into data.root={tmp_path} .*timed out"):
+            datasets.read(DataConfig(dataset="cifar10", root=str(tmp_path), download=True), CPU)
+    assert time.monotonic() - start < 10 and socket.getdefaulttimeout() is None
+
+
 def test_a_machine_with_other_code_settings_or_data_stops_every_rank_before_training(tmp_path):
     """Two machines, each with its own checkout, command line and copy of the data at data.path (node-local disks):
     the second's has a line more in ddp/optim.py, optim.lr=0.2 typed there and one pixel of one image off. It

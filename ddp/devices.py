@@ -19,6 +19,8 @@ from ddp.launchers import Env, Launch
 
 GROUPED = ("ddp", "fsdp")  # the parallel modes of a process group: one process per device, launched together
 _DEVICE = re.compile(r"^(auto|cpu|cuda|cuda:(\d+))$")
+OTHER_ACCELERATORS = {"mps": "Apple's GPU (mps)", "xpu": "Intel's GPU (xpu)", "hpu": "Gaudi (hpu)",
+                      "xla": "a TPU (xla)", "npu": "an Ascend NPU (npu)"}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,9 @@ def resolve_device(spec: str, launch: Launch | None, cuda_count: int, backend: s
     """run.device as a torch.device; launch is None for a single process. With backend gloo, ranks
     beyond the visible GPUs share them (local rank r takes cuda:<r mod GPUs>): nccl refuses that."""
     m = _DEVICE.match(spec)
+    if spec.split(":")[0] in OTHER_ACCELERATORS:  # a Mac's GPU (mps), Intel's (xpu), ...: torch knows them, we do not
+        raise UsageError(f"run.device={spec}: {OTHER_ACCELERATORS[spec.split(':')[0]]} is not supported (ddp-cifar "
+                         "runs and is tested on CPUs and CUDA GPUs only); use run.device=cpu")  # fmt: skip
     if not m:
         raise UsageError(f"run.device={spec!r} is not a device; use auto, cpu, cuda or cuda:N (e.g. cuda:0)")
     if spec == "cpu" or (spec == "auto" and cuda_count == 0):

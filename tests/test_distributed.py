@@ -38,6 +38,13 @@ def test_single_process_named_devices():
     [
         ("cuda0", 1, "run.device='cuda0' is not a device; use auto, cpu, cuda or cuda:N"),
         ("gpu", 1, "run.device='gpu' is not a device"),
+        (
+            "mps",
+            0,
+            r"run.device=mps: Apple's GPU \(mps\) is not supported \(ddp-cifar runs and is tested on CPUs and "
+            r"CUDA GPUs only\); use run.device=cpu",
+        ),  # a Mac's GPU: said, not 'not a device'
+        ("xpu:1", 1, r"run.device=xpu:1: Intel's GPU \(xpu\) is not supported"),
         ("cuda:7", 1, r"run.device=cuda:7 but only 1 GPU\(s\) are visible \(cuda:0..cuda:0\)"),
         ("cuda", 0, "run.device=cuda but no CUDA GPU is visible"),
         ("cuda:0", 0, "run.device=cuda:0 but no CUDA GPU is visible"),

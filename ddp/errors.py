@@ -13,10 +13,13 @@
 cli.command turns them into one line on stderr and the exit code; nothing else defines an exit code.
 """
 
+import contextlib
 import errno
+import os
 import re
 import shutil
 import tempfile
+from typing import Any, TextIO
 
 EXIT_OK = 0
 EXIT_FAILURE = 1
@@ -27,6 +30,39 @@ EXIT_INTERRUPTED = 130  # 128 + SIGINT: what a shell reports of a command that C
 
 
 INTERRUPTED = "stopped at once on SIGINT (Ctrl-C), without a checkpoint"  # the line of an exit 130
+
+
+class LossyStderr:
+    """A command's stderr (launchers.quiet_startup puts it in sys.stderr): text the OS refuses (a terminal hung up
+    under an ssh session that dropped, SLURM's output file on a full disk or quota) is lost, and fd 2 goes to
+    /dev/null from then on. Before, the OSError of a stop's or a mistake's line turned its exit code (75, 2) into
+    1, with a traceback nobody could read; the line is lost either way, the exit code now says what happened."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except OSError:
+            self._lose()
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except OSError:
+            self._lose()
+
+    def _lose(self) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, self._stream.fileno())
+            os.close(devnull)
+            self._stream.flush()  # what it held goes to /dev/null: the exit's flush does not fail again
+
+    def __getattr__(self, name: str) -> Any:  # fileno, isatty, encoding, ...: the stream's own
+        return getattr(self._stream, name)
 
 
 class UsageError(Exception):

@@ -117,6 +117,38 @@ def test_a_run_started_with_ctrl_c_ignored_keeps_it_ignored(tmp_path):
     assert signal.SIGINT in preemption.parse_signals("SIGTERM,SIGINT")
 
 
+def test_a_stderr_the_os_refuses_loses_its_lines_not_the_exit_code(tmp_path):
+    """stderr on a full disk (/dev/full: every write fails, ENOSPC), as SLURM's output file on a full quota, or on a
+    terminal hung up (an ssh session that dropped: EIO): a mistake still exits 2, and a stop 75 after its
+    checkpoint. Before, the OSError of their line on stderr made both exit 1, with a traceback nobody could read."""
+    import sys
+
+    from conftest import REPO, clean_env
+
+    from ddp import rundir
+
+    train = [sys.executable, str(REPO / "ddp" / "train.py"), "model.name=tutorial", "data.dataset=synthetic",
+             "data.synthetic_train=4096", "data.synthetic_test=32", "train.batch_size=32", "train.epochs=3",
+             "run.progress=false", f"run.out_dir={tmp_path}"]  # fmt: skip
+    with open("/dev/full", "w") as full:
+        mistake = subprocess.run([*train, "train.epochs=0"], stdout=subprocess.PIPE, stderr=full, env=clean_env(),
+                                 timeout=60)  # fmt: skip
+        assert mistake.returncode == 2
+        proc = subprocess.Popen(train, stdout=subprocess.PIPE, stderr=full, text=True,
+                                env=clean_env(PYTHONUNBUFFERED="1"))  # fmt: skip
+        try:
+            lines = [proc.stdout.readline()]
+            while not lines[-1].startswith("epoch 1/3"):
+                assert lines[-1], "".join(lines)
+                lines.append(proc.stdout.readline())
+            proc.send_signal(signal.SIGTERM)
+            out, _ = proc.communicate(timeout=120)
+        finally:
+            proc.kill()
+    assert proc.returncode == 75 and "stopping on SIGTERM: checkpoint" in out, out
+    assert rundir.step_files(tmp_path)
+
+
 def test_a_launchers_stop_after_training_gives_the_process_the_grace_to_say_its_line(monkeypatch, capsys):
     """torchrun stops the others (SIGTERM) as one rank dies. With torch 2.4.1's torchrun that came after the
     survivor's loop had ended on the lost rank and before it had said so: the watcher ended it at once and in

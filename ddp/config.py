@@ -213,7 +213,7 @@ class RunConfig:
     save_every_steps: int = opt(200, "also checkpoint every N optimizer steps (0 = only at epoch ends and stops)",
                                 valid=NATURAL)  # fmt: skip
     keep_last: int = opt(3, "numbered checkpoints kept in out_dir/checkpoints (the newest N)", valid=POSITIVE)
-    stop_signal: str = opt("SIGTERM,SIGUSR1,SIGINT",
+    stop_signal: str = opt("SIGTERM,SIGUSR1,SIGINT,SIGHUP",
                            "signals that stop at the next step with a checkpoint, exit 75 (none = off)")  # fmt: skip
     timeout_s: int = opt(300, "seconds a collective may wait before the run fails instead of hanging", valid=POSITIVE)
     progress: bool = opt(True, "tqdm bar on rank 0 when stdout is a terminal")

@@ -1,6 +1,6 @@
-"""Stopping on request: a stop signal (SLURM's warning before a time limit or preemption, `kill`,
-Ctrl-C) only sets a flag, which the loop reads at its next step boundary; after the stop checkpoint
-every rank leaves with Stopped (exit 75), and the same command resumes. A second Ctrl-C stops at once.
+"""Stopping on request: a stop signal (SLURM's warning before a time limit or preemption, `kill`, Ctrl-C,
+a terminal's hang-up) only sets a flag, which the loop reads at its next step boundary; after the stop
+checkpoint every rank leaves with Stopped (exit 75), and the same command resumes. A second Ctrl-C stops at once.
 """
 
 from __future__ import annotations
@@ -27,12 +27,15 @@ ORDINARY = {
 
 # Ctrl-C ignored when this process started (a script's background job: `python ddp/train.py ... &`), as
 # Python leaves it: then SIGINT is not taken as a stop signal either, and the job stays immune to Ctrl-C.
+# So is a hang-up under nohup (`nohup python ddp/train.py ...`): SIGHUP is not a stop there.
 INTERRUPT_IGNORED = signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+HANGUP_IGNORED = signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
+IGNORED_AT_START = {"SIGINT": INTERRUPT_IGNORED, "SIGHUP": HANGUP_IGNORED}
 
 
 def parse_signals(names: str) -> list[signal.Signals]:
-    """ "SIGTERM,SIGUSR1" (or "TERM,USR1") as signals; "" or "none" for no handlers. SIGINT is left out
-    of them in a process that started with it ignored (INTERRUPT_IGNORED)."""
+    """ "SIGTERM,SIGUSR1" (or "TERM,USR1") as signals; "" or "none" for no handlers. SIGINT and SIGHUP are left
+    out of them in a process that started with them ignored (IGNORED_AT_START: a background job's, nohup's)."""
     out = []
     for name in filter(None, (n.strip().upper() for n in names.split(","))):
         if name == "NONE":
@@ -45,7 +48,7 @@ def parse_signals(names: str) -> list[signal.Signals]:
         if full in ORDINARY:
             raise UsageError(f"run.stop_signal: {full} comes with {ORDINARY[full]}, not to stop a run; stop signals "
                              "are ones sent for it, e.g. SIGTERM,SIGUSR1,SIGINT")  # fmt: skip
-        if not (full == "SIGINT" and INTERRUPT_IGNORED):
+        if not IGNORED_AT_START.get(full, False):
             out.append(signal.Signals[full])
     return out
 

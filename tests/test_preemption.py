@@ -87,10 +87,11 @@ def test_what_scontrol_requeue_did_is_said_also_when_the_requeue_ended_it():
     assert preemption.requeue_outcome(ran(1)) == "scontrol exited 1"
 
 
-def test_a_run_started_with_ctrl_c_ignored_keeps_it_ignored(tmp_path):
+def test_a_run_started_with_ctrl_c_or_hang_ups_ignored_keeps_them_ignored(tmp_path):
     """A script's background job (`python ddp/train.py ... &` in a script) starts with SIGINT ignored, so that
     a Ctrl-C for the script leaves it running; Python leaves it so, and so do we now: SIGINT mid-run is not a
-    stop request there (before, it stopped the run with its checkpoint, exit 75). SIGTERM still stops it."""
+    stop request there (before, it stopped the run with its checkpoint, exit 75). So is SIGHUP under nohup,
+    which ignores it to keep the run going after the terminal is gone. SIGTERM still stops it."""
     import sys
 
     from conftest import REPO, clean_env
@@ -98,32 +99,42 @@ def test_a_run_started_with_ctrl_c_ignored_keeps_it_ignored(tmp_path):
     job = [sys.executable, str(REPO / "ddp" / "train.py"), "model.name=tutorial", "data.dataset=synthetic",
            "data.synthetic_train=4096", "data.synthetic_test=32", "train.batch_size=32", "train.epochs=3",
            "run.progress=false", f"run.out_dir={tmp_path}"]  # fmt: skip
-    ignoring = lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)  # noqa: E731 (what `&` in a script does)
+
+    def ignoring() -> None:  # what `&` in a script does to SIGINT, and nohup to SIGHUP
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+
     proc = subprocess.Popen(job, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=ignoring,
                             env=clean_env(PYTHONUNBUFFERED="1"))  # fmt: skip
     try:
         lines = [proc.stdout.readline()]
-        for epoch, sig in ((1, signal.SIGINT), (2, signal.SIGTERM)):  # SIGINT ignored after epoch 1, not SIGTERM
+        for epoch, signals in ((1, (signal.SIGINT, signal.SIGHUP)), (2, (signal.SIGTERM,))):  # ignored, not SIGTERM
             while not lines[-1].startswith(f"epoch {epoch}/3"):
                 assert lines[-1], "".join(lines) + proc.stderr.read()
                 lines.append(proc.stdout.readline())
             assert proc.poll() is None  # an epoch to go at least
-            proc.send_signal(sig)
+            for sig in signals:
+                proc.send_signal(sig)
         out, err = proc.communicate(timeout=120)
     finally:
         proc.kill()
-    assert proc.returncode == 75 and "stopped on SIGTERM" in out + err and "SIGINT" not in out + err, out + err
-    assert preemption.INTERRUPT_IGNORED is False  # this test process's own: not ignored, SIGINT is a stop signal
-    assert signal.SIGINT in preemption.parse_signals("SIGTERM,SIGINT")
+    assert proc.returncode == 75 and "stopped on SIGTERM" in out + err, out + err
+    assert "SIGINT" not in out + err and "SIGHUP" not in out + err, out + err
+    assert preemption.IGNORED_AT_START == {"SIGINT": False, "SIGHUP": False}  # this test process's own: stop signals
+    assert preemption.parse_signals("SIGTERM,SIGINT,HUP") == [signal.SIGTERM, signal.SIGINT, signal.SIGHUP]
 
 
-def test_a_stderr_the_os_refuses_loses_its_lines_not_the_exit_code(tmp_path):
-    """stderr on a full disk (/dev/full: every write fails, ENOSPC), as SLURM's output file on a full quota, or on a
-    terminal hung up (an ssh session that dropped: EIO): a mistake still exits 2, and a stop 75 after its
-    checkpoint. Before, the OSError of their line on stderr made both exit 1, with a traceback nobody could read."""
+def test_a_hung_up_terminal_stops_the_run_with_its_checkpoint_and_a_refused_stderr_keeps_the_exit_code(tmp_path):
+    """The run on a terminal that hangs up (an ssh session that dropped: its pty closed) gets SIGHUP, a stop
+    signal: it stops at the next step with its checkpoint and exits 75, though its stdout and stderr now refuse
+    every write (EIO). It was killed, losing the steps since its last checkpoint; with SIGHUP a stop signal, the
+    OSError of the stop's line on stderr made it exit 1. A stderr on a full disk (/dev/full: ENOSPC, as SLURM's
+    output file on a full quota) keeps a mistake's exit 2 too."""
+    import fcntl
     import sys
+    import termios
 
-    from conftest import REPO, clean_env
+    from conftest import REPO, clean_env, metrics
 
     from ddp import rundir
 
@@ -133,20 +144,23 @@ def test_a_stderr_the_os_refuses_loses_its_lines_not_the_exit_code(tmp_path):
     with open("/dev/full", "w") as full:
         mistake = subprocess.run([*train, "train.epochs=0"], stdout=subprocess.PIPE, stderr=full, env=clean_env(),
                                  timeout=60)  # fmt: skip
-        assert mistake.returncode == 2
-        proc = subprocess.Popen(train, stdout=subprocess.PIPE, stderr=full, text=True,
-                                env=clean_env(PYTHONUNBUFFERED="1"))  # fmt: skip
-        try:
-            lines = [proc.stdout.readline()]
-            while not lines[-1].startswith("epoch 1/3"):
-                assert lines[-1], "".join(lines)
-                lines.append(proc.stdout.readline())
-            proc.send_signal(signal.SIGTERM)
-            out, _ = proc.communicate(timeout=120)
-        finally:
-            proc.kill()
-    assert proc.returncode == 75 and "stopping on SIGTERM: checkpoint" in out, out
-    assert rundir.step_files(tmp_path)
+    assert mistake.returncode == 2
+    terminal, tty = os.openpty()
+    controlled = lambda: fcntl.ioctl(0, termios.TIOCSCTTY, 0)  # noqa: E731 (the pty its session's terminal)
+    proc = subprocess.Popen(train, stdin=tty, stdout=tty, stderr=tty, start_new_session=True, preexec_fn=controlled,
+                            env=clean_env(PYTHONUNBUFFERED="1"))  # fmt: skip
+    os.close(tty)
+    try:
+        said = b""
+        while b"epoch 1/3" not in said:
+            chunk = os.read(terminal, 4096)
+            assert chunk, said.decode()
+            said += chunk
+        os.close(terminal)  # the hang-up: SIGHUP to the session's processes, then EIO on every write
+        assert proc.wait(timeout=120) == 75
+    finally:
+        proc.kill()
+    assert rundir.step_files(tmp_path) and len(metrics(tmp_path)) == 1
 
 
 def test_a_launchers_stop_after_training_gives_the_process_the_grace_to_say_its_line(monkeypatch, capsys):

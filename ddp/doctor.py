@@ -34,7 +34,7 @@ quiet_startup(__name__)  # run as a command: a Ctrl-C or a missing package in th
 import torch
 import torch.distributed as dist
 
-from ddp import alike, config, datasets, devices, distributed, files, launchers, metrics, network
+from ddp import alike, cifar, config, datasets, devices, distributed, files, launchers, metrics, network
 from ddp.cli import command, leave, parse_args, show
 from ddp.config import DataConfig
 from ddp.devices import World
@@ -96,8 +96,8 @@ def check_data(data: DataConfig, world: World) -> tuple[str, str | None, dataset
     would, without a download (one the run would make is said)."""
     try:
         found = datasets.read(replace(data, download=False), world)
-    except datasets.DataMissing as e:
-        if data.download and (problem := datasets.download_problem(data)):
+    except cifar.DataMissing as e:
+        if data.download and (problem := cifar.download_problem(data)):
             return "data: missing, and no download", problem, None
         if data.download:
             return f"data: {data.dataset} is not in data.root={data.root} yet: the run downloads it", None, None

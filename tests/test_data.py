@@ -19,7 +19,7 @@ import torch
 from conftest import BIN, REPO, TRAIN, clean_env
 from torchvision import datasets as tv_datasets
 
-from ddp import datasets, loaders, models
+from ddp import cifar, datasets, loaders, models
 from ddp.config import DataConfig
 from ddp.devices import World
 from ddp.errors import UsageError
@@ -301,7 +301,7 @@ def test_a_cifar_copy_that_is_not_whole_says_what_is_wrong_and_what_brings_it(tm
     monkeypatch.setattr(cls, "url", "http://127.0.0.1:9/cifar-10-python.tar.gz")  # nothing listens: a download fails
 
     def refused(where: Path, message: str) -> None:
-        with pytest.raises(datasets.DataMissing) as raised:
+        with pytest.raises(cifar.DataMissing) as raised:
             datasets.read(DataConfig(root=str(where), download=False), CPU)
         assert str(raised.value) == message
 
@@ -419,7 +419,7 @@ def test_a_download_that_stalls_fails_in_bounded_time(tmp_path, monkeypatch):
         silent.bind(("127.0.0.1", 0))
         silent.listen()
         monkeypatch.setattr(tv_datasets.CIFAR10, "url", f"http://127.0.0.1:{silent.getsockname()[1]}/c.tar.gz")
-        monkeypatch.setattr(datasets, "DOWNLOAD_STALL_S", 0.5)
+        monkeypatch.setattr(cifar, "DOWNLOAD_STALL_S", 0.5)
         start = time.monotonic()
         with pytest.raises(UsageError, match=f"could not download CIFAR-10 into data.root={tmp_path} .*timed out"):
             datasets.read(DataConfig(dataset="cifar10", root=str(tmp_path), download=True), CPU)

@@ -48,7 +48,7 @@ def test_a_download_is_said_where_its_address_answers_and_a_problem_where_it_doe
 
     import torchvision
 
-    from ddp import datasets
+    from ddp import cifar
     from ddp import doctor as doctor_module
     from ddp.config import DataConfig
     from ddp.devices import World
@@ -88,12 +88,12 @@ def test_a_download_is_said_where_its_address_answers_and_a_problem_where_it_doe
                 ), problem
                 assert "torchvision.datasets.CIFAR10(" in problem and problem.endswith("data.path=FILE.npz")
             monkeypatch.setattr(cls, "url", f"http://127.0.0.1:{silent.getsockname()[1]}/a.tar.gz")
-            assert "does not answer (TimeoutError: timed out)" in datasets.download_problem(data, timeout_s=0.5)
+            assert "does not answer (TimeoutError: timed out)" in cifar.download_problem(data, timeout_s=0.5)
             archive = tmp_path / "data" / cls.filename  # whole: its md5 is the one torchvision checks
             archive.parent.mkdir()
             archive.write_bytes(b"an archive")
             monkeypatch.setattr(cls, "tgz_md5", hashlib.md5(b"an archive").hexdigest())
-            assert datasets.download_problem(data, timeout_s=0.5) is None  # no request: unpacked, not downloaded
+            assert cifar.download_problem(data, timeout_s=0.5) is None  # no request: unpacked, not downloaded
         finally:
             server.shutdown()
 

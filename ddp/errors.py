@@ -18,6 +18,7 @@ import errno
 import os
 import re
 import shutil
+import sys
 import tempfile
 from typing import Any, TextIO
 
@@ -63,6 +64,21 @@ class LossyStderr:
 
     def __getattr__(self, name: str) -> Any:  # fileno, isatty, encoding, ...: the stream's own
         return getattr(self._stream, name)
+
+
+def standard_streams() -> None:
+    """A command's fds 0-2 open and sys.stderr a LossyStderr. A closed one (`2>&-`) gets /dev/null: Python leaves
+    sys.stderr None there, and the next file opened takes the number 2, so that torch's C++ warnings on fd 2 were
+    written into it (a checkpoint being saved, the run's lock)."""
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            os.open(os.devnull, os.O_RDWR)  # the lowest free number: this one
+    sys.stdout = sys.stdout or open(1, "w", buffering=1, closefd=False)  # noqa: SIM115 (the process's own)
+    sys.stderr = sys.stderr or open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+    if not isinstance(sys.stderr, LossyStderr):
+        sys.stderr = LossyStderr(sys.stderr)
 
 
 class UsageError(Exception):

@@ -28,7 +28,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ddp.errors import EXIT_USAGE, INTERRUPTED, LossyStderr, UsageError
+from ddp.errors import EXIT_USAGE, INTERRUPTED, UsageError, standard_streams
 
 if TYPE_CHECKING:  # a type alone: importing this module imports no torch (quiet_startup runs before it)
     from ddp.config import RunConfig
@@ -204,12 +204,11 @@ def quiet_startup(module: str) -> None:
     - a Ctrl-C, as in those imports: INTERRUPTED, and the interpreter ends as Ctrl-C ends it (128 + SIGINT);
     - a package this Python lacks (python without the venv, a torch that lacks one of its own): which
       one, this interpreter, and how to install them; exit 2.
-    Any other exception keeps its traceback (a module of ddp's own missing is a bug). And sys.stderr becomes an
-    errors.LossyStderr: a stderr the OS refuses (a hung-up terminal, a full disk) loses its lines, not the exit code."""
+    Any other exception keeps its traceback (a module of ddp's own missing is a bug). And errors.standard_streams:
+    a stderr the OS refuses (a hung-up terminal, a full disk) or closed (`2>&-`) loses its lines, not the exit code."""
     if module != "__main__":
         return
-    if not isinstance(sys.stderr, LossyStderr):
-        sys.stderr = LossyStderr(sys.stderr)
+    standard_streams()
     previous = sys.excepthook
 
     def hook(kind: type[BaseException], value: BaseException, tb: object) -> None:

@@ -129,7 +129,7 @@ def test_a_hung_up_terminal_stops_the_run_with_its_checkpoint_and_a_refused_stde
     signal: it stops at the next step with its checkpoint and exits 75, though its stdout and stderr now refuse
     every write (EIO). It was killed, losing the steps since its last checkpoint; with SIGHUP a stop signal, the
     OSError of the stop's line on stderr made it exit 1. A stderr on a full disk (/dev/full: ENOSPC, as SLURM's
-    output file on a full quota) keeps a mistake's exit 2 too."""
+    output file on a full quota) or closed keeps a mistake's exit 2 too."""
     import fcntl
     import sys
     import termios
@@ -145,6 +145,16 @@ def test_a_hung_up_terminal_stops_the_run_with_its_checkpoint_and_a_refused_stde
         mistake = subprocess.run([*train, "train.epochs=0"], stdout=subprocess.PIPE, stderr=full, env=clean_env(),
                                  timeout=60)  # fmt: skip
     assert mistake.returncode == 2
+    # stderr closed (`2>&-`): fd 2 is /dev/null from the start, so no file opened later takes its number (torch's
+    # C++ warnings on fd 2 went into it) and a mistake still exits 2 (it was 1 before, 120 with LossyStderr alone)
+    closed = lambda: os.close(2)  # noqa: E731
+    mistake = subprocess.run([*train, "train.epochs=0"], stdout=subprocess.PIPE, preexec_fn=closed, env=clean_env(),
+                             timeout=60)  # fmt: skip
+    assert mistake.returncode == 2
+    opened = subprocess.run([sys.executable, "-c", "import os; from ddp import launchers; launchers.quiet_startup("
+                             "'__main__'); print(os.open(os.devnull, os.O_RDONLY))"], stdout=subprocess.PIPE,
+                            preexec_fn=closed, env=clean_env(), cwd=REPO, text=True, timeout=60)  # fmt: skip
+    assert opened.returncode == 0 and opened.stdout == "3\n", opened
     terminal, tty = os.openpty()
     controlled = lambda: fcntl.ioctl(0, termios.TIOCSCTTY, 0)  # noqa: E731 (the pty its session's terminal)
     proc = subprocess.Popen(train, stdin=tty, stdout=tty, stderr=tty, start_new_session=True, preexec_fn=controlled,

@@ -60,10 +60,10 @@ class World:
 def resolve_device(spec: str, launch: Launch | None, cuda_count: int, backend: str = "auto") -> torch.device:
     """run.device as a torch.device; launch is None for a single process. With backend gloo, ranks
     beyond the visible GPUs share them (local rank r takes cuda:<r mod GPUs>): nccl refuses that."""
-    m = _DEVICE.match(spec)
-    if spec.split(":")[0] in OTHER_ACCELERATORS:  # a Mac's GPU (mps), Intel's (xpu), ...: torch knows them, we do not
-        raise UsageError(f"run.device={spec}: {OTHER_ACCELERATORS[spec.split(':')[0]]} is not supported (ddp-cifar "
-                         "runs and is tested on CPUs and CUDA GPUs only); use run.device=cpu")  # fmt: skip
+    m, kind = _DEVICE.match(spec), spec.split(":")[0]
+    if kind in OTHER_ACCELERATORS:  # a Mac's GPU (mps), Intel's (xpu), ...: torch knows them, ddp-cifar does not
+        raise UsageError(f"run.device={spec}: {OTHER_ACCELERATORS[kind]} is not supported (ddp-cifar runs and is "
+                         "tested on CPUs and CUDA GPUs only); use run.device=cpu")  # fmt: skip
     if not m:
         raise UsageError(f"run.device={spec!r} is not a device; use auto, cpu, cuda or cuda:N (e.g. cuda:0)")
     if spec == "cpu" or (spec == "auto" and cuda_count == 0):

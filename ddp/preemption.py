@@ -28,9 +28,7 @@ ORDINARY = {
 # Ctrl-C ignored when this process started (a script's background job: `python ddp/train.py ... &`), as
 # Python leaves it: then SIGINT is not taken as a stop signal either, and the job stays immune to Ctrl-C.
 # So is a hang-up under nohup (`nohup python ddp/train.py ...`): SIGHUP is not a stop there.
-INTERRUPT_IGNORED = signal.getsignal(signal.SIGINT) == signal.SIG_IGN
-HANGUP_IGNORED = signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
-IGNORED_AT_START = {"SIGINT": INTERRUPT_IGNORED, "SIGHUP": HANGUP_IGNORED}
+IGNORED_AT_START = {name: signal.getsignal(signal.Signals[name]) == signal.SIG_IGN for name in ("SIGINT", "SIGHUP")}
 
 
 def parse_signals(names: str) -> list[signal.Signals]:

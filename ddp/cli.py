@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import errno
 import io
 import os
 import stat
@@ -153,7 +154,7 @@ def debug_requested(argv: list[str]) -> bool:
     try:
         args = parse_args([a for a in argv if a not in ("-h", "--help")], "")
         return config.load(args.config, args.overrides).run.debug
-    except UsageError:
+    except (UsageError, OSError):  # OSError: a path too long (_paths_named)
         values = [a.partition("=")[2] for a in argv if a.replace(" ", "").startswith("run.debug=")]
         return bool(values) and config.parse_bool(values[-1]) is True
 
@@ -201,6 +202,18 @@ def silence_stdout() -> None:
     os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
+def _paths_named(main: Callable[[list[str]], Any], argv: list[str]) -> Any:
+    """main(argv), where a path too long for the filesystem (a name typed over 255 bytes: pathlib's exists() and
+    is_file() raise on it, where they say False for a missing one) is a UsageError naming it."""
+    try:
+        return main(argv)
+    except OSError as e:
+        if e.errno != errno.ENAMETOOLONG:
+            raise
+        raise UsageError(f"{e.filename}: a path too long for this filesystem (a name in it is at most 255 bytes on "
+                         "most, a whole path 4096); choose a shorter one") from None  # fmt: skip
+
+
 def command(main: Callable[[list[str]], Any], argv: list[str] | None = None, prog: str = "") -> int:
     """Run main(argv) as a command; its exit code. main returns an int exit code (e.g. the doctor's
     1 for problems found) or anything else for done. A UsageError, a divergence, a failed write or a
@@ -210,7 +223,7 @@ def command(main: Callable[[list[str]], Any], argv: list[str] | None = None, pro
     A Ctrl-C that no stop handles (before training, or the second one in it) is one line too, exit 130."""
     argv = sys.argv[1:] if argv is None else argv
     try:
-        code = main(argv)
+        code = _paths_named(main, argv)
     except Stopped as e:
         if str(e):  # rank 0 says why; the other ranks print nothing
             print(str(e), file=sys.stderr)

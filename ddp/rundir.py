@@ -94,7 +94,7 @@ def lock(out_dir: str, world: World) -> Iterator[None]:
         yield
         return
     path = Path(out_dir) / LOCK
-    made = [d for d in (path.parent, *path.parent.parents) if not d.exists()]  # what a refused run takes away again
+    made = [d for d in (path.parent, *path.parent.parents) if not os.path.exists(d)]  # what a refused run takes away
     try:
         fd = _open_locked(path, out_dir)
     except OSError as e:

@@ -30,6 +30,9 @@ def assert_usage_error(proc, *fragments: str) -> None:
         assert fragment in lines[0]
 
 
+LONG = "/tmp/" + "a" * 300  # a path with one name longer than a filesystem's 255 bytes
+
+
 def test_bad_input_exits_2_with_one_line_as_a_real_process(tmp_path):
     """The command itself: `python ddp/train.py` with a bad value exits 2 with the one line (the
     rest of the values below are checked in this process, through the same train.cli)."""
@@ -121,6 +124,11 @@ def test_bad_input_for_want_of_a_gpu_exits_2_with_one_line(args, fragments, tmp_
         (["run.amp=fp16-weight"], ["run.amp: 'fp16-weight' is not one of off, bf16, fp16, fp16-weights"]),
         (["run.cuda_graph=true"], ["run.device=cpu does not work with run.cuda_graph=true (CUDA graphs need a GPU)"]),
         (["run.cuda_graph=maybe"], ["run.cuda_graph: 'maybe' is not one of false, true, auto"]),
+        # a name over the filesystem's 255 bytes: pathlib's exists() raises on it (it says False for a missing one)
+        ([f"run.out_dir={LONG}"], [f"cannot write to run.out_dir={LONG} (File name too long)"]),
+        (["data.dataset=npz", f"data.path={LONG}.npz"], [f"{LONG}.npz: a path too long for this filesystem"]),
+        (["--config", f"{LONG}.yaml"], [f"{LONG}.yaml: a path too long for this filesystem (a name in it is at most "]),
+        ([f"run.resume={LONG}.pt"], [f"{LONG}.pt: a path too long for this filesystem", "choose a shorter one"]),
         (["run.amp=fp16-weights", "optim.name=adamw"], ["optim.name=adamw does not work with run.amp=fp16-weights "
                                                          "(its squared gradients overflow fp16); use run.amp=bf16"]),
         (["run.amp=fp16-weights", "train.ema_decay=0.99"], ["train.ema_decay does not work with run.amp=fp16-weights"]),

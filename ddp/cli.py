@@ -30,6 +30,7 @@ from ddp.errors import (
     WriteFailed,
     exit_code,
     machine_failure,
+    to_devnull,
 )
 
 
@@ -199,7 +200,7 @@ def stdout_bytes() -> Iterator[io.BytesIO]:
 
 def silence_stdout() -> None:
     """stdout to /dev/null from here on: the exit's flush of what stdout could not take does not fail again."""
-    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    to_devnull(sys.stdout.fileno())
 
 
 def _paths_named(main: Callable[[list[str]], Any], argv: list[str]) -> Any:

@@ -97,11 +97,11 @@ def check_data(data: DataConfig, world: World) -> tuple[str, str | None, dataset
     try:
         found = datasets.read(replace(data, download=False), world)
     except cifar.DataMissing as e:
-        if data.download and (problem := cifar.download_problem(data)):
+        if not data.download:
+            return "data: missing", str(e), None
+        if problem := cifar.download_problem(data):
             return "data: missing, and no download", problem, None
-        if data.download:
-            return f"data: {data.dataset} is not in data.root={data.root} yet: the run downloads it", None, None
-        return "data: missing", str(e), None
+        return f"data: {data.dataset} is not in data.root={data.root} yet: the run downloads it", None, None
     except UsageError as e:
         return "data: unusable", str(e), None
     train, test = len(found.train.labels), len(found.test.labels)

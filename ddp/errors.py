@@ -57,13 +57,19 @@ class LossyStderr:
 
     def _lose(self) -> None:
         with contextlib.suppress(OSError, ValueError):
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, self._stream.fileno())
-            os.close(devnull)
+            to_devnull(self._stream.fileno())
             self._stream.flush()  # what it held goes to /dev/null: the exit's flush does not fail again
 
     def __getattr__(self, name: str) -> Any:  # fileno, isatty, encoding, ...: the stream's own
         return getattr(self._stream, name)
+
+
+def to_devnull(fd: int) -> None:
+    """What is written to `fd` from here on goes to /dev/null (a stream the OS refuses: its disk full, its reader or
+    terminal gone)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, fd)
+    os.close(devnull)
 
 
 def standard_streams() -> None:

@@ -79,9 +79,10 @@ def _torchrun(env: Env, name: str) -> Launch | None:
             f"{', '.join(present)} set but {', '.join(missing)} not: launch with "
             "torchrun (which sets them all), or unset them for a single process"
         )
-    rank, local_rank, world_size = _ints(env, ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
-    local_world_size = int(env.get("LOCAL_WORLD_SIZE", world_size))
-    return _checked(name, rank, local_rank, world_size, local_world_size=local_world_size)
+    counted = ("RANK", "LOCAL_RANK", "WORLD_SIZE", *(["LOCAL_WORLD_SIZE"] if "LOCAL_WORLD_SIZE" in env else []))
+    rank, local_rank, world_size, *local = _ints(env, counted)
+    master_port(env)  # a port number, else one line (torch's own int() of it was a traceback)
+    return _checked(name, rank, local_rank, world_size, local_world_size=local[0] if local else world_size)
 
 
 def _accelerate_mpi(env: Env) -> Launch | None:
@@ -89,10 +90,10 @@ def _accelerate_mpi(env: Env) -> Launch | None:
     (MPI's rank variables) and accelerate adds MASTER_ADDR/MASTER_PORT for the process group."""
     for names in _MPI_VARS:
         if names[0] in env:
-            rank, local_rank, world_size = _ints(env, names[:3])
-            master = f"tcp://{env.get('MASTER_ADDR', '127.0.0.1')}:{env.get('MASTER_PORT', '29500')}"
-            local = int(env.get(names[3], world_size))
-            return _checked("accelerate", rank, local_rank, world_size, local_world_size=local, init_method=master)
+            rank, local_rank, world_size, *local = _ints(env, names if names[3] in env else names[:3])
+            master = f"tcp://{env.get('MASTER_ADDR', '127.0.0.1')}:{master_port(env, 29500)}"
+            return _checked("accelerate", rank, local_rank, world_size, local_world_size=local[0] if local else
+                            world_size, init_method=master)  # fmt: skip
     if "MASTER_ADDR" in env:
         raise UsageError(
             "accelerate started 1 process for --num_processes > 1: with --cpu it starts several only "

@@ -1,6 +1,8 @@
 """Launcher detection (ddp/launchers.py), as pure functions of an environment: torchrun, accelerate
 (torchrun and MPI), SLURM (srun and the batch script), a single process, and forced launchers."""
 
+import re
+
 import pytest
 from launch_envs import OPEN_MPI, SRUN, TORCHRUN
 
@@ -13,6 +15,22 @@ def test_half_set_launcher_variables_are_an_error():
     with pytest.raises(UsageError, match="WORLD_SIZE set but RANK, LOCAL_RANK, MASTER_ADDR, MASTER_PORT not"):
         launchers.detect_launch({"WORLD_SIZE": "2"})
     assert launchers.detect_launch({}) == launchers.Launch("none", 0, 0, 1)
+
+
+@pytest.mark.parametrize(
+    "env, said",
+    [
+        ({**TORCHRUN, "MASTER_PORT": "abc"}, "MASTER_PORT='abc' is not a port number (1-65535)"),
+        ({**TORCHRUN, "MASTER_PORT": "70000"}, "MASTER_PORT='70000' is not a port number (1-65535)"),
+        ({**TORCHRUN, "LOCAL_WORLD_SIZE": "z"}, "RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE must be integers, got"),
+        ({**OPEN_MPI, "MASTER_PORT": "x"}, "MASTER_PORT='x' is not a port number (1-65535)"),
+        ({**OPEN_MPI, "OMPI_COMM_WORLD_LOCAL_SIZE": "two"}, "OMPI_COMM_WORLD_LOCAL_SIZE must be integers"),
+    ],
+)
+def test_launcher_numbers_that_are_not_numbers_are_one_line(env, said):
+    """Set by hand or by a broken script: a traceback from int() in torch's rendezvous or ours before."""
+    with pytest.raises(UsageError, match=re.escape(said)):
+        launchers.detect_launch(env)
 
 
 @pytest.mark.parametrize(

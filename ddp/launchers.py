@@ -68,6 +68,12 @@ def _checked(launcher: str, rank: int, local_rank: int, world_size: int, **rest:
     return Launch(launcher, rank, local_rank, world_size, **rest)
 
 
+def _counts(env: Env, names: tuple[str, str, str, str]) -> tuple[int, int, int, int]:
+    """(rank, local rank, world size, processes on this node: the world size where its variable is unset)."""
+    rank, local_rank, world_size, *local = _ints(env, names if names[3] in env else names[:3])
+    return rank, local_rank, world_size, local[0] if local else world_size
+
+
 def _torchrun(env: Env, name: str) -> Launch | None:
     """torchrun's variables (also what `accelerate launch --multi_gpu` sets), or None if none is set."""
     present = [v for v in TORCHRUN_VARS if v in env]
@@ -79,10 +85,9 @@ def _torchrun(env: Env, name: str) -> Launch | None:
             f"{', '.join(present)} set but {', '.join(missing)} not: launch with "
             "torchrun (which sets them all), or unset them for a single process"
         )
-    counted = ("RANK", "LOCAL_RANK", "WORLD_SIZE", *(["LOCAL_WORLD_SIZE"] if "LOCAL_WORLD_SIZE" in env else []))
-    rank, local_rank, world_size, *local = _ints(env, counted)
+    rank, local_rank, world_size, local = _counts(env, ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"))
     master_port(env)  # a port number, else one line (torch's own int() of it was a traceback)
-    return _checked(name, rank, local_rank, world_size, local_world_size=local[0] if local else world_size)
+    return _checked(name, rank, local_rank, world_size, local_world_size=local)
 
 
 def _accelerate_mpi(env: Env) -> Launch | None:
@@ -90,10 +95,9 @@ def _accelerate_mpi(env: Env) -> Launch | None:
     (MPI's rank variables) and accelerate adds MASTER_ADDR/MASTER_PORT for the process group."""
     for names in _MPI_VARS:
         if names[0] in env:
-            rank, local_rank, world_size, *local = _ints(env, names if names[3] in env else names[:3])
+            rank, local_rank, world_size, local = _counts(env, names)
             master = f"tcp://{env.get('MASTER_ADDR', '127.0.0.1')}:{master_port(env, 29500)}"
-            return _checked("accelerate", rank, local_rank, world_size, local_world_size=local[0] if local else
-                            world_size, init_method=master)  # fmt: skip
+            return _checked("accelerate", rank, local_rank, world_size, local_world_size=local, init_method=master)
     if "MASTER_ADDR" in env:
         raise UsageError(
             "accelerate started 1 process for --num_processes > 1: with --cpu it starts several only "

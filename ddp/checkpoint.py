@@ -246,8 +246,8 @@ def _reading(path: Path, skipped: list[str] | None = None, source: Path | io.Byt
             found = rundir.newest_in(path)
             hint = f"its newest checkpoint is {found}" if found else "name a checkpoint file"
             raise UsageError(f"{path} is a directory: {hint}") from None
-        except UsageError:  # CorruptCheckpoint is one: the file's own checks said what is wrong
-            raise
+        except (UsageError, PermissionError):  # CorruptCheckpoint is one: the file's own checks said what is wrong;
+            raise  # a file not open to this user is not damaged: never skipped for an older one (cli's line for it)
         except Exception as e:  # truncated, not a checkpoint, or a pickle that wants to run code
             why = files.torch_file_problem(path if source is None else source) or first_line(e, typed=True)
             if code := re.search(r"Unsupported global: GLOBAL (\S+)", str(e)):  # torch.save(model): a class, pickled

@@ -6,8 +6,10 @@ and whether this machine could download it (ddp.doctor). ddp/datasets.py puts wh
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import http.client
+import os
 import socket
 import sys
 import time
@@ -117,6 +119,9 @@ def read(cfg: DataConfig, world: World) -> tuple[Arrays, Arrays, list[str]]:
                          f"root={Path(cfg.root).parent}, and set data.download=true to unpack it there")  # fmt: skip
     if Path(cfg.root).is_file():  # make train DATA=file that does not end in .npz, say
         raise UsageError(f"data.root={cfg.root} is a file, not a directory; {offline_fix}")
+    for place in (Path(cfg.root), Path(cfg.root) / folder):  # torchvision says "not found" of a folder not open
+        if place.is_dir() and not os.access(place, os.R_OK | os.X_OK):  # to this user, and a download followed
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(place))  # cli's line for it
 
     def opened() -> tuple[Arrays, Arrays, list[str]] | None:
         try:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import errno
 import io
 import os
 import stat
@@ -30,6 +29,7 @@ from ddp.errors import (
     WriteFailed,
     exit_code,
     machine_failure,
+    path_refused,
     to_devnull,
 )
 
@@ -155,7 +155,7 @@ def debug_requested(argv: list[str]) -> bool:
     try:
         args = parse_args([a for a in argv if a not in ("-h", "--help")], "")
         return config.load(args.config, args.overrides).run.debug
-    except (UsageError, OSError):  # OSError: a path too long (_paths_named)
+    except (UsageError, OSError):  # OSError: a path refused (_paths_named)
         values = [a.partition("=")[2] for a in argv if a.replace(" ", "").startswith("run.debug=")]
         return bool(values) and config.parse_bool(values[-1]) is True
 
@@ -204,15 +204,14 @@ def silence_stdout() -> None:
 
 
 def _paths_named(main: Callable[[list[str]], Any], argv: list[str]) -> Any:
-    """main(argv), where a path too long for the filesystem (a name typed over 255 bytes: pathlib's exists() and
-    is_file() raise on it, where they say False for a missing one) is a UsageError naming it."""
+    """main(argv), where a path the OS refused as named (too long, or not open to this user: errors.path_refused)
+    is a UsageError naming it."""
     try:
         return main(argv)
     except OSError as e:
-        if e.errno != errno.ENAMETOOLONG:
+        if (line := path_refused(e)) is None:
             raise
-        raise UsageError(f"{e.filename}: a path too long for this filesystem (a name in it is at most 255 bytes on "
-                         "most, a whole path 4096); choose a shorter one") from None  # fmt: skip
+        raise UsageError(line) from None
 
 
 def command(main: Callable[[list[str]], Any], argv: list[str] | None = None, prog: str = "") -> int:

@@ -34,11 +34,11 @@ quiet_startup(__name__)  # run as a command: a Ctrl-C or a missing package in th
 import torch
 import torch.distributed as dist
 
-from ddp import alike, cifar, config, datasets, devices, distributed, files, launchers, metrics, network
+from ddp import alike, cifar, config, datasets, devices, distributed, files, launchers, metrics, network, rundir
 from ddp.cli import command, leave, parse_args, show
 from ddp.config import DataConfig
 from ddp.devices import World
-from ddp.errors import EXIT_FAILURE, EXIT_OK, UsageError
+from ddp.errors import EXIT_FAILURE, EXIT_OK, UsageError, path_refused
 
 
 def versions() -> dict[str, str]:
@@ -85,10 +85,20 @@ def check_out_dir(out_dir: str) -> tuple[str | None, str | None]:
     try:
         Path(out_dir).mkdir(parents=True, exist_ok=True)
         (Path(out_dir) / token).write_text(token)
-        return token, None
     except OSError as e:
         why = files.in_the_way(Path(out_dir), e)
         return None, f"run.out_dir={out_dir} is not writable ({why}); choose another run.out_dir"
+    return token, checkpoints_problem(out_dir)
+
+
+def checkpoints_problem(out_dir: str) -> str | None:
+    """Why the run could not list or write the checkpoints in run.out_dir's checkpoints/ (where there is one)."""
+    try:
+        if rundir.checkpoint_dir(out_dir).is_dir():
+            rundir.check_checkpoints(out_dir)
+    except UsageError as e:
+        return str(e)
+    return None
 
 
 def check_data(data: DataConfig, world: World) -> tuple[str, str | None, datasets.Data | None]:
@@ -104,6 +114,10 @@ def check_data(data: DataConfig, world: World) -> tuple[str, str | None, dataset
         return f"data: {data.dataset} is not in data.root={data.root} yet: the run downloads it", None, None
     except UsageError as e:
         return "data: unusable", str(e), None
+    except OSError as e:  # a path too long, or not open to this user: said as the run says it
+        if (line := path_refused(e)) is None:
+            raise
+        return "data: unusable", line, None
     train, test = len(found.train.labels), len(found.test.labels)
     return f"data: {train} training and {test} test images, {len(found.classes)} classes", None, found
 

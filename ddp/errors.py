@@ -180,6 +180,30 @@ def machine_failure(error: BaseException) -> str | None:
     return None
 
 
+def path_refused(error: OSError) -> str | None:
+    """The line for a path the OS refused as named: too long for the filesystem, or not open to this user (it, or
+    a folder above it: pathlib's exists() and is_file() raise on both, where they say False for a missing path);
+    None for any other error, or one that names no path."""
+    if error.filename is None:
+        return None
+    if error.errno == errno.ENAMETOOLONG:
+        return (f"{error.filename}: a path too long for this filesystem (a name in it is at most 255 bytes on "
+                "most, a whole path 4096); choose a shorter one")  # fmt: skip
+    if error.errno in (errno.EACCES, errno.EPERM):
+        return (f"{error.filename}: permission denied to user {_user()}: it, or a folder above it, is not open to "
+                "this user (ls -ld each folder on the way); ask its owner to open it, or name another")  # fmt: skip
+    return None
+
+
+def _user() -> str:
+    try:
+        import pwd  # Unix only
+
+        return pwd.getpwuid(os.geteuid()).pw_name
+    except (ImportError, KeyError):  # a container's uid without a name
+        return str(os.geteuid())
+
+
 def _mib(path: str, which: str) -> str:
     """The `which` (total, free) of the filesystem at `path` in MiB."""
     try:

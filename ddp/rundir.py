@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import fnmatch
 import json
 import os
 import socket
@@ -47,8 +48,13 @@ def step_files(out_dir: str | Path) -> list[Path]:
 
 def _steps_in(folder: Path) -> list[Path]:
     """The numbered checkpoints in `folder`, newest first: files only (a directory or a dangling link of such a
-    name stopped run.resume=auto with "is a directory", whole checkpoints beside it)."""
-    return sorted((p for p in folder.glob(_STEP_FILES) if p.is_file()), reverse=True)
+    name stopped run.resume=auto with "is a directory", whole checkpoints beside it). A folder this user may not
+    list raises (glob said it was empty: a run started afresh beside checkpoints it could not see)."""
+    try:
+        names = os.listdir(folder)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    return sorted((p for p in map(folder.joinpath, fnmatch.filter(names, _STEP_FILES)) if p.is_file()), reverse=True)
 
 
 def last_path(out_dir: str | Path) -> Path:
@@ -215,6 +221,19 @@ def resumes_its_own(resume: str, out_dir: str) -> bool:
         return False
 
 
+def check_checkpoints(out_dir: str) -> None:
+    """A UsageError where checkpoints/ is not open to this user: to list (glob said it was empty, and a run started
+    afresh beside checkpoints it could not see) or to write (the first save said so, after an epoch's training)."""
+    folder = checkpoint_dir(out_dir)
+    probe = folder / f".writable-{os.getpid()}.tmp"  # a kill's leftover goes with the writers' (files.TEMPORARY)
+    try:
+        step_files(out_dir)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise _cannot_write(out_dir, OSError(e.errno, e.strerror, str(folder))) from None
+
+
 def prepare(out_dir: str, config_yaml: str, epochs_done: int, world: World, tensorboard: bool = False) -> None:
     """Rank 0 makes checkpoints/ (and tensorboard/), writes config.yaml, cuts metrics.jsonl back to the
     epochs of the checkpoint being resumed (a killed run may have logged an epoch it never saved) and
@@ -232,6 +251,7 @@ def prepare(out_dir: str, config_yaml: str, epochs_done: int, world: World, tens
                     kept = [line for line in lines if _epoch(line) <= epochs_done]
                     files.replace(metrics, "".join(line + "\n" for line in kept).encode())
                 files.remove_temporary(checkpoint_dir(out_dir))
+                check_checkpoints(out_dir)
             except OSError as e:
                 raise _cannot_write(out_dir, e) from None
 

@@ -4,7 +4,9 @@ Run as real processes (`python ddp/train.py ...`), the way users meet them, wher
 what is tested (the launcher variables, CUDA hidden, torchrun's report); the long list of bad values
 runs through train.cli in this process (the same code, without the interpreter around it)."""
 
+import ctypes
 import errno
+import json
 import os
 import shutil
 import signal
@@ -407,6 +409,96 @@ def test_out_of_memory_is_one_line_naming_the_rank_and_what_to_try(tmp_path, cap
     assert capsys.readouterr().err.startswith("error: rank 1 of 2: out of memory (CUDA out of memory. Tried to")
     with pytest.raises(torch.cuda.OutOfMemoryError):  # run.debug=true: the traceback, for a bug report
         cli.command(step, ["run.debug=true"])
+
+
+# Each command, run in one child process by a user whom file permissions bind (root without CAP_DAC_OVERRIDE and
+# CAP_DAC_READ_SEARCH, as a user not root is): what it says and its exit code for each case below.
+AS_A_USER = """
+import contextlib, io, json, sys
+from ddp import checkpoint, cli, doctor, evaluate, plot, train
+mains = {"train": train.main, "evaluate": evaluate.main, "checkpoint": checkpoint.main, "plot": plot.main,
+         "doctor": doctor.main}
+said = []
+for name, argv in json.loads(sys.argv[1]):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = cli.command(mains[name], argv)
+    said.append([code, out.getvalue(), err.getvalue()])
+print(json.dumps(said))
+"""
+
+
+def _bound_by_file_permissions() -> None:
+    """In the child before its exec: root's pass over file permissions dropped from its capabilities' bounding
+    set, so the program it runs has them no more (a user not root never had them)."""
+    if os.geteuid() == 0:
+        libc = ctypes.CDLL(None, use_errno=True)
+        for capability in (1, 2):  # CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH
+            if libc.prctl(24, capability, 0, 0, 0) != 0:  # PR_CAPBSET_DROP
+                raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP) refused: no CAP_SETPCAP here")
+
+
+def test_a_path_not_open_to_this_user_is_one_line_naming_it_and_never_a_fallback(tmp_path):
+    """A data file, data.root, a config, a checkpoint, a run's folder or its checkpoints/ that this user may not
+    read (or write): exit 2 and one line naming the path (the doctor: a PROBLEM, exit 1). It was a PermissionError
+    traceback (pathlib's exists() raises on it), a download attempted into a data.root it could not list, a run
+    begun afresh beside checkpoints it could not list, and a checkpoint it could not read skipped for an older."""
+    locked = tmp_path / "locked"
+    (locked / "run").mkdir(parents=True)
+    for name in ("ok.npz", "c.yaml", "x.pt", "run/metrics.jsonl"):
+        (locked / name).write_text("{}")
+    unlisted, unwritable, unread = (tmp_path / name / "checkpoints" for name in ("unlisted", "unwritable", "unread"))
+    for folder in (unlisted, unwritable, unread):
+        folder.mkdir(parents=True)
+    (unlisted / "step-000000002.pt").write_text("")
+    (unread / "step-000000001.pt").write_text("an older file")
+    (unread / "step-000000002.pt").write_text("")
+    for path, mode in ((locked, 0), (unlisted, 0), (unwritable, 0o500), (unread / "step-000000002.pt", 0)):
+        path.chmod(mode)
+    tiny = [*TINY, "train.epochs=1"]
+    cases = [
+        ("train", [*tiny, f"run.out_dir={tmp_path / 'o'}", "data.dataset=npz", f"data.path={locked}/ok.npz"]),
+        ("train", [*tiny, f"run.out_dir={tmp_path / 'o'}", "data.dataset=cifar10", f"data.root={locked}"]),
+        ("train", ["--config", f"{locked}/c.yaml"]),
+        ("train", [*tiny, f"run.out_dir={tmp_path / 'o'}", f"run.resume={locked}/x.pt"]),
+        ("train", [*tiny, f"run.out_dir={unlisted.parent}"]),
+        ("train", [*tiny, f"run.out_dir={unwritable.parent}"]),
+        ("train", [*tiny, f"run.out_dir={unread.parent}"]),
+        ("evaluate", ["--checkpoint", f"{locked}/x.pt"]),
+        ("checkpoint", ["inspect", f"{locked}/x.pt"]),
+        ("plot", [f"{locked}/run"]),
+        ("doctor", ["data.dataset=npz", f"data.path={locked}/ok.npz", f"run.out_dir={tmp_path / 'o'}"]),
+        ("doctor", [*tiny, f"run.out_dir={unwritable.parent}"]),
+    ]
+    try:
+        child = subprocess.run(
+            [sys.executable, "-c", AS_A_USER, json.dumps(cases)],
+            cwd=REPO,
+            env=clean_env(),
+            capture_output=True,
+            text=True,
+            timeout=120,
+            preexec_fn=_bound_by_file_permissions,
+        )
+    finally:
+        for path in (locked, unlisted, unwritable, unread / "step-000000002.pt"):
+            path.chmod(0o700)  # for tmp_path's removal by a user not root
+    assert child.returncode == 0, child.stderr
+    said = json.loads(child.stdout.splitlines()[-1])
+    denied = ": permission denied to user "
+    expected = [
+        f"{locked}/ok.npz{denied}", f"{locked}{denied}", f"{locked}/c.yaml{denied}", f"{locked}/x.pt{denied}",
+        f"{unlisted}{denied}", f"cannot write to run.out_dir={unwritable.parent} ({unwritable}: Permission denied)",
+        f"{unread}/step-000000002.pt{denied}", f"{locked}/x.pt{denied}", f"{locked}/x.pt{denied}",
+        f"{locked}/run/metrics.jsonl{denied}",
+    ]  # fmt: skip
+    for (code, _, err), fragment, case in zip(said, expected, cases):
+        assert_usage_error(subprocess.CompletedProcess(case, code, "", err), fragment)
+    assert all("it, or a folder above it, is not open to this user" in err for _, _, err in said[:5])
+    for (code, out, err), line in zip(said[-2:], [f"PROBLEM: {locked}/ok.npz{denied}", "PROBLEM: cannot write"]):
+        assert code == 1 and "Traceback" not in err and line in out + err, out + err
+    assert "data: unusable" in said[-2][1]
+    assert not list((tmp_path / "o").glob("**/cifar-10*")), "no download was tried into another folder"
 
 
 def test_no_space_outside_the_runs_own_files_is_one_line_naming_tmpdir(capsys):

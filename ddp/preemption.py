@@ -23,6 +23,9 @@ ORDINARY = {
     "SIGURG": "urgent data on a socket",
     "SIGPIPE": "every write to a pipe whose reader has gone",
 }
+# Signals a crash raises in the thread that crashed: a handler returns to the faulting instruction, which faults
+# again, so a crashed process (a bad memory access in a library, say) would hang for good instead of ending.
+CRASHES = ("SIGSEGV", "SIGBUS", "SIGFPE", "SIGILL", "SIGSYS", "SIGTRAP")
 
 
 # Ctrl-C ignored when this process started (a script's background job: `python ddp/train.py ... &`), as
@@ -34,14 +37,22 @@ IGNORED_AT_START = {name: signal.getsignal(signal.Signals[name]) == signal.SIG_I
 def parse_signals(names: str) -> list[signal.Signals]:
     """ "SIGTERM,SIGUSR1" (or "TERM,USR1") as signals; "" or "none" for no handlers. SIGINT and SIGHUP are left
     out of them in a process that started with them ignored (IGNORED_AT_START: a background job's, nohup's)."""
-    out = []
-    for name in filter(None, (n.strip().upper() for n in names.split(","))):
+    out, named = [], list(filter(None, (n.strip().upper() for n in names.split(","))))
+    if not named:  # "," or " ": a typo; "none" says no handlers
+        raise UsageError(f"run.stop_signal={names!r} names no signal: give them by name (e.g. SIGTERM,SIGUSR1), or "
+                         "none for no stop on a signal")  # fmt: skip
+    for name in named:
         if name == "NONE":
             continue
         full = name if name.startswith("SIG") else f"SIG{name}"
         if full not in signal.Signals.__members__ or full in ("SIGKILL", "SIGSTOP"):
             raise UsageError(
                 f"run.stop_signal: {name!r} is not a signal that can be caught; e.g. SIGTERM,SIGUSR1,SIGINT"
+            )
+        if full in CRASHES:
+            raise UsageError(
+                f"run.stop_signal: {full} is what a crash raises: caught, a crashed process would "
+                "hang for good instead of ending; stop signals are ones sent for it, e.g. SIGTERM"
             )
         if full in ORDINARY:
             raise UsageError(f"run.stop_signal: {full} comes with {ORDINARY[full]}, not to stop a run; stop signals "

@@ -74,6 +74,20 @@ def test_signals_of_ordinary_events_are_refused_as_stop_signals(names):
         preemption.parse_signals(names)
 
 
+@pytest.mark.parametrize("names", ["SIGSEGV", "TERM,bus", "SIGFPE", "ILL"])
+def test_signals_a_crash_raises_are_refused_as_stop_signals(names):
+    """A handler of SIGSEGV returns to the access that faulted: the process faulted again, and hung for good."""
+    with pytest.raises(UsageError, match="^run.stop_signal: SIG[A-Z]+ is what a crash raises: caught, a crashed"):
+        preemption.parse_signals(names)
+
+
+@pytest.mark.parametrize("names", [",", " , ", ",,"])
+def test_a_stop_signal_that_names_none_is_refused(names):
+    with pytest.raises(UsageError, match="names no signal: give them by name .* or none for no stop on a signal"):
+        preemption.parse_signals(names)
+    assert preemption.parse_signals("none") == []
+
+
 def test_what_scontrol_requeue_did_is_said_also_when_the_requeue_ended_it():
     """The requeue stops every process of the job, scontrol among them: it printed "scontrol requeue 2: " and
     nothing more when SIGTERM ended scontrol before it exited 0 (the job was requeued: Restarts=1)."""

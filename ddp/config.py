@@ -165,7 +165,7 @@ class DdpConfig:
 
     bucket_cap_mb: float = opt(
         25.0, "gradients are all-reduced in buckets of this many MiB (larger: fewer, later all-reduces)",
-        valid=Range(0, low_open=True),
+        valid=Range(0, 2**20, low_open=True),  # 1 TiB: larger than any model; 1e300 overflowed DDP
     )  # fmt: skip
     gradient_as_bucket_view: bool = opt(True, "gradients are views into the buckets: no copy out of them, one less")
     static_graph: bool = opt(False, "the same parameters in every step: DDP skips per-step checks (allows unused ones)")
@@ -215,7 +215,8 @@ class RunConfig:
     keep_last: int = opt(3, "numbered checkpoints kept in out_dir/checkpoints (the newest N)", valid=POSITIVE)
     stop_signal: str = opt("SIGTERM,SIGUSR1,SIGINT,SIGHUP",
                            "signals that stop at the next step with a checkpoint, exit 75 (none = off)")  # fmt: skip
-    timeout_s: int = opt(300, "seconds a collective may wait before the run fails instead of hanging", valid=POSITIVE)
+    timeout_s: int = opt(300, "seconds a collective may wait before the run fails instead of hanging (torch's clocks "
+                         "overflow past ~9e9)", valid=Range(1, 10**9))  # fmt: skip
     progress: bool = opt(True, "tqdm bar on rank 0 when stdout is a terminal")
     tensorboard: bool = opt(False, "TensorBoard scalars in out_dir/tensorboard (pip install 'ddp-cifar[tensorboard]')")
     debug: bool = opt(False, "show the Python traceback of errors instead of one line (for bug reports)")

@@ -108,7 +108,7 @@ def test_bad_input_for_want_of_a_gpu_exits_2_with_one_line(args, fragments, tmp_
             ],
         ),
         ([*TINY, "train.grad_accum_steps=3"], ["= 1 x 3 = 3", "try 30 or 33, or train.grad_accum_steps=2 or 4"]),
-        (["ddp.bucket_cap_mb=0"], ["ddp.bucket_cap_mb=0.0 is out of range: it must be > 0"]),
+        (["ddp.bucket_cap_mb=0"], ["ddp.bucket_cap_mb=0.0 is out of range: it must be in (0, 1048576]"]),
         (["ddp.comm_hook=int8"], ["ddp.comm_hook: 'int8' is not one of allreduce, none, fp16, bf16"]),
         (["ddp.static_graph=sometimes"], ["ddp.static_graph: expected bool, got 'sometimes'"]),
         (["ddp.static_graph=true", "train.grad_accum_steps=2"], ["DDP's static graph breaks under no_sync"]),

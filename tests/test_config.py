@@ -71,7 +71,16 @@ def test_bad_values_are_usage_errors(override, message):
         ("optim.warmup_epochs=-1", "optim.warmup_epochs=-1.0 is out of range"),
         ("optim.clip_grad_norm=-1", "optim.clip_grad_norm=-1.0 is out of range: it must be >= 0"),
         ("run.keep_last=0", "run.keep_last=0 is out of range: it must be >= 1"),
-        ("run.timeout_s=0", "run.timeout_s=0 is out of range: it must be >= 1"),
+        (
+            "ddp.bucket_cap_mb=1e300",
+            "ddp.bucket_cap_mb=1e+300 is out of range: it must be in (0, 1048576]",
+        ),  # DDP's int
+        ("run.timeout_s=0", "run.timeout_s=0 is out of range: it must be in [1, 1000000000]"),
+        # a timedelta of it overflowed (OverflowError under torchrun), torch's store's nanoseconds too (~9e9 s)
+        (
+            "run.timeout_s=100000000000000",
+            "run.timeout_s=100000000000000 is out of range: it must be in [1, 1000000000]",
+        ),
         ("run.save_every_steps=-1", "run.save_every_steps=-1 is out of range: it must be >= 0"),
         ("run.seed=-1", "run.seed=-1 is out of range: it must be in [0, 4294967295]"),
         ("run.seed=4294967296", "run.seed=4294967296 is out of range"),

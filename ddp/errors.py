@@ -75,7 +75,9 @@ def to_devnull(fd: int) -> None:
 def standard_streams() -> None:
     """A command's fds 0-2 open and sys.stderr a LossyStderr. A closed one (`2>&-`) gets /dev/null: Python leaves
     sys.stderr None there, and the next file opened takes the number 2, so that torch's C++ warnings on fd 2 were
-    written into it (a checkpoint being saved, the run's lock)."""
+    written into it (a checkpoint being saved, the run's lock). stdout writes the bytes of a path that are not text
+    in its encoding (a directory named in Latin-1) as they are, as Python's UTF-8 mode does: a UnicodeEncodeError
+    traceback under a UTF-8 locale outside that mode."""
     for fd in (0, 1, 2):
         try:
             os.fstat(fd)
@@ -83,6 +85,8 @@ def standard_streams() -> None:
             os.open(os.devnull, os.O_RDWR)  # the lowest free number: this one
     sys.stdout = sys.stdout or open(1, "w", buffering=1, closefd=False)  # noqa: SIM115 (the process's own)
     sys.stderr = sys.stderr or open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+    if getattr(sys.stdout, "errors", None) == "strict" and hasattr(sys.stdout, "reconfigure"):
+        sys.stdout.reconfigure(errors="surrogateescape")  # a path's bytes that are no text here: written as they are
     if not isinstance(sys.stderr, LossyStderr):
         sys.stderr = LossyStderr(sys.stderr)
 

@@ -94,7 +94,13 @@ def named(run_dirs: list[Path]) -> list[tuple[str, Path]]:
 
 
 def label(name: str, rows: list[dict[str, Any]]) -> str:
-    return f"{name} ({rows[-1].get('world_size', 1)} proc)"
+    return f"{drawable(name)} ({rows[-1].get('world_size', 1)} proc)"
+
+
+def drawable(name: str) -> str:
+    """A run's name as matplotlib can draw it: bytes of its path that are not UTF-8 (Python's surrogates, which
+    matplotlib's font refused with a traceback) as the replacement character."""
+    return name.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
 
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".svg", ".pdf")
@@ -172,7 +178,7 @@ def _confusion(name: str, last: dict[str, Any], plt: Any) -> Any:
         for t in range(n):
             for p in range(n):
                 ax.text(p, t, last["confusion"][t][p], ha="center", va="center", fontsize="x-small")
-    ax.set(title=f"confusion, epoch {last['epoch']} ({name})", xlabel="predicted", ylabel="true")
+    ax.set(title=f"confusion, epoch {last['epoch']} ({drawable(name)})", xlabel="predicted", ylabel="true")
     return fig
 
 

@@ -1,8 +1,10 @@
 """What a run leaves behind to look at: TensorBoard scalars (read back from the event file) and
 ddp.plot's PNGs from a short run on the real CIFAR-10 subset."""
 
+import os
 import struct
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -112,6 +114,21 @@ def test_plot_leaves_out_the_lines_of_a_metrics_file_that_lies_and_tells_runs_of
     write_metrics(tmp_path / "bad", "garbage", "")
     assert command(plot.main, [str(tmp_path / "bad")]) == 2
     assert capsys.readouterr().err == f"error: {tmp_path}/bad/metrics.jsonl: line 1: not an epoch's whole record\n"
+
+
+def test_a_run_whose_path_is_not_utf8_is_drawn_under_its_name(tmp_path):
+    """A directory named in another encoding (Latin-1's bytes, say): matplotlib's font refused the name's
+    surrogates in the legend and the confusion chart's title with a traceback; now a replacement character. Its
+    charts' paths are printed with the directory's bytes, where a UTF-8 locale outside Python's UTF-8 mode
+    (PYTHONIOENCODING=utf-8:strict here) refused them with a traceback (ddp/train.py's "resumed from" line too)."""
+    run = tmp_path / os.fsdecode(b"caf\xe9")
+    write_metrics(run, EPOCH % 1)
+    proc = subprocess.run([sys.executable, "-m", "ddp.plot", run], cwd=REPO, capture_output=True,
+                          env=clean_env(PYTHONIOENCODING="utf-8:strict", PYTHONUTF8="0"))  # fmt: skip
+    assert proc.returncode == 0 and proc.stderr == b"", proc.stderr.decode()
+    assert proc.stdout.endswith(b"caf\xe9/confusion-caf\xe9.png\n")
+    assert png_size(run / os.fsdecode(b"confusion-caf\xe9.png")) == (700, 600)  # its file keeps the path's bytes
+    assert plot.drawable(run.name) == "caf\ufffd"
 
 
 def test_plot_leaves_out_records_whose_classes_accuracies_or_confusion_do_not_fit(tmp_path, capsys):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import zipfile
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -109,22 +110,22 @@ def _class_indices(path: str, name: str, y: np.ndarray) -> np.ndarray:
     return y.astype(np.int64)
 
 
-def check_labels(where: str, name: str, labels: torch.Tensor, classes: list[str], named: bool) -> None:
-    """Every label a class index: 0 <= label < len(classes). `named`: the class list came with the
-    data (or the checkpoint), not counted from the labels."""
-    bad = torch.nonzero((labels < 0) | (labels >= len(classes))).flatten()
+def check_labels(where: str, name: str, labels: torch.Tensor, count: int, named: bool) -> None:
+    """Every label a class index: 0 <= label < count. `named`: the count is that of the class names that came
+    with the data (or the checkpoint), not counted from the labels."""
+    bad = torch.nonzero((labels < 0) | (labels >= count)).flatten()
     if len(bad):
         i = int(bad[0])
-        what = f"{len(classes)} classes" + (" (names given)" if named else "")
-        raise UsageError(
-            f"{where}: {name}[{i}] = {int(labels[i])}, but there are {what}: labels are 0..{len(classes) - 1}"
-        )
+        what = f"{count} classes" + (" (names given)" if named else "")
+        raise UsageError(f"{where}: {name}[{i}] = {int(labels[i])}, but there are {what}: labels are 0..{count - 1}")
 
 
 def check_counted_classes(where: str, train: Split, test: Split, count: int) -> None:
     """Without a `classes` array the class count is the largest label + 1; a class in between that
-    no training image has means that largest label is a lie (one stray 12 among 0..9), not a class."""
-    missing = sorted(set(range(count)) - set(train.labels.unique().tolist()))
+    no training image has means that largest label is a lie (one stray 12 among 0..9), not a class. The first
+    six missing only: a label of 2**40 had a list of as many classes made (killed for memory)."""
+    present = set(train.labels.unique().tolist())
+    missing = list(itertools.islice((c for c in range(count) if c not in present), 6))
     if missing:
         name, labels = ("y_train", train.labels) if int(train.labels.max()) == count - 1 else ("y_test", test.labels)
         i = int(torch.nonzero(labels == count - 1).flatten()[0])
@@ -189,16 +190,17 @@ def read(cfg: DataConfig, world: World) -> Data:
         if len(split.labels) == 0:
             raise UsageError(f"{_where(cfg)}: the {name} split is empty")
     named = classes is not None
-    if not named:  # class indices 0..the largest label
-        classes = [str(i) for i in range(int(max(train.labels.max(), test.labels.max())) + 1)]
+    count = len(classes) if classes is not None else int(max(train.labels.max(), test.labels.max())) + 1
     for name, split in (("train", train), ("test", test)):  # a negative label first: it is no count's fault
-        check_labels(_where(cfg), f"y_{name}", split.labels, classes, named)
+        check_labels(_where(cfg), f"y_{name}", split.labels, count, named)
     present = train.labels.unique()
     if len(present) < 2:  # a loss of 0 from the first step: nothing is learned
-        raise UsageError(f"{_where(cfg)}: every training image is of class {classes[int(present[0])]!r}: a classifier "
+        only = classes[int(present[0])] if classes is not None else str(int(present[0]))
+        raise UsageError(f"{_where(cfg)}: every training image is of class {only!r}: a classifier "
                          "learns from two classes or more")  # fmt: skip
-    if not named:
-        check_counted_classes(_where(cfg), train, test, len(classes))
+    if classes is None:  # class indices 0..the largest label, each in the training split
+        check_counted_classes(_where(cfg), train, test, count)
+        classes = [str(i) for i in range(count)]
     mean, std = channel_statistics(_where(cfg), train.images)
     return Data(train, test, classes, mean, std)
 
@@ -250,5 +252,5 @@ def read_test(cfg: DataConfig, world: World, classes: list[str]) -> Split:
             f"{_where(cfg)} names {_unlike(named, classes)}: a label would mean another class; evaluate on data of "
             "the model's classes, in its order"
         )
-    check_labels(_where(cfg), "y_test", test.labels, classes, named=True)
+    check_labels(_where(cfg), "y_test", test.labels, len(classes), named=True)
     return test

@@ -164,6 +164,10 @@ LIES = {
         {"y_test": set_at(YT, 4, 10), "classes": None},
         r"y_test\[4\] = 10, but no training image has class 10",
     ),
+    "label-2**40-no-names": (  # its 2**40 + 1 classes were listed: killed for memory (21 GB here)
+        {"y_train": set_at(Y, 3, 2**40), "classes": None},
+        r"y_train\[3\] = 1099511627776, but no training image has class 10, 11, 12, 13, 14, \.\.\.: without",
+    ),
     "negative-no-names": ({"y_train": set_at(Y, 0, -2), "classes": None}, r"y_train\[0\] = -2, but there are"),
     "all-negative-no-names": (  # said as itself, not as classes no training image has (the count's check)
         {"y_train": np.full(60, -1), "classes": None},

@@ -84,7 +84,7 @@ class DataConfig:
     mix_off_epoch: int = opt(0, "no MixUp/CutMix from this epoch on (0 = mix to the end)", valid=NATURAL)
     synthetic_train: int = opt(2048, "train images for dataset=synthetic", valid=POSITIVE)
     synthetic_test: int = opt(512, "test images for dataset=synthetic", valid=POSITIVE)
-    synthetic_classes: int = opt(10, "classes for dataset=synthetic", valid=Range(2))
+    synthetic_classes: int = opt(10, "classes for dataset=synthetic", valid=Range(2, 10**5))
 
 
 @dataclass

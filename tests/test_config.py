@@ -75,6 +75,10 @@ def test_bad_values_are_usage_errors(override, message):
             "ddp.bucket_cap_mb=1e300",
             "ddp.bucket_cap_mb=1e+300 is out of range: it must be in (0, 1048576]",
         ),  # DDP's int
+        (
+            "data.synthetic_classes=100000000",
+            "data.synthetic_classes=100000000 is out of range: it must be in [2, 100000]",
+        ),
         ("run.timeout_s=0", "run.timeout_s=0 is out of range: it must be in [1, 1000000000]"),
         # a timedelta of it overflowed (OverflowError under torchrun), torch's store's nanoseconds too (~9e9 s)
         (

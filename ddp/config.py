@@ -118,25 +118,16 @@ class TrainConfig:
                                valid=NATURAL)  # fmt: skip
     lookahead_decay: float = opt(0.95, "lookahead: slow weights keep decay**N x (step/steps)**3 of themselves",
                                  valid=FRACTION)  # fmt: skip
-    grad_accum_steps: int = opt(
-        1,
-        "K micro-batches per optimizer step: each rank runs K x batch_size/(world_size x K) images, "
-        "gradients all-reduced once; same update as one big batch",
-        valid=POSITIVE,
-    )
-    micro_batch_size: int = opt(
-        0,
-        "images per rank in each forward/backward (DeepSpeed's micro-batch per GPU): with the global batch it "
-        "fixes train.grad_accum_steps for whatever world size a run (or its restart) gets; 0 = off",
-        valid=NATURAL,
-    )
+    grad_accum_steps: int = opt(1, "K micro-batches per optimizer step: each rank runs K x batch_size/(world_size x "
+                                "K) images, gradients all-reduced once; same update as one big batch",
+                                valid=POSITIVE)  # fmt: skip
+    micro_batch_size: int = opt(0, "images per rank in each forward/backward (DeepSpeed's micro-batch per GPU): with "
+                                "the global batch it fixes train.grad_accum_steps for whatever world size a run (or "
+                                "its restart) gets; 0 = off", valid=NATURAL)  # fmt: skip
     sync_bn: bool = opt(False, "BatchNorm statistics over the global batch (all ranks), as 1 process computes them")
-    dist_bn: str = opt(
-        "broadcast",
-        "without sync_bn, how the ranks' BatchNorm running statistics become one before evaluating and saving: "
-        "broadcast = rank 0's | reduce = their mean",
-        ("broadcast", "reduce"),
-    )
+    dist_bn: str = opt("broadcast", "without sync_bn, how the ranks' BatchNorm running statistics become one before "
+                       "evaluating and saving: broadcast = rank 0's | reduce = their mean",
+                       ("broadcast", "reduce"))  # fmt: skip
 
 
 @dataclass
@@ -326,6 +317,14 @@ def _set(cfg: Config, dotted: str, value: Any) -> None:
         hint = f" (did you mean '{section}.{close[0]}'?)" if close else ""
         raise UsageError(f"unknown key '{dotted}'{hint}; valid keys in {section}: {', '.join(fields)}")
     setattr(getattr(cfg, section), key, _coerce(dotted, value, fields[key]))
+
+
+def is_a_runs(path: Path) -> bool:
+    """Whether the YAML file at `path` holds this config's sections only, as a run's config.yaml does (dump's)."""
+    try:
+        return set(_read_yaml(str(path))) <= {f.name for f in dataclasses.fields(Config)}
+    except UsageError:
+        return False
 
 
 def _read_yaml(path: str) -> dict[str, Any]:

@@ -88,12 +88,14 @@ def check_out_dir(out_dir: str) -> tuple[str | None, str | None]:
     except OSError as e:
         why = files.in_the_way(Path(out_dir), e)
         return None, f"run.out_dir={out_dir} is not writable ({why}); choose another run.out_dir"
-    return token, checkpoints_problem(out_dir)
+    return token, run_files_problem(out_dir)
 
 
-def checkpoints_problem(out_dir: str) -> str | None:
-    """Why the run could not list or write the checkpoints in run.out_dir's checkpoints/ (where there is one)."""
+def run_files_problem(out_dir: str) -> str | None:
+    """Why the run could not use run.out_dir's files: ones of a run's names that no run wrote (which it would
+    replace), or a checkpoints/ it may not list or write."""
     try:
+        rundir.check_own_files(out_dir)
         if rundir.checkpoint_dir(out_dir).is_dir():
             rundir.check_checkpoints(out_dir)
     except UsageError as e:

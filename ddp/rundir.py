@@ -95,7 +95,9 @@ def fault_marker(out_dir: str | Path, point: str, n: int) -> Path:
 def lock(out_dir: str, world: World) -> Iterator[None]:
     """Hold out_dir's lock while inside (rank 0; the other ranks hold nothing): an exclusive flock on
     out_dir/.lock, with rank 0's host, pid and start time in it. The system drops it when the process
-    ends, however it ends, so a dead run never leaves a stale lock. A second run is refused (exit 2)."""
+    ends, however it ends, so a dead run never leaves a stale lock. A second run is refused (exit 2), and on every
+    rank, before the lock, a folder whose files no run wrote (check_own_files)."""
+    check_own_files(out_dir)
     if not world.is_main:
         yield
         return
@@ -219,6 +221,23 @@ def resumes_its_own(resume: str, out_dir: str) -> bool:
         return config.load(str(config_path(out_dir)), []).run.resume == resume
     except UsageError:  # no config.yaml, or not one of ours
         return False
+
+
+def check_own_files(out_dir: str) -> None:
+    """A UsageError where run.out_dir holds files of the names a run writes that no run wrote: a project's own
+    config.yaml, metrics.jsonl or checkpoints/last.pt (run.out_dir=. in it, say), which the run replaced. A run's
+    directory has its config.yaml (this config's sections), written before any of the others."""
+    settings = config_path(out_dir)  # files only: a folder of one of these names is in the way, said as such
+    if settings.is_file() and config.is_a_runs(settings):
+        return
+    if settings.is_file():
+        raise UsageError(f"run.out_dir={out_dir} holds a config.yaml that is not a run's (a run writes its settings "
+                         f"there, replacing it): choose another run.out_dir, or move {settings} away")  # fmt: skip
+    if found := [p for p in (metrics_path(out_dir), last_path(out_dir)) if p.is_file()]:
+        names = " and ".join(str(p.relative_to(out_dir)) for p in found)
+        raise UsageError(f"run.out_dir={out_dir} holds {names} but no run's config.yaml, which a run "
+                         "writes before them: they are not a run's, and this run would replace them; choose another "
+                         "run.out_dir, or move them away")  # fmt: skip
 
 
 def check_checkpoints(out_dir: str) -> None:

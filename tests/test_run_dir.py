@@ -16,7 +16,7 @@ import pytest
 import torch
 from conftest import REPO, TINY, TRAIN, clean_env, metrics, ok, python, torchrun, wait_for_checkpoint
 
-from ddp import checkpoint, files, rundir, train
+from ddp import checkpoint, doctor, files, rundir, train
 from ddp.devices import World
 from ddp.errors import UsageError, WriteFailed
 
@@ -226,6 +226,37 @@ def test_a_resume_keeps_the_saved_epochs_of_metrics_jsonl_and_drops_what_is_no_r
     )
     rundir.prepare(str(tmp_path), "seed: 0\n", 2, World(0, 0, 1, torch.device("cpu"), "none"))
     assert rundir.metrics_path(tmp_path).read_text() == epoch % 1 + epoch % 2
+
+
+def test_a_folder_whose_files_no_run_wrote_is_refused_and_left_as_it_was(tmp_path, capsys):
+    """run.out_dir=. in a project (or any folder of another program's): its config.yaml, metrics.jsonl and
+    checkpoints/last.pt were replaced by the run's, silently. Refused now on every rank before the lock, nothing
+    written (no lock file left); the doctor says it. A run's own config.yaml (this config's sections) is no bar."""
+    yaml, jsonl = "model: {layers: 50}\nlr: 0.1\n", '{"loss": 1}\n'  # another program's
+    cases = {"foreign-yaml": {"config.yaml": yaml}, "not-yaml": {"config.yaml": "\x00\x01 : ["},
+             "metrics": {"metrics.jsonl": jsonl},
+             "metrics-and-last": {"checkpoints/last.pt": "x", "metrics.jsonl": jsonl}}  # fmt: skip
+    for name, made in cases.items():
+        folder = tmp_path / name
+        for path, text in made.items():
+            (folder / path).parent.mkdir(parents=True, exist_ok=True)
+            (folder / path).write_text(text)
+        assert train.cli([f"run.out_dir={folder}", *TINY]) == 2, name
+        err = capsys.readouterr().err
+        if "config.yaml" in made:
+            assert err == (f"error: run.out_dir={folder} holds a config.yaml that is not a run's (a run writes its "
+                           f"settings there, replacing it): choose another run.out_dir, or move {folder}/config.yaml "
+                           "away\n")  # fmt: skip
+        else:
+            names = " and ".join(sorted(made, key=lambda p: p != "metrics.jsonl"))
+            assert err.startswith(f"error: run.out_dir={folder} holds {names} but no run's config.yaml"), err
+        assert {str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file()} == set(made), name
+        assert all((folder / path).read_text() == text for path, text in made.items())
+    assert doctor.run_files_problem(str(tmp_path / "foreign-yaml")).startswith("run.out_dir=")
+    ours = tmp_path / "ours"  # a run's config.yaml: the run goes on (here: its first epoch, then another run's)
+    rundir.config_path(ours).parent.mkdir()
+    rundir.config_path(ours).write_text("data:\n  dataset: synthetic\nrun:\n  seed: 3\n")
+    assert train.cli([f"run.out_dir={ours}", *TINY, "train.epochs=1"]) == 0 and len(metrics(ours)) == 1
 
 
 @pytest.mark.parametrize("name, kind", [(".lock", "directory"), ("metrics.jsonl", "directory"), ("checkpoints", "file"),

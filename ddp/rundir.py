@@ -228,12 +228,16 @@ def check_own_files(out_dir: str) -> None:
     config.yaml, metrics.jsonl or checkpoints/last.pt (run.out_dir=. in it, say), which the run replaced. A run's
     directory has its config.yaml (this config's sections), written before any of the others."""
     settings = config_path(out_dir)  # files only: a folder of one of these names is in the way, said as such
-    if settings.is_file() and config.is_a_runs(settings):
+    try:
+        found = [p for p in (settings, metrics_path(out_dir), last_path(out_dir)) if p.is_file()]
+    except OSError:  # out_dir or checkpoints/ not open to this user, a name too long: said where they are used
         return
-    if settings.is_file():
+    if settings in found and config.is_a_runs(settings):
+        return
+    if settings in found:
         raise UsageError(f"run.out_dir={out_dir} holds a config.yaml that is not a run's (a run writes its settings "
                          f"there, replacing it): choose another run.out_dir, or move {settings} away")  # fmt: skip
-    if found := [p for p in (metrics_path(out_dir), last_path(out_dir)) if p.is_file()]:
+    if found:
         names = " and ".join(str(p.relative_to(out_dir)) for p in found)
         raise UsageError(f"run.out_dir={out_dir} holds {names} but no run's config.yaml, which a run "
                          "writes before them: they are not a run's, and this run would replace them; choose another "

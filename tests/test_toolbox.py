@@ -181,7 +181,7 @@ def test_bad_profile_values(value, message):
         ("model.dropout=0.3", "model.dropout=0.3: small has no dropout; models with one: wrn16_8"),
         ("run.profile=3", "run.profile='3': expected A:B"),
         ("run.profile=100:200", "run.profile=100:200: the run has 16 steps"),
-        ("data.synthetic_classes=1", "data.synthetic_classes=1 is out of range: it must be >= 2"),
+        ("data.synthetic_classes=1", "data.synthetic_classes=1 is out of range: it must be in [2, 100000]"),
         ("data.translate=-1", "data.translate=-1 is out of range: it must be in [0, 16]"),
         ("data.translate=17", "data.translate=17 is out of range: it must be in [0, 16]"),
         ("data.translate=1.5", "data.translate: expected int, got '1.5'"),

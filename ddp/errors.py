@@ -16,6 +16,7 @@ cli.command turns them into one line on stderr and the exit code; nothing else d
 import contextlib
 import errno
 import os
+import pwd
 import re
 import shutil
 import sys
@@ -201,10 +202,8 @@ def path_refused(error: OSError) -> str | None:
 
 def _user() -> str:
     try:
-        import pwd  # Unix only
-
         return pwd.getpwuid(os.geteuid()).pw_name
-    except (ImportError, KeyError):  # a container's uid without a name
+    except KeyError:  # a container's uid without a name
         return str(os.geteuid())
 
 

@@ -169,16 +169,18 @@ class Checkpoints:
         newer one is skipped with a warning), or run.resume's file, into the raw model and the rest of
         `trained` (before compile and wrap) and this rank's `stats`. None: nothing to resume."""
         run, world, auto = self.run, self.world, rundir.resumes_its_own(self.run.resume, self.run.out_dir)
-        paths = rundir.step_files(run.out_dir) if auto else [] if run.resume == "never" else [Path(run.resume)]
+        paths = rundir.checkpoint_files(run.out_dir) if auto else [] if run.resume == "never" else [Path(run.resume)]
         path, state, skipped = None, None, [] if auto else None
         for path in paths:  # newest first
             with _reading(path, skipped):
                 # Every tensor to the CPU first: a file saved on any GPU loads on a CPU-only machine and on
                 # every rank's device; load_state_dict copies each into the tensor it replaces, on its device.
                 state = _verified(torch.load(path, map_location="cpu", weights_only=True), path)
+                if newer := rundir.newer_beside(path, state["global_step"], paths):  # passed over as if damaged
+                    raise CorruptCheckpoint(f"{path} holds global step {state['global_step']}, older than {newer}")
                 break
         for warning in skipped if world.is_main and skipped else []:
-            print(f"warning: skipping {warning}; falling back to the previous checkpoint", file=sys.stderr, flush=True)
+            print(f"warning: skipping {warning}; trying the next newest", file=sys.stderr, flush=True)
         if paths and state is None:
             raise UsageError(f"no valid checkpoint in {rundir.checkpoint_dir(run.out_dir)}: {'; '.join(skipped)}")
         if not distributed.same_on_all_ranks(state["global_step"] if state else -1, world):
@@ -224,7 +226,7 @@ class Checkpoints:
 @contextlib.contextmanager
 def _previous_kept(out_dir: str) -> Iterator[None]:
     """A failed write (WriteFailed: the file, the bytes, the space free) also names the newest intact one."""
-    previous = rundir.step_files(out_dir)
+    previous = rundir.checkpoint_files(out_dir)
     try:
         yield
     except WriteFailed as e:
@@ -270,12 +272,10 @@ def _verified(state: Any, path: Path) -> dict[str, Any]:
         raise CorruptCheckpoint(f"{path} fails its checksum (the file was altered or damaged)")
     if state.get("format") != FORMAT:
         raise UsageError(f"{path} has checkpoint format {state.get('format')}; this ddp-cifar reads format {FORMAT}")
-    wrong = [k for k, kind in ENTRIES.items() if not isinstance(state.get(k), kind)]
-    wrong += [f"config.{s}" for s, v in ({} if wrong else state["config"]).items() if not isinstance(v, dict)]
-    if wrong:  # its checksum holds: another program wrote it so, not a damaged disk
-        raise UsageError(
-            f"{path} is no ddp-cifar checkpoint of format {FORMAT}: {', '.join(wrong)} missing or malformed"
-        )
+    bad = [k for k, kind in ENTRIES.items() if not isinstance(state.get(k), kind)]
+    bad += [f"config.{s}" for s, v in ({} if bad else state["config"]).items() if not isinstance(v, dict)]
+    if bad:  # its checksum holds: another program wrote it so, not a damaged disk
+        raise UsageError(f"{path} is no ddp-cifar checkpoint of format {FORMAT}: {', '.join(bad)} missing or malformed")
     state["checksum"] = stored
     return state
 

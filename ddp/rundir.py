@@ -61,6 +61,26 @@ def last_path(out_dir: str | Path) -> Path:
     return checkpoint_dir(out_dir) / "last.pt"
 
 
+def checkpoint_files(out_dir: str | Path) -> list[Path]:
+    """The checkpoints run.resume=auto may go on from, newest first: the numbered ones, after last.pt where it is
+    a file of its own, a hard link to none of them (the numbered ones removed, a copy brought in, `cp -r` of the
+    run). It was passed over, the run started afresh and its first save replaced it."""
+    numbered, last = step_files(out_dir), last_path(out_dir)
+    try:
+        own = last.is_file() and not any(last.samefile(p) for p in numbered)
+    except OSError:  # removed meanwhile
+        own = False
+    return [last, *numbered] if own else numbered
+
+
+def newer_beside(path: Path, global_step: int, found: list[Path]) -> Path | None:
+    """A numbered checkpoint among `found` (checkpoint_files') newer than `path` of `global_step`, where `path` is
+    last.pt of its own: an older copy, passed over for it. By name is by step."""
+    numbered = [p for p in found if p.name != path.name]
+    newer = path.name == "last.pt" and numbered and int(numbered[0].name[5:14]) > global_step
+    return numbered[0] if newer else None
+
+
 def newest_in(directory: str | Path) -> Path | None:
     """The newest checkpoint of a directory named where a checkpoint file was wanted: a run.out_dir's, or that of
     its checkpoints/ folder itself: last.pt, else (removed, say) the newest numbered one; None if it has none."""
@@ -194,7 +214,7 @@ def check_resume_setting(resume: str, out_dir: str) -> None:
             raise UsageError(f"run.resume={resume} is a pipe or device, not a file: copy the checkpoint to a file")
         newest = f"; its newest checkpoint is {newest_in(resume)}" if newest_in(resume) else ""
         raise UsageError(f"run.resume={resume}: no such checkpoint file (use auto, never or a path){newest}")
-    existing = step_files(out_dir)
+    existing = checkpoint_files(out_dir)
     if not existing:
         return
     if resume == "never":
@@ -215,7 +235,7 @@ def resumes_its_own(resume: str, out_dir: str) -> bool:
     requeue, torchrun --max-restarts, the same command again; it was refused, as if PATH were an older file)."""
     if resume == "auto":
         return True
-    if resume == "never" or not step_files(out_dir):
+    if resume == "never" or not checkpoint_files(out_dir):
         return False
     try:
         return config.load(str(config_path(out_dir)), []).run.resume == resume

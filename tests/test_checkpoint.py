@@ -100,6 +100,26 @@ def test_a_directory_or_a_dangling_link_named_like_a_checkpoint_is_no_checkpoint
     assert "resumed from" in out and "step-000000016.pt" in out and (checkpoints / "step-000000099.pt").is_dir()
 
 
+def test_a_last_pt_of_its_own_is_resumed_and_never_replaced_unseen(run_dir, capsys):
+    """last.pt that is no hard link to a numbered checkpoint (the numbered ones removed to save room, a copy brought
+    in): run.resume=auto and never passed it over, trained afresh, and the first save replaced it. Now it is resumed,
+    an older copy beside newer numbered ones is passed over with a warning, and run.resume=never refuses it."""
+    last, older = rundir.last_path(run_dir), rundir.step_files(run_dir)[1]
+    last.unlink()
+    last.write_bytes(older.read_bytes())  # global step 15, beside step 16
+    assert train.cli([f"run.out_dir={run_dir}", *RUN]) == 0  # at its end: nothing to train
+    err, out = capsys.readouterr()[::-1]
+    assert f"warning: skipping {last}: {last} holds global step 15, older than {rundir.step_files(run_dir)[0]}" in err
+    assert f"resumed from {rundir.step_files(run_dir)[0]}:" in out
+    for path in rundir.step_files(run_dir):
+        path.unlink()
+    assert train.cli([f"run.out_dir={run_dir}", *RUN, "run.resume=never"]) == 2
+    assert f"run.resume=never but {last} exists and would be overwritten" in capsys.readouterr().err
+    assert train.cli([f"run.out_dir={run_dir}", *RUN]) == 0
+    assert f"resumed from {last}: 1 epoch(s) + 7 step(s) done (global step 15)" in capsys.readouterr().out
+    assert checkpoint.load(last)["global_step"] == 16 and [m["epoch"] for m in metrics(run_dir)] == [1, 2]
+
+
 class Evil:
     def __reduce__(self):
         return (os.system, (f"touch {self.marker}",))

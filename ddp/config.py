@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from ddp import models
+from ddp import files, models
 from ddp.errors import UsageError
 
 
@@ -68,10 +68,8 @@ class DataConfig:
         "random", "augment: flip a random half each epoch | alternate = a random half in odd epochs, the other in "
         "even ones (airbench) | none", ("random", "alternate", "none"),
     )  # fmt: skip
-    loader: str = opt(
-        "device", "device = the split on the training device, batched augmentation there | torch = DataLoader workers",
-        ("device", "torch"),
-    )  # fmt: skip
+    loader: str = opt("device", "device = the split on the training device, batched augmentation there | torch = "
+                      "DataLoader workers", ("device", "torch"))  # fmt: skip
     workers: int = opt(2, "DataLoader worker processes per rank for loader=torch (0 = load in the main process)",
                        valid=NATURAL)  # fmt: skip
     mixup_alpha: float = opt(
@@ -329,7 +327,11 @@ def is_a_runs(path: Path) -> bool:
 
 def _read_yaml(path: str) -> dict[str, Any]:
     try:
-        doc = yaml.load(Path(path).expanduser().read_text(), Loader=_Yaml12Loader)
+        if (data := files.read_small(Path(path).expanduser(), 2**20)) is None:  # a config is a few hundred bytes
+            raise UsageError(f"{path}: more than 1 MiB, not a config file; name a YAML file, e.g. configs/quick.yaml")
+        doc = yaml.load(data.decode(), Loader=_Yaml12Loader)
+    except RecursionError:  # [[[[... or {a: {a: ...: the parser's recursion
+        raise UsageError(f"{path}: invalid YAML: nested too deeply for a config (sections of keys)") from None
     except FileNotFoundError:
         raise UsageError(f"config file not found: {path}") from None
     except OSError as e:  # a directory, no permission to read it

@@ -204,6 +204,14 @@ def seekable(path: Path) -> Path | io.BytesIO:
         return path  # missing, unreadable: torch.load's error says which
 
 
+def read_small(path: Path, most: int) -> bytes | None:
+    """A file's bytes, or None where it holds more than `most`, of which no more is read (/dev/zero, a data
+    file named by mistake: reading it whole filled the memory)."""
+    with open(path, "rb") as f:
+        data = f.read(most + 1)
+    return data if len(data) <= most else None
+
+
 def size_of(source: Path | io.BytesIO) -> int:
     return source.getbuffer().nbytes if isinstance(source, io.BytesIO) else source.stat().st_size
 

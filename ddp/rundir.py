@@ -200,7 +200,7 @@ def _holder(fd: int) -> str:
     try:
         held = json.loads(os.pread(fd, 4096, 0))
         return f"pid {held['pid']} on {held['host']}, started {held['started']}"
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):
         return "its lock file does not say which"
 
 
@@ -310,6 +310,6 @@ def metrics_record(line: str) -> dict[str, Any] | None:
     half-written, or an edit)."""
     try:
         record = json.loads(line)
-    except ValueError:
+    except (ValueError, RecursionError):  # the second: [[[[... nested deeper than the parser's recursion
         return None
     return record if isinstance(record, dict) and isinstance(record.get("epoch"), int) else None

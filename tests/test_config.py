@@ -146,12 +146,15 @@ def test_bad_yaml_names_the_line(tmp_path):
             "invalid YAML: unacceptable character #x0000: special characters are not allowed in "
             '"<unicode string>", position 0',
         ),  # fmt: skip
+        ("run: " + "[" * 5000, "invalid YAML: nested too deeply for a config (sections of keys)"),
+        (b"run: {}\n" + b"#" * 2**20, "more than 1 MiB, not a config file; name a YAML file, e.g. configs/quick.yaml"),
     ],
-    ids=["a-section-twice", "a-key-twice", "not-text", "text-but-not-yaml"],
+    ids=["a-section-twice", "a-key-twice", "not-text", "text-but-not-yaml", "nested-too-deep", "larger-than-1MiB"],
 )
 def test_a_config_that_says_a_thing_twice_or_is_no_text_is_refused(text, said, tmp_path):
     """PyYAML keeps the last of a key given twice: the first optim section's lr was dropped without a word.
-    A binary file was a UnicodeDecodeError traceback. (A YAML merge key still merges.)"""
+    A binary file was a UnicodeDecodeError traceback; lists nested 5000 deep a RecursionError's; /dev/zero (or any
+    file too large for a config) was read whole, a MemoryError or the OOM killer. (A YAML merge key still merges.)"""
     path = tmp_path / "c.yaml"
     path.write_bytes(text) if isinstance(text, bytes) else path.write_text(text)
     with pytest.raises(UsageError) as refused:

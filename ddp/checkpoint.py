@@ -374,7 +374,7 @@ USAGE = "usage: python -m ddp.checkpoint inspect PATH | export PATH OUT [--raw] 
 def main(argv: list[str]) -> int:
     options, words = cli.parse(argv, USAGE, [cli.Option("--raw"), cli.Option("--state-dict")])
     if len(words) == 2 and words[0] == "inspect" and not any(options.values()):
-        if words[1] != "-" and not Path(words[1]).exists():  # "-": stdin; a directory: load names its newest
+        if words[1] != "-" and not files.existing(Path(words[1])):  # "-": stdin; a directory: load names its newest
             raise UsageError(f"checkpoint not found: {words[1]}")
         text, whole = describe(words[1])
         cli.show(text)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
-from ddp import config, launchers
+from ddp import config, files, launchers
 from ddp.errors import (
     EXIT_FAILURE,
     EXIT_INTERRUPTED,
@@ -115,7 +115,7 @@ def _config_file(value: str | None) -> str:
     if value.startswith(("/dev/fd/", "/proc/self/fd/")) and not Path(value).exists():  # a rank torchrun started
         raise UsageError(f"--config {value} is not here: {PIPED}")
     beside = Path(__file__).resolve().parent.parent / value  # the repository's, for a command run elsewhere
-    if not Path(value).exists() and not Path(value).is_absolute() and beside.is_file():
+    if not files.existing(Path(value)) and not Path(value).is_absolute() and beside.is_file():
         raise UsageError(f"config file not found: {value} (in {Path.cwd()}); the repository's is {beside}: run "
                          "from the repository, or give that path")  # fmt: skip
     return value

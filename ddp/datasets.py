@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ddp import cifar
+from ddp import cifar, files
 from ddp.config import DataConfig
 from ddp.devices import World
 from ddp.errors import UsageError, first_line, out_of_memory
@@ -55,7 +55,7 @@ def _npz(cfg: DataConfig, parts: tuple[str, ...]) -> dict[str, Split | list[str]
         raise UsageError(f"data.path={cfg.path} is a directory: name the .npz file")
     if not path.is_file():
         odd = "not a regular file (a pipe or a device: every rank and the launch file's check read it; save it to one)"
-        raise UsageError(f"data.path={cfg.path}: " + (odd if path.exists() else "no such file"))
+        raise UsageError(f"data.path={cfg.path}: " + (odd if files.existing(path) else "no such file"))
     try:
         path.open("rb").close()  # else zipfile.is_zipfile says False for a file it may not read
     except OSError as e:

@@ -204,6 +204,18 @@ def seekable(path: Path) -> Path | io.BytesIO:
         return path  # missing, unreadable: torch.load's error says which
 
 
+def existing(path: Path) -> bool:
+    """Path.exists(), but where this user may not look (a folder on the way not open to it) or the name is too long
+    it raises, as pathlib did before Python 3.14, whose exists() says False: "no such file" for a file that is there."""
+    try:
+        os.stat(path)
+    except OSError as e:
+        if e.errno in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP, errno.EBADF):  # pathlib's own before 3.14
+            return False
+        raise
+    return True
+
+
 def read_small(path: Path, most: int) -> bytes | None:
     """A file's bytes, or None where it holds more than `most`, of which no more is read (/dev/zero, a data
     file named by mistake: reading it whole filled the memory)."""

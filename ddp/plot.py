@@ -30,7 +30,7 @@ def read_run(run_dir: Path) -> list[dict[str, Any]]:
     """A run's epochs from its metrics.jsonl; a line that is no whole record of one (a run killed while
     writing it, an edit) is left out, with a note on stderr."""
     path = rundir.metrics_path(run_dir)
-    if not path.is_file():
+    if not files.existing(path) or not path.is_file():
         raise UsageError(f"{run_dir}: no metrics.jsonl (is it a run.out_dir of ddp/train.py?)")
     rows, left_out = [], []
     for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):

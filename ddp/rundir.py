@@ -210,7 +210,7 @@ def check_resume_setting(resume: str, out_dir: str) -> None:
     if resumes_its_own(resume, out_dir):
         return
     if resume != "never" and not Path(resume).is_file():
-        if Path(resume).exists() and not Path(resume).is_dir():  # <(ssh host cat last.pt): every rank reads it
+        if files.existing(Path(resume)) and not Path(resume).is_dir():  # <(ssh host cat last.pt): every rank reads it
             raise UsageError(f"run.resume={resume} is a pipe or device, not a file: copy the checkpoint to a file")
         newest = f"; its newest checkpoint is {newest_in(resume)}" if newest_in(resume) else ""
         raise UsageError(f"run.resume={resume}: no such checkpoint file (use auto, never or a path){newest}")

@@ -438,11 +438,22 @@ def _bound_by_file_permissions() -> None:
                 raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP) refused: no CAP_SETPCAP here")
 
 
-def test_a_path_not_open_to_this_user_is_one_line_naming_it_and_never_a_fallback(tmp_path):
+PATHLIB_3_14 = """
+import os, pathlib  # Python 3.14's (Lib/pathlib/_local.py): os.path's, False on any OSError, a PermissionError too
+pathlib.Path.exists = lambda self, *, follow_symlinks=True: os.path.exists(self)
+pathlib.Path.is_dir = lambda self, *, follow_symlinks=True: os.path.isdir(self)
+pathlib.Path.is_file = lambda self, *, follow_symlinks=True: os.path.isfile(self)
+"""
+
+
+@pytest.mark.parametrize("pathlib_of", ["this-python", "python-3.14"])
+def test_a_path_not_open_to_this_user_is_one_line_naming_it_and_never_a_fallback(pathlib_of, tmp_path):
     """A data file, data.root, a config, a checkpoint, a run's folder or its checkpoints/ that this user may not
     read (or write): exit 2 and one line naming the path (the doctor: a PROBLEM, exit 1). It was a PermissionError
     traceback (pathlib's exists() raises on it), a download attempted into a data.root it could not list, a run
-    begun afresh beside checkpoints it could not list, and a checkpoint it could not read skipped for an older."""
+    begun afresh beside checkpoints it could not list, and a checkpoint it could not read skipped for an older.
+    Python 3.14's pathlib says False where it may not look: the data file, the config, the checkpoint and the
+    metrics were "no such file" or "not found", a run.resume its folder's checkpoints/; files.existing raises."""
     locked = tmp_path / "locked"
     (locked / "run").mkdir(parents=True)
     for name in ("ok.npz", "c.yaml", "x.pt", "run/metrics.jsonl"):
@@ -472,7 +483,7 @@ def test_a_path_not_open_to_this_user_is_one_line_naming_it_and_never_a_fallback
     ]
     try:
         child = subprocess.run(
-            [sys.executable, "-c", AS_A_USER, json.dumps(cases)],
+            [sys.executable, "-c", {"python-3.14": PATHLIB_3_14}.get(pathlib_of, "") + AS_A_USER, json.dumps(cases)],
             cwd=REPO,
             env=clean_env(),
             capture_output=True,

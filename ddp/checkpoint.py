@@ -28,18 +28,12 @@ import torch
 from torch import nn
 
 from ddp import __version__ as ddp_version
-from ddp import cli, config, distributed, files, optim, rng, rundir, weights
+from ddp import cli, config, distributed, files, optim, rng, rundir, schema, weights
 from ddp.config import RunConfig
 from ddp.devices import World
 from ddp.ema import EMA, Lookahead
 from ddp.errors import EXIT_FAILURE, EXIT_OK, CorruptCheckpoint, UsageError, WriteFailed, first_line
 from ddp.metrics import StepStats
-
-FORMAT = 2
-# What a checkpoint's readers take as it is, and its kind: checked on every load (`_verified`).
-ENTRIES = {"epoch": int, "step": int, "global_step": int, "model": dict, "optimizer": dict, "scheduler": dict,
-           "ranks": list, "world_size": int, "global_batch": int, "train_images": int, "classes": list,
-           "normalize": dict, "config": dict, "versions": dict}  # fmt: skip
 
 
 @dataclass
@@ -87,7 +81,7 @@ def build_state(
     `full`, the model's and optimizer's whole state dicts (distributed.full_state)."""
     model, optimizer = full
     return {
-        "format": FORMAT,
+        "format": schema.FORMAT,
         "epoch": position.epochs_done,  # completed epochs
         "step": position.step_in_epoch,  # global batches done in epoch + 1; 0 at an epoch's end
         "global_step": position.global_step,
@@ -175,9 +169,11 @@ class Checkpoints:
             with _reading(path, skipped):
                 # Every tensor to the CPU first: a file saved on any GPU loads on a CPU-only machine and on
                 # every rank's device; load_state_dict copies each into the tensor it replaces, on its device.
-                state = _verified(torch.load(path, map_location="cpu", weights_only=True), path)
-                if newer := rundir.newer_beside(path, state["global_step"], paths):  # passed over as if damaged
-                    raise CorruptCheckpoint(f"{path} holds global step {state['global_step']}, older than {newer}")
+                state = schema.verified(torch.load(path, map_location="cpu", weights_only=True), path)
+                if other := rundir.numbered_beside(path, state["global_step"], paths):
+                    raise UsageError(f"{path} holds global step {state['global_step']} and is no hard link to {other} "
+                                     f"beside it: remove it to go on from {other.name}, or move the numbered ones "
+                                     "away to go on from it")  # fmt: skip
                 break
         for warning in skipped if world.is_main and skipped else []:
             print(f"warning: skipping {warning}; trying the next newest", file=sys.stderr, flush=True)
@@ -188,9 +184,9 @@ class Checkpoints:
         if state is None:
             return None
         check_compatible(state, self.info, path, self.trained.optimizer)
-        with weights.fitting(state, path):
+        with schema.restoring(path), weights.fitting(state, path):
             restore(state, self.trained)  # model.load_state_dict(...): the raw model, as it was saved
-        same_world = restore_rank(state, world, stats)
+            same_world = restore_rank(state, world, stats)
         accum_steps = state["config"]["train"].get("grad_accum_steps", 1)
         position = Position(state["epoch"], state["step"], state["global_step"])
         changes = changed(state["config"], self.info.config)
@@ -261,25 +257,6 @@ def _reading(path: Path, skipped: list[str] | None = None, source: Path | io.Byt
         skipped.append(f"{path}: {e}")
 
 
-def _verified(state: Any, path: Path) -> dict[str, Any]:
-    """A loaded checkpoint whose checksum holds, of the format this version reads."""
-    if not isinstance(state, dict) or not {"model", "epoch", "checksum"} <= state.keys():
-        export = isinstance(state, dict) and "model_name" in state  # python -m ddp.checkpoint export's
-        what = "an export: the weights alone" if export else "no model/epoch/checksum entries"
-        raise CorruptCheckpoint(f"{path} is not a ddp-cifar checkpoint ({what}); a run's are RUN/checkpoints/*.pt")
-    stored = state.pop("checksum")
-    if files.digest(state) != stored:
-        raise CorruptCheckpoint(f"{path} fails its checksum (the file was altered or damaged)")
-    if state.get("format") != FORMAT:
-        raise UsageError(f"{path} has checkpoint format {state.get('format')}; this ddp-cifar reads format {FORMAT}")
-    bad = [k for k, kind in ENTRIES.items() if not isinstance(state.get(k), kind)]
-    bad += [f"config.{s}" for s, v in ({} if bad else state["config"]).items() if not isinstance(v, dict)]
-    if bad:  # its checksum holds: another program wrote it so, not a damaged disk
-        raise UsageError(f"{path} is no ddp-cifar checkpoint of format {FORMAT}: {', '.join(bad)} missing or malformed")
-    state["checksum"] = stored
-    return state
-
-
 def changed(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     """ "section.key old -> new" for every setting of `new` that differs from `old` (a key that `old`'s
     version did not have yet counts as its default)."""
@@ -317,7 +294,7 @@ def load(path: str | Path, source: Path | io.BytesIO | None = None) -> dict[str,
     is read whole first (or `source`, files.seekable's: what torch.load reads of `path`)."""
     source = files.seekable(Path(path)) if source is None else source
     with _reading(Path(path), source=source):
-        return _verified(torch.load(source, map_location="cpu", weights_only=True), Path(path))
+        return schema.verified(torch.load(source, map_location="cpu", weights_only=True), Path(path))
 
 
 def export(path: str | Path, out: str | Path, raw: bool = False, state_dict: bool = False) -> dict[str, Any]:

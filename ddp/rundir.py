@@ -64,7 +64,7 @@ def last_path(out_dir: str | Path) -> Path:
 def checkpoint_files(out_dir: str | Path) -> list[Path]:
     """The checkpoints run.resume=auto may go on from, newest first: the numbered ones, after last.pt where it is
     a file of its own, a hard link to none of them (the numbered ones removed, a copy brought in, `cp -r` of the
-    run). It was passed over, the run started afresh and its first save replaced it."""
+    run; a run never leaves one). It was passed over, the run started afresh and its first save replaced it."""
     numbered, last = step_files(out_dir), last_path(out_dir)
     try:
         own = last.is_file() and not any(last.samefile(p) for p in numbered)
@@ -73,12 +73,13 @@ def checkpoint_files(out_dir: str | Path) -> list[Path]:
     return [last, *numbered] if own else numbered
 
 
-def newer_beside(path: Path, global_step: int, found: list[Path]) -> Path | None:
-    """A numbered checkpoint among `found` (checkpoint_files') newer than `path` of `global_step`, where `path` is
-    last.pt of its own: an older copy, passed over for it. By name is by step."""
+def numbered_beside(path: Path, global_step: int, found: list[Path]) -> Path | None:
+    """The newest numbered checkpoint among `found` (checkpoint_files') where `path` is last.pt of its own and holds
+    another global step: which to go on from is the user's to say (the newer numbered ones removed to go back, and a
+    newer copy brought in, look alike). By name is by step; `cp -r` of a run holds the same step in both."""
     numbered = [p for p in found if p.name != path.name]
-    newer = path.name == "last.pt" and numbered and int(numbered[0].name[5:14]) > global_step
-    return numbered[0] if newer else None
+    differs = path.name == "last.pt" and numbered and int(numbered[0].name[5:14]) != global_step
+    return numbered[0] if differs else None
 
 
 def newest_in(directory: str | Path) -> Path | None:

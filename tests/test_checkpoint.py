@@ -69,8 +69,7 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_with_a_warning(r
         data = data[: len(data) // 2]
     else:
         data[middle_of_largest_tensor(newest)] ^= 0x40  # tensor bytes, which only the checksum sees
-    newest.unlink()  # last.pt is a hard link to it; write the damage into a fresh file
-    newest.write_bytes(bytes(data))
+    newest.write_bytes(bytes(data))  # in place: last.pt, a hard link to it, is damaged alike
     with pytest.raises(checkpoint.CorruptCheckpoint):
         checkpoint.load(newest)
     last = train.main([f"run.out_dir={run_dir}", *RUN, "train.epochs=3"])
@@ -82,8 +81,7 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_with_a_warning(r
 
 def test_when_every_checkpoint_is_damaged_the_run_stops_instead_of_starting_over(run_dir, capsys):
     for path in rundir.step_files(run_dir):
-        path.unlink()
-        path.write_bytes(b"garbage")
+        path.write_bytes(b"garbage")  # in place: last.pt, a hard link to the newest, too
     assert train.cli([f"run.out_dir={run_dir}", *RUN]) == 2
     assert "no valid checkpoint in" in capsys.readouterr().err
 
@@ -102,22 +100,26 @@ def test_a_directory_or_a_dangling_link_named_like_a_checkpoint_is_no_checkpoint
 
 def test_a_last_pt_of_its_own_is_resumed_and_never_replaced_unseen(run_dir, capsys):
     """last.pt that is no hard link to a numbered checkpoint (the numbered ones removed to save room, a copy brought
-    in): run.resume=auto and never passed it over, trained afresh, and the first save replaced it. Now it is resumed,
-    an older copy beside newer numbered ones is passed over with a warning, and run.resume=never refuses it."""
-    last, older = rundir.last_path(run_dir), rundir.step_files(run_dir)[1]
+    in, `cp -r` of the run): run.resume=auto and never passed it over, trained afresh, and the first save replaced it.
+    Now it is resumed where it is the only one or holds the newest numbered one's step; where it holds another (the
+    newer numbered ones removed to go back, or a copy brought in) the run says how to choose; never refuses it."""
+    last, (newest, older) = rundir.last_path(run_dir), rundir.step_files(run_dir)
     last.unlink()
-    last.write_bytes(older.read_bytes())  # global step 15, beside step 16
+    last.write_bytes(newest.read_bytes())  # as `cp -r` leaves it: a copy of step 16
     assert train.cli([f"run.out_dir={run_dir}", *RUN]) == 0  # at its end: nothing to train
-    err, out = capsys.readouterr()[::-1]
-    assert f"warning: skipping {last}: {last} holds global step 15, older than {rundir.step_files(run_dir)[0]}" in err
-    assert f"resumed from {rundir.step_files(run_dir)[0]}:" in out
-    for path in rundir.step_files(run_dir):
-        path.unlink()
+    assert f"resumed from {last}: 2 epoch(s) + 0 step(s) done (global step 16)" in capsys.readouterr().out
+    newest.unlink()  # to go back to step 15, say; last.pt stays
+    assert train.cli([f"run.out_dir={run_dir}", *RUN]) == 2
+    assert capsys.readouterr().err == (
+        f"error: {last} holds global step 16 and is no hard link to {older} beside it: remove it to go on from "
+        f"{older.name}, or move the numbered ones away to go on from it\n"
+    )
+    older.unlink()
     assert train.cli([f"run.out_dir={run_dir}", *RUN, "run.resume=never"]) == 2
     assert f"run.resume=never but {last} exists and would be overwritten" in capsys.readouterr().err
-    assert train.cli([f"run.out_dir={run_dir}", *RUN]) == 0
-    assert f"resumed from {last}: 1 epoch(s) + 7 step(s) done (global step 15)" in capsys.readouterr().out
-    assert checkpoint.load(last)["global_step"] == 16 and [m["epoch"] for m in metrics(run_dir)] == [1, 2]
+    assert train.cli([f"run.out_dir={run_dir}", *RUN, "train.epochs=3"]) == 0
+    assert f"resumed from {last}: 2 epoch(s) + 0 step(s) done (global step 16)" in capsys.readouterr().out
+    assert checkpoint.load(last)["global_step"] == 24 and [m["epoch"] for m in metrics(run_dir)] == [1, 2, 3]
 
 
 class Evil:

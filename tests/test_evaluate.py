@@ -133,10 +133,15 @@ def test_weights_that_do_not_fit_the_model_are_one_line_in_evaluate_and_in_resum
 
 
 @pytest.mark.parametrize("key, value", [("config", "quick"), ("epoch", "2"), ("normalize", None), ("ranks", {}),
-                                        ("config.model", "small")])  # fmt: skip
+                                        ("config.model", "small"), ("epoch", -1), ("step", 10**9), ("global_step", -3),
+                                        ("world_size", 0), ("global_batch", True), ("train_images", 0), ("ranks", [1]),
+                                        ("classes", []), ("normalize", {"mean": "x"}), ("metrics", [1]),
+                                        ("config.model.name", {})])  # fmt: skip
 def test_a_checkpoint_whose_entries_are_not_of_their_kind_is_refused_in_one_line(ddp_run, tmp_path, key, value, capsys):
     """Its checksum holds, so no damage made it: inspect and evaluate were a TypeError or AttributeError traceback
-    (a string config, a string normalize), or went on with a string epoch."""
+    (a string config, a string normalize), or went on with a string epoch. Values out of range or that disagree
+    (a negative epoch, a step past the epoch's end, ranks of another number than world_size, no classes, metrics that
+    are no record) went on too, or were an IndexError, a KeyError or a TypeError traceback in resume and inspect."""
     from ddp import checkpoint
     from ddp import evaluate as ddp_evaluate
     from ddp.cli import command
@@ -151,6 +156,18 @@ def test_a_checkpoint_whose_entries_are_not_of_their_kind_is_refused_in_one_line
             capsys.readouterr().err
             == f"error: {path} is no ddp-cifar checkpoint of format 2: {key} missing or malformed\n"
         )
+
+
+@pytest.mark.parametrize("key", ["optimizer", "scheduler"])
+def test_a_checkpoint_whose_states_this_version_cannot_restore_is_one_line_in_resume(ddp_run, tmp_path, key, capsys):
+    """An optimizer's or a scheduler's state of another shape (its checksum holds): a KeyError traceback."""
+    from ddp import train
+
+    rewritten(ddp_run, tmp_path / "odd.pt", lambda state: state.update({key: {}}))
+    assert train.cli([*TINY, f"run.out_dir={tmp_path / 'run'}", f"run.resume={tmp_path / 'odd.pt'}"]) == 2
+    assert capsys.readouterr().err.startswith(
+        f"error: {tmp_path / 'odd.pt'} holds entries this ddp-cifar cannot restore (KeyError: "
+    )
 
 
 def test_the_runs_data_missing_here_names_the_key_that_gives_it(ddp_run, tmp_path, capsys):

@@ -249,10 +249,15 @@ def check_own_files(out_dir: str) -> None:
     config.yaml, metrics.jsonl or checkpoints/last.pt (run.out_dir=. in it, say), which the run replaced. A run's
     directory has its config.yaml (this config's sections), written before any of the others."""
     settings = config_path(out_dir)  # files only: a folder of one of these names is in the way, said as such
+    names = (settings, metrics_path(out_dir), last_path(out_dir))
     try:
-        found = [p for p in (settings, metrics_path(out_dir), last_path(out_dir)) if p.is_file()]
+        found = [p for p in names if p.is_file()]
+        odd = [p for p in names if p.exists() and not p.is_file() and not p.is_dir()]
     except OSError:  # out_dir or checkpoints/ not open to this user, a name too long: said where they are used
         return
+    if odd:  # metrics.jsonl as /dev/zero was read whole (MemoryError, the OOM killer), as a pipe waited for good
+        raise UsageError(f"run.out_dir={out_dir}: {odd[0]} is a pipe or a device (or a link to one) where a run keeps "
+                         "a file of its own: remove it, or choose another run.out_dir")  # fmt: skip
     if settings in found and config.is_a_runs(settings):
         return
     if settings in found:

@@ -259,15 +259,25 @@ def test_a_folder_whose_files_no_run_wrote_is_refused_and_left_as_it_was(tmp_pat
     assert train.cli([f"run.out_dir={ours}", *TINY, "train.epochs=1"]) == 0 and len(metrics(ours)) == 1
 
 
-@pytest.mark.parametrize("name, kind", [(".lock", "directory"), ("metrics.jsonl", "directory"), ("checkpoints", "file"),
-                                        ("tensorboard", "file")])  # fmt: skip
+@pytest.mark.parametrize(
+    "name, kind",
+    [(".lock", "directory"), ("metrics.jsonl", "directory"), ("checkpoints", "file"), ("tensorboard", "file"),
+     ("metrics.jsonl", "device"), ("config.yaml", "pipe")],
+)  # fmt: skip
 def test_a_file_or_directory_in_the_way_inside_out_dir_is_named_before_the_first_step(tmp_path, name, kind, capsys):
     """Each was said without its path ('(Is a directory)'), a FileExistsError traceback (tensorboard/), or, for
-    checkpoints/, only when the first checkpoint was written, after an epoch of training."""
+    checkpoints/, only when the first checkpoint was written, after an epoch of training. A pipe or a link to a
+    device of a run's file's name: metrics.jsonl as /dev/zero was read whole (a MemoryError said as the model's, or
+    the OOM killer), as a pipe it waited for good; a pipe named config.yaml was replaced."""
     path = tmp_path / name
-    path.mkdir() if kind == "directory" else path.write_text("x")
+    {"directory": path.mkdir, "file": lambda: path.write_text("x"), "pipe": lambda: os.mkfifo(path),
+     "device": lambda: path.symlink_to("/dev/zero")}[kind]()  # fmt: skip
     assert train.cli([f"run.out_dir={tmp_path}", *TINY, "run.tensorboard=true"]) == 2
     out, err = capsys.readouterr()
+    if kind in ("pipe", "device"):
+        assert err == (f"error: run.out_dir={tmp_path}: {path} is a pipe or a device (or a link to one) where a run "
+                       "keeps a file of its own: remove it, or choose another run.out_dir\n")  # fmt: skip
+        return
     why = f"{path}: Is a directory" if kind == "directory" else f"{path} is a file, not a directory"
     assert err == f"error: cannot write to run.out_dir={tmp_path} ({why})\n" and "epoch 1/" not in out
 

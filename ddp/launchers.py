@@ -140,18 +140,17 @@ def slurm_rendezvous(env: Env = os.environ) -> tuple[str, int]:
 
 def _tasks_on_this_node(env: Env) -> int:
     """From SLURM_STEP_TASKS_PER_NODE ('2(x3),1': two tasks on each of 3 nodes, then one)."""
-    counts = []
+    node = _ints({"SLURM_NODEID": "0", **env}, ("SLURM_NODEID",))[0]  # counted down through the groups: '2(x99999)'
     for part in env.get("SLURM_STEP_TASKS_PER_NODE", env.get("SLURM_TASKS_PER_NODE", "1")).split(","):
-        m = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part)
-        counts += [int(m.group(1))] * int(m.group(2) or 1) if m else []
-    node = int(env.get("SLURM_NODEID", "0"))
-    return counts[node] if node < len(counts) else 1
+        if (m := re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part)) and (node := node - int(m.group(2) or 1)) < 0:
+            return int(m.group(1))
+    return 1
 
 
 def _slurm(env: Env, forced: bool) -> Launch | None:
     """`srun python ddp/train.py`: one task per process, ranks from SLURM. Only inside a job step
     (SLURM_STEP_ID): the batch script itself also has SLURM_PROCID=0 and the job's SLURM_NTASKS."""
-    if not forced and ("SLURM_STEP_ID" not in env or int(env.get("SLURM_NTASKS", "1")) < 2):
+    if not forced and ("SLURM_STEP_ID" not in env or _ints({"SLURM_NTASKS": "1", **env}, ("SLURM_NTASKS",))[0] < 2):
         return None
     missing = [v for v in _SLURM_VARS if v not in env]
     if missing:

@@ -25,12 +25,21 @@ def test_half_set_launcher_variables_are_an_error():
         ({**TORCHRUN, "LOCAL_WORLD_SIZE": "z"}, "RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE must be integers, got"),
         ({**OPEN_MPI, "MASTER_PORT": "x"}, "MASTER_PORT='x' is not a port number (1-65535)"),
         ({**OPEN_MPI, "OMPI_COMM_WORLD_LOCAL_SIZE": "two"}, "OMPI_COMM_WORLD_LOCAL_SIZE must be integers"),
+        ({**SRUN, "SLURM_NTASKS": "four"}, "SLURM_NTASKS must be integers, got ['four']"),
+        ({**SRUN, "SLURM_NODEID": "n1"}, "SLURM_NODEID must be integers, got ['n1']"),
     ],
 )
 def test_launcher_numbers_that_are_not_numbers_are_one_line(env, said):
     """Set by hand or by a broken script: a traceback from int() in torch's rendezvous or ours before."""
     with pytest.raises(UsageError, match=re.escape(said)):
         launchers.detect_launch(env)
+
+
+def test_tasks_on_this_node_from_slurms_counts_without_spelling_them_out():
+    """'2(x3),1' was made a list of its counts, one per node: '2(x99999999999)' would have filled the memory."""
+    counts = {"SLURM_STEP_TASKS_PER_NODE": "2(x3),1(x99999999999),4"}
+    nodes = [0, 2, 3, 99999999999 + 2, 99999999999 + 3, 99999999999 + 4]
+    assert [launchers._tasks_on_this_node({**counts, "SLURM_NODEID": str(n)}) for n in nodes] == [2, 2, 1, 1, 4, 1]
 
 
 @pytest.mark.parametrize(

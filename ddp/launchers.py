@@ -279,7 +279,7 @@ def agent_store(env: Env = os.environ) -> tuple[str, int, str] | None:
     it (TORCHELASTIC_USE_AGENT_STORE), else None."""
     if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
-    return env["MASTER_ADDR"], int(env["MASTER_PORT"]), env.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return env["MASTER_ADDR"], master_port(env), env.get("TORCHELASTIC_RESTART_COUNT", "0")
 
 
 # Commands that start a run's processes and stay their parents (or grandparents) while they run.
@@ -381,7 +381,7 @@ def planned_rendezvous(env: Env = os.environ) -> tuple[str, int, str]:
         addr, port = slurm_rendezvous(env)
         return addr, port, "SLURM job" if "MASTER_PORT" not in env else "MASTER_ADDR/MASTER_PORT"
     if "MASTER_PORT" in env:
-        return env.get("MASTER_ADDR", "127.0.0.1"), int(env["MASTER_PORT"]), "MASTER_ADDR/MASTER_PORT"
+        return env.get("MASTER_ADDR", "127.0.0.1"), master_port(env), "MASTER_ADDR/MASTER_PORT"  # checked: the doctor's
     return "127.0.0.1", 29500, "torchrun's default"
 
 

@@ -35,6 +35,13 @@ def test_launcher_numbers_that_are_not_numbers_are_one_line(env, said):
         launchers.detect_launch(env)
 
 
+@pytest.mark.parametrize("port", ["abc", "99999", "0"])
+def test_the_rendezvous_the_doctor_plans_checks_master_port(port):
+    """`MASTER_PORT=abc python -m ddp.doctor` was a ValueError traceback, 99999 an OverflowError from bind()."""
+    with pytest.raises(UsageError, match=re.escape(f"MASTER_PORT={port!r} is not a port number (1-65535)")):
+        launchers.planned_rendezvous({"MASTER_PORT": port})
+
+
 def test_tasks_on_this_node_from_slurms_counts_without_spelling_them_out():
     """'2(x3),1' was made a list of its counts, one per node: '2(x99999999999)' would have filled the memory."""
     counts = {"SLURM_STEP_TASKS_PER_NODE": "2(x3),1(x99999999999),4"}

@@ -18,6 +18,7 @@ ddp/train.py would stop with.
 from __future__ import annotations
 
 import collections
+import errno
 import os
 import shutil
 import socket
@@ -70,13 +71,17 @@ def gpus() -> list[dict[str, Any]]:
     return out
 
 
-def port_free(addr: str, port: int) -> bool:
+def port_free(addr: str, port: int) -> bool | None:
+    """Whether `port` is free to listen on at `addr`; None where `addr` is no address of this machine (another's, or
+    none: the rendezvous is not served here; binding it said "IN USE")."""
     with socket.socket() as s:
         try:
             s.bind(("" if addr in ("127.0.0.1", "localhost") else addr, port))
             return True
-        except OSError:
-            return False
+        except (socket.gaierror, UnicodeError):
+            return None
+        except OSError as e:
+            return None if e.errno == errno.EADDRNOTAVAIL else False
 
 
 def check_out_dir(out_dir: str) -> tuple[str | None, str | None]:
@@ -217,8 +222,8 @@ def one_process(run: config.RunConfig, data: DataConfig, world: World) -> list[s
     except UsageError as e:
         problems.append(str(e))
     free = port_free(addr, port)
-    show(f"rendezvous port {port} ({source}): " + ("free" if free else "IN USE"))
-    if not free:
+    show(f"rendezvous port {port} ({source}): " + {True: "free", False: "IN USE", None: f"at {addr}, not here"}[free])
+    if free is False:
         problems.append(f"port {port} ({source}) is in use on this machine: set MASTER_PORT to a free port")
     token, problem = check_out_dir(run.out_dir)
     problems += [problem] if problem else []

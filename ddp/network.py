@@ -50,10 +50,21 @@ def route_to(address: str) -> tuple[str, str] | None:
 
 
 def resolve(name: str) -> str | None:
+    """`name`'s IPv4 address; None where it has none (a label of over 63 characters is none: idna's UnicodeError)."""
     try:
         return socket.gethostbyname(name)
-    except OSError:
+    except (OSError, UnicodeError):
         return None
+
+
+def unresolved(master: str, host: str) -> str:
+    """Why MASTER_ADDR=`master` has no IPv4 address on `host`, with the fix: a port in it, an IPv6 address, a name."""
+    if ":" in master and resolve(master.rpartition(":")[0]) and master.rpartition(":")[2].isdigit():
+        return f"MASTER_ADDR={master} holds a port: MASTER_ADDR={master.rpartition(':')[0]} MASTER_PORT=" + \
+            master.rpartition(":")[2]  # fmt: skip
+    if ":" in master:
+        return f"MASTER_ADDR={master} is no IPv4 address or host name (IPv6?): give the master's IPv4 address or name"
+    return f"MASTER_ADDR={master} does not resolve on {host}: check the name, or this host's /etc/hosts"
 
 
 def own_interfaces() -> dict[str, str]:
@@ -102,7 +113,7 @@ def check_master(master: str, port: int, node_rank: int, timeout_s: float) -> No
     host = socket.gethostname()
     to = resolve(master)
     if to is None:
-        raise UsageError(f"MASTER_ADDR={master} does not resolve on {host}: check the name, or this host's /etc/hosts")
+        raise UsageError(unresolved(master, host))
     if node_rank == 0:
         check_port_free(port)
     deadline, last = time.monotonic() + timeout_s, None

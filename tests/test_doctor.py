@@ -1,5 +1,6 @@
 """python -m ddp.doctor: the report, and each broken setup it must catch with a non-zero exit."""
 
+import re
 import shutil
 import socket
 import subprocess
@@ -10,7 +11,9 @@ import pytest
 import torch
 from conftest import BIN, REPO, clean_env, ok, torchrun
 
-from ddp import launchers
+from ddp import doctor as ddp_doctor
+from ddp import launchers, network
+from ddp.errors import UsageError
 
 SYNTHETIC = ("data.dataset=synthetic", "data.synthetic_train=64", "data.synthetic_test=32")
 
@@ -136,6 +139,22 @@ def test_half_set_launcher_variables_are_a_usage_error():
     proc = doctor(WORLD_SIZE="2")
     assert proc.returncode == 2
     assert "doctor: error: WORLD_SIZE set but RANK, LOCAL_RANK, MASTER_ADDR, MASTER_PORT not" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "master, said",
+    [("127.0.0.1:29500", "MASTER_ADDR=127.0.0.1:29500 holds a port: MASTER_ADDR=127.0.0.1 MASTER_PORT=29500"),
+     ("::1", "MASTER_ADDR=::1 is no IPv4 address or host name (IPv6?): give the master's IPv4 address or name"),
+     ("a" * 64, f"MASTER_ADDR={'a' * 64} does not resolve on ")],
+)  # fmt: skip
+def test_a_master_addr_with_a_port_in_it_an_ipv6_one_or_a_label_too_long_is_said_as_such(master, said):
+    """launch/multinode.sh's check and the doctor's said "does not resolve" for the first two and was a UnicodeError
+    traceback for the third (idna's "label too long"); the doctor called the port of each, and of a master that is
+    another machine, "IN USE" here (binding that address failed)."""
+    with pytest.raises(UsageError, match="^" + re.escape(said)):
+        network.check_master(master, 29500, node_rank=0, timeout_s=0)
+    assert ddp_doctor.port_free(master, 0) is None and ddp_doctor.port_free("192.0.2.1", 0) is None  # TEST-NET-1
+    assert ddp_doctor.port_free("127.0.0.1", 0) is True
 
 
 def test_a_busy_rendezvous_port_is_a_problem(tmp_path):

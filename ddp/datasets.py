@@ -76,7 +76,8 @@ def _npz(cfg: DataConfig, parts: tuple[str, ...]) -> dict[str, Split | list[str]
             raise UsageError(
                 f"data.path={cfg.path}: classes must be a list of names, got shape {arrays['classes'].shape}"
             )
-        found["classes"] = [str(c) for c in arrays["classes"]]
+        names = arrays["classes"]  # bytes (np.array([b"cat", ...]), an HDF5 file's strings): their text, not "b'cat'"
+        found["classes"] = [c.decode(errors="replace") if isinstance(c, bytes) else str(c) for c in names]
     for part in parts:
         x, y = arrays[f"x_{part}"], arrays[f"y_{part}"]
         if x.dtype != np.uint8 or x.ndim != 4 or x.shape[1:] != (32, 32, 3):

@@ -60,6 +60,10 @@ def test_npz_with_and_without_class_names(tmp_path):
     assert d.classes == [f"c{i}" for i in range(10)]
     np.savez(path, x_train=x, y_train=y, x_test=xt, y_test=yt)
     assert datasets.read(DataConfig(dataset="npz", path=str(path)), CPU).classes == [str(i) for i in range(10)]
+    names = np.array([f"c{i}".encode() for i in range(9)] + [b"caf\xc3\xa9"])  # bytes: they were "b'c0'"
+    np.savez(path, x_train=x, y_train=y, x_test=xt, y_test=yt, classes=names)
+    named = datasets.read(DataConfig(dataset="npz", path=str(path)), CPU).classes
+    assert named == [f"c{i}" for i in range(9)] + ["café"]
 
 
 def test_a_channel_of_one_value_is_centred_not_divided_by_zero_and_one_colour_everywhere_is_refused(tmp_path):

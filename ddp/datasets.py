@@ -46,6 +46,19 @@ def _split(images_hwc: np.ndarray, labels: np.ndarray) -> Split:
     return Split(images, torch.as_tensor(np.asarray(labels), dtype=torch.int64))
 
 
+def _check_names(names: list[str], path: str) -> None:
+    """Each class a name of its own: the per-class table, the charts and TensorBoard tell the classes by name (two
+    "cat" rows, one chart of the two), and a blank name is no row at all."""
+    seen: dict[str, int] = {}
+    for i, name in enumerate(names):
+        if not name.strip():
+            raise UsageError(f"data.path={path}: classes[{i}] is {name!r}, no name: give each class one")
+        if name in seen:
+            raise UsageError(f"data.path={path}: classes[{seen[name]}] and classes[{i}] are both {name!r}: give "
+                             "each class a name of its own")  # fmt: skip
+        seen[name] = i
+
+
 def _npz(cfg: DataConfig, parts: tuple[str, ...]) -> dict[str, Split | list[str] | None]:
     """The splits `parts` of data.path and its `classes` (None when the file has none), checked."""
     if not cfg.path:
@@ -78,6 +91,7 @@ def _npz(cfg: DataConfig, parts: tuple[str, ...]) -> dict[str, Split | list[str]
             )
         names = arrays["classes"]  # bytes (np.array([b"cat", ...]), an HDF5 file's strings): their text, not "b'cat'"
         found["classes"] = [c.decode(errors="replace") if isinstance(c, bytes) else str(c) for c in names]
+        _check_names(found["classes"], cfg.path)
     for part in parts:
         x, y = arrays[f"x_{part}"], arrays[f"y_{part}"]
         if x.dtype != np.uint8 or x.ndim != 4 or x.shape[1:] != (32, 32, 3):

@@ -197,6 +197,11 @@ LIES = {
     ),
     "label-huge-float": ({"y_test": set_at(YT, 0, -1e30, np.float64)}, r"y_test\[0\] = -1e\+30 is not a class index"),
     "labels-text": ({"y_train": Y.astype(str)}, r"y_train must hold class indices \(integers\), not <U"),
+    "classes-named-twice": (  # two "cat" rows in the per-class table, one TensorBoard chart of the two
+        {"classes": np.array([f"c{i}" for i in range(9)] + ["c3"])},
+        r"classes\[3\] and classes\[9\] are both 'c3': give each class a name of its own",
+    ),
+    "class-without-a-name": ({"classes": np.array([f"c{i}" for i in range(9)] + [" "])}, r"classes\[9\] is ' '"),
 }
 
 

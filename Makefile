@@ -8,11 +8,12 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 export PATH := $(abspath $(VENV))/bin:$(PATH):/usr/sbin:/sbin
 
+# Quoted: a path with spaces in it ("My Drive/cifar.npz") is one argument.
 ifneq ($(DATA),)
-  ifeq ($(suffix $(DATA)),.npz)
-    DATA_ARGS := data.dataset=npz data.path=$(DATA)
+  ifeq ($(suffix $(lastword $(DATA))),.npz)
+    DATA_ARGS := data.dataset=npz 'data.path=$(subst ','\'',$(DATA))'
   else
-    DATA_ARGS := data.root=$(DATA) data.download=false
+    DATA_ARGS := 'data.root=$(subst ','\'',$(DATA))' data.download=false
   endif
 endif
 

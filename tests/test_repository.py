@@ -3,9 +3,11 @@ output, logs or data), and no module of the package that a reader cannot take in
 
 import ast
 import fnmatch
+import shlex
 import subprocess
 import sys
 
+import pytest
 from conftest import REPO, clean_env, ok
 
 TOP_LEVEL = {
@@ -56,6 +58,15 @@ def test_make_clean_removes_the_environment_not_a_users_runs_or_data():
     planned = subprocess.run(["make", "-n", "clean"], cwd=REPO, capture_output=True, text=True, check=True).stdout
     removed = {word for line in planned.splitlines() if line.startswith("rm ") for word in line.split()[2:]}
     assert removed == {".venv", ".pytest_cache"}, planned
+
+
+@pytest.mark.parametrize("data, args", [("My Drive/it's.npz", ["data.dataset=npz", "data.path=My Drive/it's.npz"]),
+                                        ("my data", ["data.root=my data", "data.download=false"])])  # fmt: skip
+def test_make_train_passes_a_data_path_with_spaces_or_quotes_as_one_argument(data, args):
+    """`make train DATA="My Drive/cifar.npz"` gave data.path=My and a stray Drive/cifar.npz (a usage error)."""
+    planned = subprocess.run(["make", "-n", "train", f"DATA={data}"], cwd=REPO, capture_output=True, text=True,
+                             check=True).stdout.splitlines()[-1]  # fmt: skip
+    assert shlex.split(planned)[-len(args) :] == args, planned
 
 
 def test_a_venv_left_without_pip_gets_its_pip_or_says_what_to_install(tmp_path):

@@ -9,11 +9,12 @@ STAMP := $(VENV)/.installed
 export PATH := $(abspath $(VENV))/bin:$(PATH):/usr/sbin:/sbin
 
 # Quoted: a path with spaces in it ("My Drive/cifar.npz") is one argument.
+QUOTED_DATA = '$(subst ','\'',$(DATA))'
 ifneq ($(DATA),)
   ifeq ($(suffix $(lastword $(DATA))),.npz)
-    DATA_ARGS := data.dataset=npz 'data.path=$(subst ','\'',$(DATA))'
+    DATA_ARGS := data.dataset=npz data.path=$(QUOTED_DATA)
   else
-    DATA_ARGS := 'data.root=$(subst ','\'',$(DATA))' data.download=false
+    DATA_ARGS := data.root=$(QUOTED_DATA) data.download=false
   endif
 endif
 
@@ -57,7 +58,7 @@ test: $(STAMP) lint system-packages
 
 # make bench [DATA=cifar10-subset.npz]: python -m bench on this machine, results in bench/results/.
 bench: $(STAMP)
-	$(PY) -m bench $(if $(DATA),--data $(DATA)) $(ARGS)
+	$(PY) -m bench $(if $(DATA),--data $(QUOTED_DATA)) $(ARGS)
 
 lint: $(STAMP)
 	$(PY) -m ruff check ddp tests bench

@@ -157,14 +157,8 @@ def _slurm(env: Env, forced: bool) -> Launch | None:
         raise UsageError(f"run.launcher=slurm but {', '.join(missing)} not set: start the processes with srun")
     rank, local_rank, world_size = _ints(env, _SLURM_VARS)
     addr, port = slurm_rendezvous(env)
-    return _checked(
-        "slurm",
-        rank,
-        local_rank,
-        world_size,
-        local_world_size=_tasks_on_this_node(env),
-        init_method=f"tcp://{addr}:{port}",
-    )
+    return _checked("slurm", rank, local_rank, world_size, local_world_size=_tasks_on_this_node(env),
+                    init_method=f"tcp://{addr}:{port}")  # fmt: skip
 
 
 def detect_launch(env: Env = os.environ, launcher: str = "auto") -> Launch:
@@ -343,6 +337,8 @@ def accelerate_flags(run: RunConfig, env: Env = os.environ) -> RunConfig:
             raise UsageError(f"accelerate launch --cpu but run.device={run.device}: drop one of them")
         changes["device"] = "cpu"
     precision = env.get("ACCELERATE_MIXED_PRECISION", "no").lower()
+    if precision not in ("no", "bf16", "fp16"):  # fp8 (accelerate's, through TransformerEngine): trained in fp32
+        raise UsageError(f"accelerate launch --mixed_precision {precision}: this loop trains in no, bf16 or fp16")
     if precision in ("bf16", "fp16") and run.amp != precision:
         if run.amp != "off":
             raise UsageError(f"accelerate launch --mixed_precision {precision} but run.amp={run.amp}: drop one of them")

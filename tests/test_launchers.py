@@ -109,6 +109,8 @@ def test_accelerate_flags_fill_what_the_config_left_at_its_default():
         launchers.accelerate_flags(RunConfig(device="cuda:1"), {"ACCELERATE_USE_CPU": "True"})
     with pytest.raises(UsageError, match="--mixed_precision fp16 but run.amp=bf16"):
         launchers.accelerate_flags(RunConfig(amp="bf16"), {"ACCELERATE_MIXED_PRECISION": "fp16"})
+    with pytest.raises(UsageError, match="--mixed_precision fp8: this loop trains in no, bf16 or fp16"):  # was fp32
+        launchers.accelerate_flags(RunConfig(), {"ACCELERATE_MIXED_PRECISION": "fp8"})
     assert launchers.accelerate_flags(RunConfig(), {"ACCELERATE_USE_FSDP": "true"}).parallel == "fsdp"
     assert launchers.accelerate_flags(RunConfig(parallel="fsdp"), {"ACCELERATE_USE_FSDP": "true"}).parallel == "fsdp"
     with pytest.raises(UsageError, match="accelerate launch --use_fsdp but run.parallel=ddp: drop one of them"):

@@ -81,10 +81,8 @@ def _torchrun(env: Env, name: str) -> Launch | None:
         return None  # MASTER_ADDR/PORT alone are a rendezvous address (SLURM scripts, accelerate --cpu)
     missing = [v for v in TORCHRUN_VARS if v not in env]
     if missing:
-        raise UsageError(
-            f"{', '.join(present)} set but {', '.join(missing)} not: launch with "
-            "torchrun (which sets them all), or unset them for a single process"
-        )
+        raise UsageError(f"{', '.join(present)} set but {', '.join(missing)} not: launch with torchrun (which sets "
+                         "them all), or unset them for a single process")  # fmt: skip
     rank, local_rank, world_size, local = _counts(env, ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"))
     master_port(env)  # a port number, else one line (torch's own int() of it was a traceback)
     return _checked(name, rank, local_rank, world_size, local_world_size=local)
@@ -130,9 +128,8 @@ def slurm_rendezvous(env: Env = os.environ) -> tuple[str, int]:
     of the step (or job) and slurm_port(job id). slurm/train.sh asks this for torchrun's rendezvous."""
     nodes = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
     if "MASTER_ADDR" not in env and not nodes or "MASTER_PORT" not in env and "SLURM_JOB_ID" not in env:
-        raise UsageError(
-            "not inside a SLURM job (no SLURM_JOB_NODELIST / SLURM_JOB_ID): set MASTER_ADDR and MASTER_PORT"
-        )
+        raise UsageError("not inside a SLURM job (no SLURM_JOB_NODELIST / SLURM_JOB_ID): set MASTER_ADDR and "
+                         "MASTER_PORT")  # fmt: skip
     addr = env.get("MASTER_ADDR") or first_host(nodes)
     port = master_port(env) if "MASTER_PORT" in env else slurm_port(env["SLURM_JOB_ID"])
     return addr, port
@@ -178,9 +175,8 @@ def detect_launch(env: Env = os.environ, launcher: str = "auto") -> Launch:
                 + ("torchrun ... ddp/train.py" if launcher == "torchrun" else "accelerate launch ddp/train.py")
             )
         if found and launcher == "accelerate" and found.launcher != "accelerate":
-            raise UsageError(
-                "run.launcher=accelerate but no ACCELERATE_* variable is set: start with accelerate launch"
-            )
+            raise UsageError("run.launcher=accelerate but no ACCELERATE_* variable is set: start with accelerate "
+                             "launch")  # fmt: skip
     if found is None and launcher in ("auto", "slurm"):
         found = _slurm(env, forced=launcher == "slurm")
     return found or Launch("none", 0, 0, 1)
@@ -324,9 +320,9 @@ def record_error(line: str, env: Env = os.environ) -> None:
 
 
 def accelerate_flags(run: RunConfig, env: Env = os.environ) -> RunConfig:
-    """run with `accelerate launch --cpu / --mixed_precision / --use_fsdp` applied: they choose what the
-    config left at its default; a config that says otherwise is an error, not a silent pick. (--use_fsdp
-    means run.parallel=fsdp, our FSDP2: accelerate's own --fsdp_* settings do not apply to it.)"""
+    """run with `accelerate launch --cpu / --mixed_precision / --use_fsdp / --dynamo_backend inductor` applied: they
+    choose what the config left at its default; a config that says otherwise, or a choice this loop lacks, is an error,
+    not a silent pick. (--use_fsdp means run.parallel=fsdp, our FSDP2: its --fsdp_* settings do not apply to it.)"""
     changes = {}
     if env.get("ACCELERATE_USE_FSDP", "").lower() == "true" and run.parallel != "fsdp":
         if run.parallel != "auto":
@@ -336,6 +332,14 @@ def accelerate_flags(run: RunConfig, env: Env = os.environ) -> RunConfig:
         if run.device != "auto":
             raise UsageError(f"accelerate launch --cpu but run.device={run.device}: drop one of them")
         changes["device"] = "cpu"
+    for flag in ("deepspeed", "megatron_lm"):  # ZeRO, Megatron's model parallelism: the run was DDP without a word
+        if env.get(f"ACCELERATE_USE_{flag.upper()}", "").lower() == "true":
+            raise UsageError(f"accelerate launch --use_{flag}: this loop runs DDP, or FSDP2 (--use_fsdp), not {flag}")
+    backend = env.get("ACCELERATE_DYNAMO_BACKEND", "NO").upper()  # --dynamo_backend: torch.compile's, was ignored
+    if backend not in ("NO", "INDUCTOR"):
+        raise UsageError(f"accelerate launch --dynamo_backend {backend.lower()}: this loop compiles by inductor or not")
+    if backend == "INDUCTOR":
+        changes["compile"] = True
     precision = env.get("ACCELERATE_MIXED_PRECISION", "no").lower()
     if precision not in ("no", "bf16", "fp16"):  # fp8 (accelerate's, through TransformerEngine): trained in fp32
         raise UsageError(f"accelerate launch --mixed_precision {precision}: this loop trains in no, bf16 or fp16")

@@ -111,6 +111,12 @@ def test_accelerate_flags_fill_what_the_config_left_at_its_default():
         launchers.accelerate_flags(RunConfig(amp="bf16"), {"ACCELERATE_MIXED_PRECISION": "fp16"})
     with pytest.raises(UsageError, match="--mixed_precision fp8: this loop trains in no, bf16 or fp16"):  # was fp32
         launchers.accelerate_flags(RunConfig(), {"ACCELERATE_MIXED_PRECISION": "fp8"})
+    with pytest.raises(UsageError, match="--use_deepspeed: this loop runs DDP, or FSDP2 .--use_fsdp., not deepspeed"):
+        launchers.accelerate_flags(RunConfig(), {"ACCELERATE_USE_DEEPSPEED": "true"})  # it was DDP, silently
+    assert launchers.accelerate_flags(RunConfig(), {"ACCELERATE_DYNAMO_BACKEND": "INDUCTOR"}).compile  # was ignored
+    assert not launchers.accelerate_flags(RunConfig(), {"ACCELERATE_DYNAMO_BACKEND": "NO"}).compile
+    with pytest.raises(UsageError, match="--dynamo_backend aot_eager: this loop compiles by inductor or not"):
+        launchers.accelerate_flags(RunConfig(), {"ACCELERATE_DYNAMO_BACKEND": "AOT_EAGER"})
     assert launchers.accelerate_flags(RunConfig(), {"ACCELERATE_USE_FSDP": "true"}).parallel == "fsdp"
     assert launchers.accelerate_flags(RunConfig(parallel="fsdp"), {"ACCELERATE_USE_FSDP": "true"}).parallel == "fsdp"
     with pytest.raises(UsageError, match="accelerate launch --use_fsdp but run.parallel=ddp: drop one of them"):

@@ -64,10 +64,8 @@ class DataConfig:
     translate: int = opt(4, "augment: crop 32x32 of the image padded by this many px (shifts up to it)",
                          valid=Range(0, 16))  # fmt: skip
     pad: str = opt("zeros", "augment: the crop's padding: zeros | reflect = the image mirrored", ("zeros", "reflect"))
-    flip: str = opt(
-        "random", "augment: flip a random half each epoch | alternate = a random half in odd epochs, the other in "
-        "even ones (airbench) | none", ("random", "alternate", "none"),
-    )  # fmt: skip
+    flip: str = opt("random", "augment: flip a random half each epoch | alternate = a random half in odd epochs, the "
+                    "other in even ones (airbench) | none", ("random", "alternate", "none"))  # fmt: skip
     loader: str = opt("device", "device = the split on the training device, batched augmentation there | torch = "
                       "DataLoader workers", ("device", "torch"))  # fmt: skip
     workers: int = opt(2, "DataLoader worker processes per rank for loader=torch (0 = load in the main process)",
@@ -108,10 +106,8 @@ class TrainConfig:
                           "loss and speed only)", valid=POSITIVE)  # fmt: skip
     ema_decay: float = opt(0.0, "keep a moving average of the weights, decayed by this per step, and evaluate it "
                            "(0 = off)", valid=FRACTION)  # fmt: skip
-    ema_warmup: int = opt(
-        10, "update n of the average decays by min(ema_decay, (1+n)/(ema_warmup+n)) (0 = ema_decay from the start)",
-        valid=NATURAL,
-    )  # fmt: skip
+    ema_warmup: int = opt(10, "update n of the average decays by min(ema_decay, (1+n)/(ema_warmup+n)) (0 = ema_decay "
+                          "from the start)", valid=NATURAL)  # fmt: skip
     lookahead_every: int = opt(0, "every N steps: slow weights -> towards the weights, weights = them (0 = off)",
                                valid=NATURAL)  # fmt: skip
     lookahead_decay: float = opt(0.95, "lookahead: slow weights keep decay**N x (step/steps)**3 of themselves",
@@ -279,6 +275,8 @@ def _coerce(key: str, value: Any, f: dataclasses.Field) -> Any:
         if isinstance(value, (dict, list)) or value is None:
             raise ValueError
         value = os.path.expanduser(str(value)) if key in PATHS else str(value)
+        if key in PATHS and "\0" in value:  # YAML's "\0" (argv has none): os.stat's ValueError, a traceback
+            raise UsageError(f"{key}: {value!r} holds a NUL character, which no path can")
     except ValueError:
         raise UsageError(f"{key}: expected {kind.__name__}, got {value!r}") from None
     choices = f.metadata.get("choices")

@@ -125,6 +125,14 @@ def test_unknown_section_and_yaml_key(tmp_path):
         config.load(write(tmp_path, "train:\n  epoch: 3\n"))
 
 
+@pytest.mark.parametrize("key", sorted(config.PATHS))
+def test_a_path_with_a_nul_character_is_one_line(key, tmp_path):
+    """YAML's "\\0" in a double-quoted path (argv can hold none): os.stat's or mkdir's ValueError traceback."""
+    section, name = key.split(".")
+    with pytest.raises(UsageError, match=re.escape(f"{key}: 'a\\x00b' holds a NUL character, which no path can")):
+        config.load(write(tmp_path, f'{section}:\n  {name}: "a\\0b"\n'))
+
+
 def test_bad_yaml_names_the_line(tmp_path):
     with pytest.raises(UsageError, match=r"c.yaml: line 3: invalid YAML"):
         config.load(write(tmp_path, "optim:\n  lr: 0.1\n   momentum: 0.9\nrun:\n  seed: 1\n"))

@@ -51,7 +51,7 @@ def _plottable(row: dict[str, Any]) -> bool:
     """A record with what the charts draw: a loss, and where the epoch evaluated, its accuracy, its classes'
     names and accuracies (fractions; None for a class without test images) and, where kept, a confusion matrix
     of as many rows and columns as classes."""
-    if not _number(row.get("train_loss")):
+    if not (_number(row.get("train_loss")) and _number(row["epoch"])):
         return False
     if "test_acc" not in row:  # an epoch that did not evaluate: its loss alone
         return True
@@ -69,7 +69,8 @@ def _plottable(row: dict[str, Any]) -> bool:
 
 
 def _number(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
+    """A number the charts can draw: not a bool, nor an int past a float's range (10**400: an OverflowError)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and (isinstance(x, float) or abs(x) < 2**1023)
 
 
 def _fraction(x: Any) -> bool:

@@ -99,8 +99,9 @@ def test_plot_leaves_out_the_lines_of_a_metrics_file_that_lies_and_tells_runs_of
     runs named alike (runs/a/quick, runs/b/quick) shared one confusion chart's file, the second replacing the first;
     runs of other classes made the per-class chart an IndexError."""
     a, b = tmp_path / "a" / "quick", tmp_path / "b" / "quick"
-    deep = "[" * 10**5
-    write_metrics(a, EPOCH % 1, "[1, 2]", '{"epoch": 2, "train_loss": "low"}', EPOCH % 3, '{"epoch": 4, "train', deep)
+    deep, huge = "[" * 10**5, '{"epoch": 1' + "0" * 400 + ', "train_loss": 1.0}'  # an OverflowError in matplotlib
+    write_metrics(a, EPOCH % 1, "[1, 2]", '{"epoch": 2, "train_loss": "low"}', EPOCH % 3, '{"epoch": 4, "train', deep,
+                  huge)  # fmt: skip
     write_metrics(b, EPOCH % 1, '{"epoch": 2, "train_loss": 1.0, "test_acc": "high"}')
     three = tmp_path / "three-classes"  # its per-class bars would not line up with a's (was an IndexError)
     write_metrics(three, EPOCH.replace('[0.5, 0.5], "classes": ["cat", "dog"]', '[1, 0, 0], "classes": ["x", "y", "z"]')
@@ -109,7 +110,7 @@ def test_plot_leaves_out_the_lines_of_a_metrics_file_that_lies_and_tells_runs_of
     assert [p.name for p in charts] == ["curves.png", "per_class.png", "confusion-a-quick.png", "confusion-b-quick.png",
                                         "confusion-three-classes.png"]  # fmt: skip
     assert capsys.readouterr().err == (
-        f"note: {a}/metrics.jsonl: line 2, 3, 5, 6: not an epoch's whole record, left out\n"
+        f"note: {a}/metrics.jsonl: line 2, 3, 5, 6, 7: not an epoch's whole record, left out\n"
         f"note: {b}/metrics.jsonl: line 2: not an epoch's whole record, left out\n"
         "note: three-classes has other classes than a-quick: left out of per_class.png\n"
     )

@@ -42,12 +42,13 @@ def verified(state: Any, path: Path) -> dict[str, Any]:
 
 
 def _of(value: Any, kind: type, least: float | None = None) -> bool:
-    """Whether `value` is of `kind`; a number (not a bool) also finite and at least `least`."""
+    """Whether `value` is of `kind`; a number (not a bool) also finite (an int within int64, as torch holds one) and
+    at least `least`."""
     if kind not in (int, float):
         return isinstance(value, kind)
     if isinstance(value, bool) or not isinstance(value, int if kind is int else (int, float)):
         return False
-    return (kind is int or math.isfinite(value)) and (least is None or value >= least)
+    return (value < 2**63 if kind is int else math.isfinite(value)) and (least is None or value >= least)
 
 
 def _settings(config: dict[str, Any]) -> list[str]:

@@ -136,7 +136,7 @@ def test_weights_that_do_not_fit_the_model_are_one_line_in_evaluate_and_in_resum
                                         ("config.model", "small"), ("epoch", -1), ("step", 10**9), ("global_step", -3),
                                         ("world_size", 0), ("global_batch", True), ("train_images", 0), ("ranks", [1]),
                                         ("classes", []), ("normalize", {"mean": "x"}), ("metrics", [1]),
-                                        ("config.model.name", {})])  # fmt: skip
+                                        ("config.model.name", {}), ("global_step", 2**63)])  # fmt: skip
 def test_a_checkpoint_whose_entries_are_not_of_their_kind_is_refused_in_one_line(ddp_run, tmp_path, key, value, capsys):
     """Its checksum holds, so no damage made it: inspect and evaluate were a TypeError or AttributeError traceback
     (a string config, a string normalize), or went on with a string epoch. Values out of range or that disagree

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import errno
 import io
 import os
+import re
 import stat
 import sys
 import time
@@ -212,6 +214,10 @@ def _paths_named(main: Callable[[list[str]], Any], argv: list[str]) -> Any:
         if (line := path_refused(e)) is None:
             raise
         raise UsageError(line) from None
+    except RuntimeError as e:  # pathlib's resolve() before Python 3.13 says a symbolic link that loops so
+        if not (loop := re.fullmatch(r"Symlink loop from '(.*)'", str(e))):
+            raise
+        raise UsageError(path_refused(OSError(errno.ELOOP, "loop", loop[1]))) from None
 
 
 def command(main: Callable[[list[str]], Any], argv: list[str] | None = None, prog: str = "") -> int:

@@ -186,9 +186,9 @@ def machine_failure(error: BaseException) -> str | None:
 
 
 def path_refused(error: OSError) -> str | None:
-    """The line for a path the OS refused as named: too long for the filesystem, or not open to this user (it, or
-    a folder above it: pathlib's exists() and is_file() raise on both, where they say False for a missing path);
-    None for any other error, or one that names no path."""
+    """The line for a path the OS refused as named: too long for the filesystem, not open to this user (it, or
+    a folder above it: pathlib's exists() and is_file() raise on both, where they say False for a missing path), or
+    through a symbolic link that loops; None for any other error, or one that names no path."""
     if error.filename is None:
         return None
     if error.errno == errno.ENAMETOOLONG:
@@ -197,6 +197,8 @@ def path_refused(error: OSError) -> str | None:
     if error.errno in (errno.EACCES, errno.EPERM):
         return (f"{error.filename}: permission denied to user {_user()}: it, or a folder above it, is not open to "
                 "this user (ls -ld each folder on the way); ask its owner to open it, or name another")  # fmt: skip
+    if error.errno == errno.ELOOP:
+        return f"{error.filename}: a symbolic link on the way loops (ls -l each link on the way); name the file itself"
     return None
 
 

@@ -210,7 +210,7 @@ def existing(path: Path) -> bool:
     try:
         os.stat(path)
     except OSError as e:
-        if e.errno in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP, errno.EBADF):  # pathlib's own before 3.14
+        if e.errno in (errno.ENOENT, errno.ENOTDIR, errno.EBADF):  # pathlib's before 3.14, but a loop: said as one
             return False
         raise
     return True

@@ -438,6 +438,26 @@ def _bound_by_file_permissions() -> None:
                 raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP) refused: no CAP_SETPCAP here")
 
 
+def test_a_symbolic_link_that_loops_is_one_line_naming_it_in_every_command(tmp_path, capsys):
+    """Through a link that loops, data.path said "no such file", inspect "checkpoint not found", --config "Too many
+    levels of symbolic links", run.resume was an OSError (ELOOP) traceback, and plot and the doctor pathlib's
+    RuntimeError ("Symlink loop from") traceback."""
+    from ddp import checkpoint, doctor, plot
+
+    loop = tmp_path / "loop"
+    loop.symlink_to(tmp_path / "back")
+    (tmp_path / "back").symlink_to(loop)
+    tiny = [*TINY, f"run.out_dir={tmp_path / 'run'}"]
+    cases = [(train.main, [*tiny, "data.dataset=npz", f"data.path={loop}"]), (train.main, ["--config", str(loop)]),
+             (train.main, [*tiny, f"run.resume={loop}"]), (plot.main, [str(loop)]),
+             (checkpoint.main, ["inspect", str(loop)]), (doctor.main, [*TINY, f"run.out_dir={loop}"])]  # fmt: skip
+    for main, argv in cases:
+        assert cli.command(main, argv) == 2, argv
+        said = capsys.readouterr().err
+        assert said == f"error: {loop}: a symbolic link on the way loops (ls -l each link on the way); name the file " \
+            "itself\n", (argv, said)  # fmt: skip
+
+
 PATHLIB_3_14 = """
 import os, pathlib  # Python 3.14's (Lib/pathlib/_local.py): os.path's, False on any OSError, a PermissionError too
 pathlib.Path.exists = lambda self, *, follow_symlinks=True: os.path.exists(self)

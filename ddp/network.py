@@ -59,9 +59,9 @@ def resolve(name: str) -> str | None:
 
 def unresolved(master: str, host: str) -> str:
     """Why MASTER_ADDR=`master` has no IPv4 address on `host`, with the fix: a port in it, an IPv6 address, a name."""
-    if ":" in master and resolve(master.rpartition(":")[0]) and master.rpartition(":")[2].isdigit():
-        return f"MASTER_ADDR={master} holds a port: MASTER_ADDR={master.rpartition(':')[0]} MASTER_PORT=" + \
-            master.rpartition(":")[2]  # fmt: skip
+    name, colon, port = master.rpartition(":")
+    if colon and port.isdigit() and resolve(name):
+        return f"MASTER_ADDR={master} holds a port: MASTER_ADDR={name} MASTER_PORT={port}"
     if ":" in master:
         return f"MASTER_ADDR={master} is no IPv4 address or host name (IPv6?): give the master's IPv4 address or name"
     return f"MASTER_ADDR={master} does not resolve on {host}: check the name, or this host's /etc/hosts"

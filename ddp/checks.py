@@ -108,6 +108,9 @@ def check_combinations(cfg: Config, world: World) -> None:
         check_fp16_weights(cfg)
     if cfg.run.cuda_graph == "true":
         check_cuda_graph(cfg, world)
+    if cfg.optim.muon_lr > 0 and cfg.optim.name != "sgd":
+        raise UsageError(f"optim.muon_lr={cfg.optim.muon_lr:g}: Muon steps the filters beside SGD, which steps the "
+                         f"rest: use optim.name=sgd (not {cfg.optim.name}), or optim.muon_lr=0")  # fmt: skip
     if cfg.train.sync_bn and world.parallel == "dp":
         raise UsageError(
             "train.sync_bn=true needs DDP (nn.DataParallel computes BatchNorm per GPU): "
@@ -143,6 +146,7 @@ def check_fsdp(cfg: Config) -> None:
         "run.channels_last": (run.channels_last, "FSDP2 shards contiguous weights only"),
         "run.warmup_steps": (run.warmup_steps > 0, "the warm-up puts back whole state dicts, not sharded ones"),
         "run.amp": (run.amp.startswith("fp16"), "no GradScaler for sharded gradients, no fp16 weights: use bf16"),
+        "optim.muon_lr": (cfg.optim.muon_lr > 0, "Muon orthogonalizes each filter whole, and FSDP2 shards them"),
     }
     for key, (on, why) in refused.items():
         if on:
@@ -211,6 +215,7 @@ def check_fp16_weights(cfg: Config) -> None:
         "train.ema_decay": (cfg.train.ema_decay > 0, "a moving average's small steps vanish in fp16 weights"),
         "train.sync_bn": (cfg.train.sync_bn, "the synchronised BatchNorm hands float32 to fp16 convolutions"),
         "optim.clip_grad_norm": (cfg.optim.clip_grad_norm > 0, "the norm of gradients x the loss scale overflows fp16"),
+        "optim.muon_lr": (cfg.optim.muon_lr > 0, "its loss scale is undone in SGD's LR, and Muon's step has none"),
     }
     for key, (on, why) in refused.items():
         if on:

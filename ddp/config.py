@@ -95,8 +95,7 @@ class ModelConfig:
 
 @dataclass
 class TrainConfig:
-    epochs: int = opt(30, "epochs to train; the LR schedule spans them (a resumed run continues to this count)",
-                      valid=POSITIVE)  # fmt: skip
+    epochs: int = opt(30, "epochs to train; the LR schedule spans them (a resumed run trains up to it)", valid=POSITIVE)
     batch_size: int = opt(256, "GLOBAL batch in images per step, split evenly across ranks", valid=POSITIVE)
     eval_batch_size: int = opt(1024, "GLOBAL evaluation batch, split across ranks", valid=POSITIVE)
     label_smoothing: float = opt(0.0, "label smoothing of the cross-entropy loss (0 = off)", valid=FRACTION)
@@ -142,6 +141,9 @@ class OptimConfig:
     warmup_from: float = opt(0.0, "the first warm-up step's fraction of optim.lr (airbench: 0.2)", valid=FRACTION)
     clip_grad_norm: float = opt(0.0, "clip the gradients' total L2 norm to this before each step (0 = off)",
                                 valid=Range(0))  # fmt: skip
+    muon_lr: float = opt(0.0, "Muon for the convolution filters, at this peak LR: each filter's step orthogonalized, "
+                         "its norm kept (0 = off: SGD's step)", valid=Range(0))  # fmt: skip
+    muon_momentum: float = opt(0.6, "Muon's Nesterov momentum (optim.momentum: the other parameters')", valid=FRACTION)
 
 
 @dataclass

@@ -103,7 +103,7 @@ def backend(world: World) -> str:
 
 
 def toolbox(cfg: Config) -> str:
-    """For the start line: the recipe options that are on (EMA, MixUp/CutMix, clipping, dropout)."""
+    """For the start line: the recipe options that are on (EMA, MixUp/CutMix, clipping, dropout, Muon)."""
     on = {
         "train.ema_decay": cfg.train.ema_decay,
         "model.dropout": cfg.model.dropout,
@@ -111,6 +111,7 @@ def toolbox(cfg: Config) -> str:
         "data.mixup_alpha": cfg.data.mixup_alpha,
         "data.cutmix_alpha": cfg.data.cutmix_alpha,
         "optim.clip_grad_norm": cfg.optim.clip_grad_norm,
+        "optim.muon_lr": cfg.optim.muon_lr,
     }
     return "".join(f", {key.split('.')[1]}={value:g}" for key, value in on.items() if value > 0)
 

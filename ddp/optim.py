@@ -1,5 +1,5 @@
-"""The optimizer and its per-step LR schedule, from the config's optim section: SGD or AdamW over the
-parameters that learn, grouped where their LR or decay differs (BatchNorm's, the whitening bias); a
+"""The optimizer and its per-step LR schedule, from the config's optim section: SGD (with Muon for the filters)
+or AdamW over the parameters that learn, grouped where their LR or decay differs (BatchNorm's, the whitening bias); a
 linear warm-up from 0 (or optim.warmup_from), then constant, cosine or linear to optim.final_lr."""
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from torch import nn
 from ddp.config import OptimConfig
 from ddp.ema import by_dtype
 from ddp.errors import UsageError
+from ddp.muon import MuonSGD
 
 
 def make_optimizer(
@@ -32,8 +33,8 @@ def make_optimizer(
     optim.whiten_bias_epochs epochs only (its learning rate is 0 after them: no step moves it).
     `loss_scale` (SGD; a power of 2, checks.precision): the gradients come that many times too large, so each
     group's LR is / it and its weight decay x it: the same steps, bit for bit; the momentum is x it too."""
-    if loss_scale != 1.0 and o.name != "sgd":
-        raise ValueError(f"a loss scale undone by the LR is SGD's, not {o.name}'s")
+    if loss_scale != 1.0 and (o.name != "sgd" or o.muon_lr > 0):
+        raise ValueError(f"a loss scale undone by the LR is SGD's, not {o.name}'s or Muon's")
     norms = norm_layers(model)
     if o.freeze_norm_weights:
         freeze_norm_weights(model)
@@ -41,8 +42,9 @@ def make_optimizer(
     norm_weights = {id(m.weight) for m in norms}
     whiten_bias = id(whitened.bias) if whitened is not None and whitened.bias is not None else None
     groups: dict[tuple[float, float, bool], list[nn.Parameter]] = {}  # (lr x, weight decay, whiten bias)
+    filters = [p for p in model.parameters() if p.requires_grad and p.ndim == 4 and o.muon_lr > 0]  # Muon's
     for p in model.parameters():
-        if not p.requires_grad:
+        if not p.requires_grad or id(p) in {id(f) for f in filters}:
             continue
         scale, decay = 1.0, o.weight_decay
         if id(p) in norm_biases | norm_weights and not o.norm_weight_decay:
@@ -54,9 +56,13 @@ def make_optimizer(
     ordered = sorted(groups.items(), key=lambda group: group[0][0] != 1.0 or group[0][2])
     params = [{"params": ps, "lr": o.lr * scale / loss_scale, "weight_decay": decay * loss_scale}
               for (scale, decay, _), ps in ordered]  # fmt: skip
+    if filters:  # last: no SGD momentum or decay of their own (muon.MuonSGD); the schedule of optim.lr's group
+        ordered.append(((0.0, 0.0, False), filters))
+        params.append({"params": filters, "lr": o.muon_lr, "weight_decay": 0.0, "momentum": 0.0, "nesterov": False,
+                       "muon_momentum": o.muon_momentum})  # fmt: skip
     if o.name == "sgd":
-        nesterov = o.nesterov and o.momentum > 0
-        optimizer = fused(torch.optim.SGD, params, lr=o.lr / loss_scale, momentum=o.momentum, nesterov=nesterov)
+        nesterov, kind = o.nesterov and o.momentum > 0, MuonSGD if filters else torch.optim.SGD
+        optimizer = fused(kind, params, lr=o.lr / loss_scale, momentum=o.momentum, nesterov=nesterov)
     else:
         optimizer = fused(torch.optim.AdamW, params, lr=o.lr, weight_decay=o.weight_decay)
     factor = lr_factor(o, total_steps, steps_per_epoch)

@@ -136,6 +136,15 @@ def test_bad_input_for_want_of_a_gpu_exits_2_with_one_line(args, fragments, tmp_
         (["run.amp=fp16-weights", "train.ema_decay=0.99"], ["train.ema_decay does not work with run.amp=fp16-weights"]),
         (["run.amp=fp16-weights", "train.sync_bn=true"], ["train.sync_bn does not work with run.amp=fp16-weights"]),
         (["run.amp=fp16-weights", "optim.clip_grad_norm=1"], ["optim.clip_grad_norm does not work with run.amp=fp16"]),
+        (["run.amp=fp16-weights", "optim.muon_lr=0.2"],
+         ["optim.muon_lr does not work with run.amp=fp16-weights (its loss scale is undone in SGD's LR, and Muon's "
+          "step has none)"]),
+        (["optim.muon_lr=-0.1"], ["optim.muon_lr=-0.1 is out of range: it must be >= 0"]),
+        (["optim.muon_lr=nan"], ["optim.muon_lr: expected a finite float, got 'nan'"]),
+        (["optim.muon_momentum=1"], ["optim.muon_momentum=1.0 is out of range: it must be in [0, 1)"]),
+        (["optim.muon_lr=0.2", "optim.name=adamw"],
+         ["optim.muon_lr=0.2: Muon steps the filters beside SGD, which steps the rest: use optim.name=sgd (not adamw), "
+          "or optim.muon_lr=0"]),
     ],
 )  # fmt: skip
 def test_bad_input_exits_2_with_one_line(args, fragments, tmp_path, capsys, monkeypatch):

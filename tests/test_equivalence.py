@@ -150,22 +150,25 @@ def test_fp16_weights_on_2_ranks_is_the_1_process_run_within_fp16s_rounding(tuto
 # airbench's methods, every one on (tests/test_recipe.py tests each alone): the whitened, frozen stem and
 # its bias frozen after epoch 1, frozen BatchNorm scales, their biases at 4x the LR without decay,
 # lookahead every 3 steps, the linear schedule to a final LR, 2-px reflect translation and the
-# alternating flip, test-time flip and translation; with sync_bn, so that the ranks compute one thing.
+# alternating flip, test-time flip and translation, Muon's filters (airbench94_muon); with sync_bn, so that the
+# ranks compute one thing.
 AIRBENCH = [
     "model.name=fast", "model.width=0.25", "model.whiten=true", "optim.whiten_bias_epochs=1",
     "optim.freeze_norm_weights=true", "optim.norm_bias_lr_scale=4", "optim.norm_weight_decay=false",
     "train.lookahead_every=3", "optim.schedule=linear", "optim.final_lr=0.1", "optim.warmup_from=0.2",
     "data.augment=true", "data.translate=2", "data.pad=reflect", "data.flip=alternate",
-    "train.tta_flip=true", "train.tta_translate=true", "train.sync_bn=true",
+    "train.tta_flip=true", "train.tta_translate=true", "train.sync_bn=true", "optim.muon_lr=0.002",
     "optim.lr=0.002",  # SMALL's 0.005 drifted 2.8e-5 between any two world sizes; 0.002: 1.0-1.6e-5 (measured)
 ]  # fmt: skip
 
 
 def test_airbench_methods_are_the_same_run_on_1_2_and_4_ranks_and_resume_bitwise(tmp_path):
-    """1 process, 2 ranks and 4 ranks train the same weights, within 5e-5: float reassociation only
-    (2 vs 4 ranks differ as much as 1 vs 2; the largest difference is the last BatchNorm's running
-    mean, whose eps of 1e-12 passes on the summation order's last bits); an augmentation or a
-    whitening that depended on the rank would differ by orders more. The 2-rank run killed 3 steps
+    """1 process, 2 ranks and 4 ranks train the same weights, within 2e-4: float reassociation only
+    (2 vs 4 ranks differ as much as 1 vs 2). The largest difference is the last convolution's filters: Muon's
+    orthogonalization lifts the smallest directions of their gradients, and float noise in them (measured: 5.0e-5
+    and 7.4e-5 at 2 and 4 ranks; 4.6e-4 and 1.8e-4 at optim.muon_lr=0.01; without Muon, 1.0-1.6e-5, the last
+    BatchNorm's running mean the largest, whose eps of 1e-12 passes on the summation order's last bits); an
+    augmentation or a whitening that depended on the rank would differ by orders more. The 2-rank run killed 3 steps
     into epoch 2 and resumed from 2 steps in is the uninterrupted one bit for bit, its evaluations
     (with test-time translation) too."""
     one = train(tmp_path / "1", 1, SMALL, *AIRBENCH, kill=False)
@@ -179,5 +182,5 @@ def test_airbench_methods_are_the_same_run_on_1_2_and_4_ranks_and_resume_bitwise
     assert state["lookahead"]["steps"] == 16
     d2, d4 = max_diff(one, two), max_diff(one, four)
     REPORT.append(f"airbench methods, fast net, sync_bn, 2 epochs: 1 process vs 2 ranks {d2:.1e}, vs 4 ranks {d4:.1e}")
-    assert d2 < 5e-5 and d4 < 5e-5
+    assert d2 < 2e-4 and d4 < 2e-4
     assert torch.equal(one["0.weight"], four["0.weight"])  # the frozen whitening filters, computed alike

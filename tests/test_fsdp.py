@@ -100,6 +100,7 @@ def test_a_run_goes_from_ddp_to_fsdp_to_another_world_size_and_back(tmp_path):
         (["train.lookahead_every=5"], "train.lookahead_every does not work with run.parallel=fsdp"),
         (["run.channels_last=true"], "run.channels_last does not work with run.parallel=fsdp (FSDP2 shards contiguous"),
         (["run.warmup_steps=2"], "run.warmup_steps does not work with run.parallel=fsdp"),
+        (["optim.muon_lr=0.2"], "optim.muon_lr does not work with run.parallel=fsdp (Muon orthogonalizes each filter"),
         (["ddp.comm_hook=fp16"], "ddp.comm_hook tunes DistributedDataParallel, which run.parallel=fsdp does not use"),
         (["ddp.static_graph=true"], "ddp.static_graph tunes DistributedDataParallel"),
         (["run.parallel=fsdq"], "run.parallel: 'fsdq' is not one of auto, none, dp, ddp, fsdp"),

@@ -115,10 +115,11 @@ def test_deterministic_mode_gives_bitwise_equal_weights_twice(tmp_path):
 @needs_gpu
 def test_a_step_recorded_in_a_cuda_graph_trains_the_eager_steps_bits_alone_and_under_ddp(tmp_path):
     """run.cuda_graph=true on the GPU: recorded after its eager steps and replayed (bf16, channels_last, lookahead,
-    clipping); deterministic kernels, so the same bits as the eager run, in one process and under torchrun with nccl
-    at world size 1 (DDP's all-reduce inside the graph), recorded at the step the log says."""
+    clipping, Muon's filters); deterministic kernels, so the same bits as the eager run, in one process and under
+    torchrun with nccl at world size 1 (DDP's all-reduce inside the graph), recorded at the step the log says."""
     run = [*TINY, "model.name=fast", "model.width=0.25", "train.epochs=3", "train.lookahead_every=3", "run.amp=bf16",
-           "run.channels_last=true", "optim.clip_grad_norm=1.0", "run.deterministic=true"]  # fmt: skip
+           "run.channels_last=true", "optim.clip_grad_norm=1.0", "optim.muon_lr=0.05",
+           "run.deterministic=true"]  # fmt: skip
     launch = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--standalone", "--nproc_per_node=1"]
     ways = {"eager": [sys.executable], "recorded": [sys.executable], "recorded-ddp": launch}
     states = {}

@@ -17,16 +17,17 @@ from ddp.devices import World
 from ddp.errors import UsageError
 
 RUN = [*TINY, "model.width=0.25", "train.epochs=2", "train.lookahead_every=3", "train.ema_decay=0.9",
-       "optim.clip_grad_norm=1.0", "run.save_every_steps=5", "run.keep_last=10", "run.progress=false"]  # fmt: skip
+       "optim.clip_grad_norm=1.0", "optim.muon_lr=0.05", "run.save_every_steps=5", "run.keep_last=10",
+       "run.progress=false"]  # fmt: skip
 GPU = torch.device("cuda", 0)  # a torch.device needs no GPU
 
 
 def test_a_replayed_step_trains_the_eager_steps_numbers_through_a_warm_up_and_a_resume(tmp_path, monkeypatch, capsys):
     """The same run eager and replayed (its schedule read from the LR tensors, lookahead, the moving average and
-    clipping around the replays), the replayed one with a warm-up that records and is then put back (new momentum
-    tensors: recorded again) and resumed from a mid-epoch checkpoint: every epoch's metrics and the last checkpoint
-    the same to the bit, and most steps replays. The resumed run asks run.cuda_graph=auto, which records here; with
-    a setting that cannot be recorded, auto runs eager and says why."""
+    clipping around the replays, Muon's filters in it), the replayed one with a warm-up that records and is then put
+    back (new momentum tensors: recorded again) and resumed from a mid-epoch checkpoint: every epoch's metrics and
+    the last checkpoint the same to the bit, and most steps replays. The resumed run asks run.cuda_graph=auto, which
+    records here; with a setting that cannot be recorded, auto runs eager and says why."""
     as_on_a_gpu = checks.cuda_graph_refusal  # its "a GPU only" (its own test below): what it says, with a GPU's world
     monkeypatch.setattr(checks, "cuda_graph_refusal", lambda cfg, w: as_on_a_gpu(cfg, replace(w, device=GPU)))
     made: list[graphed.Recorder] = []
@@ -50,7 +51,9 @@ def test_a_replayed_step_trains_the_eager_steps_numbers_through_a_warm_up_and_a_
     # 16 steps (8 an epoch): the warm-up's 3 (1 eager, recorded at the 2nd) put back, then 1 eager and 15 replays;
     # resumed after step 5: 1 eager and 10 replays
     assert [r.replays for r in made] == [2 + 15, 10]
-    said = [line.split("at this process's ")[1] for line in capsys.readouterr().out.splitlines() if "recorded" in line]
+    out = capsys.readouterr().out
+    said = [line.split("at this process's ")[1] for line in out.splitlines() if "recorded" in line]
+    assert "clip_grad_norm=1, muon_lr=0.05; loader=" in out  # the start line names the toolbox options on
     assert said == ["step 2; replayed from here", "step 5; replayed from here", "step 2; replayed from here"]
     train.main([f"run.out_dir={tmp_path / 'accumulated'}", *RUN, "run.cuda_graph=auto", "train.grad_accum_steps=2"])
     note = "run.cuda_graph=auto: the step runs eager, not recorded (train.grad_accum_steps: one batch a step is "

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ddp import config, devices, ema, loaders, metrics, models, optim
+from ddp import config, devices, ema, loaders, metrics, models, muon, optim
 from ddp.errors import UsageError
 
 
@@ -211,3 +211,64 @@ def test_fast_yaml_trains_as_airbench94s_own_code_step_for_step(tmp_path):
     assert max(row["airbench"] for row in result["steps"]) < 1e-5, result["steps"]
     assert result["whitening"] < 1e-3  # airbench's patch covariance in float32, ours in float64
     assert result["test_acc"]["ours"] == result["test_acc"]["airbench"]
+
+
+def test_orthogonalized_keeps_the_singular_vectors_and_brings_the_singular_values_near_1():
+    """Newton-Schulz's odd polynomial acts on the singular values alone: U S V^T -> U p(S) V^T, p the quintic
+    applied STEPS times to each singular value over the Frobenius norm; values within 8x of each other end in
+    [0.5, 1.5] (airbench94_muon's "about 1"), however large the gradient was."""
+    torch.manual_seed(0)
+    u, _ = torch.linalg.qr(torch.randn(16, 16, dtype=torch.float64))
+    v, _ = torch.linalg.qr(torch.randn(36, 16, dtype=torch.float64))
+    s = torch.linspace(1.0, 8.0, 16, dtype=torch.float64) * 1e3
+    expected = s / torch.linalg.vector_norm(s)
+    a, b, c = muon.COEFFICIENTS
+    for _ in range(muon.STEPS):
+        expected = a * expected + b * expected**3 + c * expected**5
+    for matrix in (u @ torch.diag(s) @ v.T, v @ torch.diag(s) @ u.T):  # wide and tall
+        got = muon.orthogonalized(matrix)
+        assert got.dtype == torch.float32 and got.shape == matrix.shape
+        want = u @ torch.diag(expected) @ v.T if matrix.shape[0] == 16 else v @ torch.diag(expected) @ u.T
+        torch.testing.assert_close(got.double(), want, rtol=0, atol=2e-6)
+        assert 0.5 < float(torch.linalg.svdvals(got).min()) and float(torch.linalg.svdvals(got).max()) < 1.5
+
+
+def test_muon_steps_the_filters_and_leaves_every_other_parameter_sgds_bit_for_bit():
+    """optim.muon_lr: the convolution filters in a group of their own at that LR (optim.lr's schedule, no SGD
+    momentum or decay), each scaled to norm sqrt(out channels) and then stepped by lr x the orthogonalized Nesterov
+    momentum of its gradients (muon_momentum); the head, biases and BatchNorm step as optim.name=sgd steps them."""
+    torch.manual_seed(0)
+    plain, net = models.fast(10, 0.0, 0.25), models.fast(10, 0.0, 0.25)
+    net.load_state_dict(plain.state_dict())
+    sgd, sgd_schedule = groups_of(config.load(None, ["optim.weight_decay=0.01"]).optim, plain)
+    cfg = config.load(None, ["optim.weight_decay=0.01", "optim.muon_lr=0.2", "optim.muon_momentum=0.5"]).optim
+    optimizer, scheduler = groups_of(cfg, net)
+    filters = [p for p in net.parameters() if p.ndim == 4]
+    assert optimizer.param_groups[-1]["params"] == filters and len(optimizer.param_groups) == 2
+    assert [g["lr"] for g in optimizer.param_groups] == pytest.approx([cfg.lr / 5, cfg.muon_lr / 5])  # warm-up step 1
+    images, labels = torch.randn(8, 3, 32, 32), torch.randint(0, 10, (8,))
+    momentum = [torch.zeros_like(p) for p in filters]
+    for _ in range(3):
+        with torch.no_grad():  # the same forward in both: plain's filters are net's
+            for a, b in zip(plain.parameters(), net.parameters(), strict=True):
+                a.copy_(b) if a.ndim == 4 else None
+        for model, opt in ((plain, sgd), (net, optimizer)):
+            opt.zero_grad()
+            F.cross_entropy(model(images), labels).backward()
+        lr = optimizer.param_groups[-1]["lr"]
+        want = []
+        for p, m in zip(filters, momentum, strict=True):
+            m.mul_(0.5).add_(p.grad)
+            scaled = p.detach() * (len(p) ** 0.5 / p.detach().norm())
+            want.append(scaled - lr * muon.orthogonalized((p.grad + 0.5 * m).reshape(len(p), -1)).view_as(p))
+        for opt, schedule in ((sgd, sgd_schedule), (optimizer, scheduler)):
+            opt.step()
+            schedule.step()
+        for p, w in zip(filters, want, strict=True):
+            torch.testing.assert_close(p.detach(), w, rtol=0, atol=1e-6)
+        others = [(a, b) for a, b in zip(plain.parameters(), net.parameters(), strict=True) if a.ndim != 4]
+        assert all(torch.equal(a, b) for a, b in others)
+    saved = optimizer.state_dict()
+    assert saved["param_groups"][-1]["muon_momentum"] == 0.5 and saved["param_groups"][-1]["momentum"] == 0.0
+    assert all(torch.equal(saved["state"][i]["momentum_buffer"], m) for i, m in zip(
+        saved["param_groups"][-1]["params"], momentum, strict=True))  # fmt: skip

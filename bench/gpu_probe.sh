@@ -14,6 +14,8 @@
 #   fast-graphs  configs/fast.yaml on the subset compiled with CUDA graphs: does the whole loop keep
 #          eager's accuracy (2026-11-26: its evaluation read an output that CUDA graphs had overwritten)
 #   fast-seeds   configs/fast.yaml as gpu-check's fast step runs it (seed 0), with seeds 1 and 2
+#   fast-muon    configs/fast.yaml with Muon for its filters (optim.muon_lr=0.24, airbench94_muon's), seeds 0, 1, 2:
+#          its accuracy and epochs against airbench94's (2 CPU ranks: bench/results/muon-cpu.md)
 #   fast-fp16    configs/fast.yaml as gpu-check's fast step runs it with run.amp=fp16: cuDNN's BatchNorm (bf16 takes
 #          torch's own, 18 more launches a step) and a GradScaler; its epochs against airbench94's (eager
 #          epochs 2-10: 1.18x airbench94's in bf16, 2026-11-26)
@@ -46,14 +48,14 @@
 # to $OUT/<run>/.
 #   fsdp   FSDP2 at one rank took 4.1x DDP's step (resnet18, batch 256, bf16, 2026-11-25): the same with
 #          --amp off (bf16 shards each BatchNorm on its own: 27 FSDP2 units instead of 8)
-#   bash bench/gpu_probe.sh [ddp] [tune] [mfu] [graphs] [fast-graphs] [fast-seeds] [fast-fp16] [graphs-split] [recipe-steps]
-#          [overhead] [steps] [pairs] [capture] [ddp-runs] [fsdp]
+#   bash bench/gpu_probe.sh [ddp] [tune] [mfu] [graphs] [fast-graphs] [fast-seeds] [fast-muon] [fast-fp16]
+#          [graphs-split] [recipe-steps] [overhead] [steps] [pairs] [capture] [ddp-runs] [fsdp]
 # Exit status: 1 if a probe (or one run of it) failed, named in the last line.
 #   bash bench/gpu_probe.sh --check PROBES...   the names and MFU_MODES / MFU_MODELS checked, nothing run: one
 #          line and exit 64 for a bad one (gpu_lease.sh asks first, so a typo costs no device time)
 set -uo pipefail
 cd "$(dirname "$0")/.."
-probes=" ddp tune mfu graphs fast-graphs fast-seeds fast-fp16 graphs-split recipe-steps overhead steps pairs capture ddp-runs fsdp "
+probes=" ddp tune mfu graphs fast-graphs fast-seeds fast-muon fast-fp16 graphs-split recipe-steps overhead steps pairs capture ddp-runs fsdp "
 modes=" default reduce-overhead max-autotune max-autotune-no-cudagraphs "  # torch.compile's (run.compile_mode)
 bad() { echo "gpu_probe.sh: $*" >&2; exit 64; }
 for s in ${*#--check}; do [[ $probes == *" $s "* ]] || bad "no probe '$s' (the probes: $(echo $probes))"; done
@@ -171,6 +173,14 @@ for mode in sys.argv[2].split():
           echo "== fast.yaml on the subset, seed $seed"
           python3 ddp/train.py "${subset[@]}" run.seed=$seed "run.out_dir=$out/fast-seed$seed" 2>&1 || failed+=" fast-seeds ($seed)"
         done >"$out/probe-fast-seeds.log"
+        ;;
+      fast-muon)
+        for seed in 0 1 2; do
+          rm -rf "$out/fast-muon-seed$seed"
+          echo "== fast.yaml on the subset, optim.muon_lr=0.24, seed $seed"
+          python3 ddp/train.py "${subset[@]}" optim.muon_lr=0.24 run.seed=$seed "run.out_dir=$out/fast-muon-seed$seed" \
+            2>&1 || failed+=" fast-muon ($seed)"
+        done >"$out/probe-fast-muon.log"
         ;;
       fast-fp16)
         rm -rf "$out/fast-fp16"

@@ -33,6 +33,12 @@ class MuonSGD(torch.optim.SGD):
     before it, each such parameter is scaled back to norm sqrt(out channels), which stands in for weight decay.
     The buffer is the parameter's "momentum_buffer" in the state, as SGD's own is."""
 
+    def __init__(self, *args, **kwargs) -> None:  # noqa: ANN002, ANN003 (torch's SGD's)
+        super().__init__(*args, **kwargs)
+        # fused, SGD takes fp16's GradScaler's overflow flag into its kernel and skips the step there, after
+        # step() has put the overflow into Muon's momentum (every later step NaN): the scaler skips the call instead
+        self._step_supports_amp_scaling = False
+
     @torch.no_grad()
     def step(self, closure=None):  # noqa: ANN001, ANN201 (torch's signature)
         for group in self.param_groups:

@@ -140,7 +140,7 @@ def test_a_gpu_lease_run_to_its_end_packs_the_summary_and_refuses_bad_values_in_
            ((), {"GPU_LEASE_DIR": str(REPO)}, "holds files this script did not write: name a new or empty folder"),
            ((), {"GPU_LEASE_DIR": str(tmp_path / "out")}, "did not write: name a new or empty folder"),
            ((), {"PROBES": "mfu nope"}, "no probe 'nope' (the probes: ddp tune mfu graphs fast-graphs fast-seeds "
-                                        "fast-fp16 graphs-split recipe-steps overhead steps pairs capture "
+                                        "fast-muon fast-fp16 graphs-split recipe-steps overhead steps pairs capture "
                                         "ddp-runs fsdp)"),
            ((), {"PROBES": "mfu", "MFU_MODES": "fast"}, "MFU_MODES: 'fast' is no run.compile_mode (one of: default "
                                                         "reduce-overhead max-autotune max-autotune-no-cudagraphs)"),

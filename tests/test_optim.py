@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from ddp import checks, config, ema, models, optim
+from ddp import checks, config, ema, models, muon, optim
 
 
 def test_schedule_warms_up_then_decays_to_zero():
@@ -194,3 +194,27 @@ def test_fp16_weights_lookahead_and_the_gradient_norm_make_one_multi_tensor_call
         assert all(len(dtypes) == 1 for _, dtypes in seen)
         every = torch.linalg.vector_norm(torch.stack([p.grad.float().norm() for p in net.parameters()]))
         torch.testing.assert_close(norm * (1024.0 if fp16 else 1.0), every, rtol=1e-3, atol=0)
+
+
+def test_muon_under_the_grad_scaler_skips_an_overflow_whole_its_momentum_too():
+    """run.amp=fp16 with optim.muon_lr: a step whose gradients overflowed is skipped before MuonSGD.step, so that
+    Muon's momentum never takes an inf (which the fused SGD kernel's own skip would let in: every later step NaN)
+    and the filters are not rescaled; the steps either side are taken, fused or not, to the same weights."""
+    weights = []
+    for build in (optim.fused, lambda kind, params, **kw: kind(params, **kw)):
+        p = torch.nn.Parameter(torch.ones(2, 1, 2, 2))  # a filter: Muon's
+        optimizer = build(muon.MuonSGD, [{"params": [p], "momentum": 0.0, "nesterov": False, "muon_momentum": 0.6}],
+                          lr=0.1, momentum=0.9, nesterov=True)  # fmt: skip
+        scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+        seen = []
+        for g in (1.0, float("inf"), 2.0):
+            scaler.scale((p * torch.arange(8.0).view(2, 1, 2, 2) * g).sum()).backward()
+            scaler.unscale_(optimizer)
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad()
+            seen.append(p.detach().clone())
+        assert torch.equal(seen[0], seen[1]) and not torch.equal(seen[1], seen[2])  # the overflow: no step
+        assert torch.isfinite(seen[2]).all() and torch.isfinite(optimizer.state[p]["momentum_buffer"]).all()
+        weights.append(torch.stack(seen))
+    torch.testing.assert_close(weights[0], weights[1])

@@ -218,3 +218,25 @@ def test_muon_under_the_grad_scaler_skips_an_overflow_whole_its_momentum_too():
         assert torch.isfinite(seen[2]).all() and torch.isfinite(optimizer.state[p]["momentum_buffer"]).all()
         weights.append(torch.stack(seen))
     torch.testing.assert_close(weights[0], weights[1])
+
+
+def test_muon_takes_a_closure_as_torchs_optimizers_do():
+    """step(closure): the closure's gradients are the ones Muon orthogonalizes, and its loss is returned."""
+    stepped = []
+    for with_closure in (True, False):
+        p = torch.nn.Parameter(torch.arange(8.0).view(2, 1, 2, 2))
+        optimizer = muon.MuonSGD([{"params": [p], "momentum": 0.0, "nesterov": False, "muon_momentum": 0.6}], lr=0.1)
+
+        def closure(optimizer: torch.optim.Optimizer = optimizer, p: torch.Tensor = p) -> torch.Tensor:
+            optimizer.zero_grad()
+            loss = (p**3).sum()
+            loss.backward()
+            return loss
+
+        if with_closure:
+            assert optimizer.step(closure) == (torch.arange(8.0) ** 3).sum()
+        else:
+            closure()
+            assert optimizer.step() is None
+        stepped.append(p.detach().clone())
+    assert torch.equal(*stepped) and not torch.equal(stepped[0], torch.arange(8.0).view(2, 1, 2, 2))

@@ -87,6 +87,22 @@ def test_a_fused_kernel_that_steps_wrong_is_not_taken():
     assert torch.equal(weights.detach(), torch.full((100,), -0.1))
 
 
+def steps_through_an_overflow(optimizer: torch.optim.Optimizer, p: torch.Tensor, factors: list) -> list:
+    """The loop's order under fp16's GradScaler, scaler.unscale_ (for the gradient norm) then scaler.step, for the
+    losses (p x factor).sum(), the second's gradients not finite: p after each step; the overflow's was none."""
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    seen = []
+    for factor in factors:
+        scaler.scale((p * factor).sum()).backward()
+        scaler.unscale_(optimizer)
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+        seen.append(p.detach().clone())
+    assert torch.equal(seen[0], seen[1]) and not torch.equal(seen[1], seen[2])  # the overflow: no step
+    return seen
+
+
 def test_a_fused_step_under_the_grad_scaler_skips_an_overflow_as_the_default_does():
     """The loop's order, scaler.unscale_ (for the gradient norm) then scaler.step: fused, the scaler
     hands the overflow flag to the kernel instead of skipping the call; the same weights either way."""
@@ -96,17 +112,8 @@ def test_a_fused_step_under_the_grad_scaler_skips_an_overflow_as_the_default_doe
         p = torch.nn.Parameter(torch.ones(3))
         optimizer = build(torch.optim.SGD, [{"params": [p]}], **settings)
         implementations.append(optimizer.param_groups[0]["fused"])
-        scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
-        seen = []
-        for g in ([1.0, 2.0, 3.0], [1.0, float("inf"), 3.0], [1.0, 2.0, 3.0]):
-            scaler.scale((p * torch.tensor(g)).sum()).backward()
-            scaler.unscale_(optimizer)
-            scaler.step(optimizer)
-            scaler.update()
-            optimizer.zero_grad()
-            seen.append(p.detach().clone())
-        assert torch.equal(seen[0], seen[1]) and not torch.equal(seen[1], seen[2])  # the overflow: no step
-        weights.append(torch.stack(seen))
+        factors = [torch.tensor(g) for g in ([1.0, 2.0, 3.0], [1.0, float("inf"), 3.0], [1.0, 2.0, 3.0])]
+        weights.append(torch.stack(steps_through_an_overflow(optimizer, p, factors)))
     assert implementations == [has_fused(torch.optim.SGD), None]
     torch.testing.assert_close(weights[0], weights[1])
 
@@ -205,16 +212,8 @@ def test_muon_under_the_grad_scaler_skips_an_overflow_whole_its_momentum_too():
         p = torch.nn.Parameter(torch.ones(2, 1, 2, 2))  # a filter: Muon's
         optimizer = build(muon.MuonSGD, [{"params": [p], "momentum": 0.0, "nesterov": False, "muon_momentum": 0.6}],
                           lr=0.1, momentum=0.9, nesterov=True)  # fmt: skip
-        scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
-        seen = []
-        for g in (1.0, float("inf"), 2.0):
-            scaler.scale((p * torch.arange(8.0).view(2, 1, 2, 2) * g).sum()).backward()
-            scaler.unscale_(optimizer)
-            scaler.step(optimizer)
-            scaler.update()
-            optimizer.zero_grad()
-            seen.append(p.detach().clone())
-        assert torch.equal(seen[0], seen[1]) and not torch.equal(seen[1], seen[2])  # the overflow: no step
+        factors = [torch.arange(8.0).view(2, 1, 2, 2) * g for g in (1.0, float("inf"), 2.0)]
+        seen = steps_through_an_overflow(optimizer, p, factors)
         assert torch.isfinite(seen[2]).all() and torch.isfinite(optimizer.state[p]["momentum_buffer"]).all()
         weights.append(torch.stack(seen))
     torch.testing.assert_close(weights[0], weights[1])

@@ -43,8 +43,9 @@ def make_optimizer(
     whiten_bias = id(whitened.bias) if whitened is not None and whitened.bias is not None else None
     groups: dict[tuple[float, float, bool], list[nn.Parameter]] = {}  # (lr x, weight decay, whiten bias)
     filters = [p for p in model.parameters() if p.requires_grad and p.ndim == 4 and o.muon_lr > 0]  # Muon's
+    muon = {id(p) for p in filters}
     for p in model.parameters():
-        if not p.requires_grad or id(p) in {id(f) for f in filters}:
+        if not p.requires_grad or id(p) in muon:
             continue
         scale, decay = 1.0, o.weight_decay
         if id(p) in norm_biases | norm_weights and not o.norm_weight_decay:

@@ -61,7 +61,7 @@ def setup(world: World, timeout_s: float) -> Iterator[World]:
         if world.grouped:
             where = f"the rendezvous ({_meeting_point(world)})"
             with lifeline.deadline(timeout_s, where), lost_rank.naming(world, where):  # a dead store: minutes
-                rendezvous, store = _rendezvous(world, timeout_s)
+                rendezvous, store = _rendezvous(world, timeout_s, where)
                 backend = world.process_group_backend
                 dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), **rendezvous)
                 if backend == "nccl":
@@ -88,13 +88,15 @@ def _meeting_point(world: World) -> str:
     return f"torchrun's store at {agent[0]}:{agent[1]}" if agent else "env://MASTER_ADDR:MASTER_PORT"
 
 
-def _rendezvous(world: World, timeout_s: float) -> tuple[dict[str, Any], dist.Store | None]:
+def _rendezvous(world: World, timeout_s: float, where: str) -> tuple[dict[str, Any], dist.Store | None]:
     """init_process_group's arguments, and torchrun's agent store when the workers join there.
 
     world.init_method where we run the rendezvous (slurm, MPI); else torchrun's, with a key prefix
     that gives each restart attempt its own keys: restarted workers (torchrun --max-restarts) join
     the agent's store again, where the dead attempt's gloo addresses still are; they connect to those
-    and fail ("Connection refused", pytorch/pytorch#167288). Outside an agent store: env://.
+    and fail ("Connection refused", pytorch/pytorch#167288). There each rank first waits for all the
+    others, or for the reason one that stopped before it came left (lost_rank.wait_for_everyone).
+    Outside an agent store: env://.
     Picks the network interface first where this host's name resolves to a loopback address."""
     master = urlsplit(world.init_method).hostname if world.init_method else launchers.master_address()
     note = network.pick_interface(master, launchers.spans_machines()) if master else None
@@ -105,10 +107,10 @@ def _rendezvous(world: World, timeout_s: float) -> tuple[dict[str, Any], dist.St
     agent = launchers.agent_store()
     if agent is None:
         return {}, None
-    addr, port, attempt = agent
-    store = dist.TCPStore(addr, port, is_master=False, timeout=timedelta(seconds=timeout_s))
-    store = dist.PrefixStore(f"ddp-cifar/attempt-{attempt}", store)
+    addr, port, prefix = agent
+    store = dist.PrefixStore(prefix, dist.TCPStore(addr, port, is_master=False, timeout=timedelta(seconds=timeout_s)))
     lost_rank.register_host(world, store)
+    lost_rank.wait_for_everyone(world, store, timeout_s, where)
     return {"store": store, "rank": world.rank, "world_size": world.world_size}, store
 
 

@@ -265,11 +265,11 @@ def spans_machines(env: Env = os.environ) -> bool:
 
 
 def agent_store(env: Env = os.environ) -> tuple[str, int, str] | None:
-    """(address, port, restart attempt) of torchrun's agent store when its workers are meant to use
-    it (TORCHELASTIC_USE_AGENT_STORE), else None."""
+    """(address, port, key prefix) of torchrun's agent store when its workers are meant to use it
+    (TORCHELASTIC_USE_AGENT_STORE), else None. The prefix gives each restart attempt keys of its own."""
     if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
-    return env["MASTER_ADDR"], master_port(env), env.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return env["MASTER_ADDR"], master_port(env), f"ddp-cifar/attempt-{env.get('TORCHELASTIC_RESTART_COUNT', '0')}"
 
 
 # Commands that start a run's processes and stay their parents (or grandparents) while they run.

@@ -1,21 +1,40 @@
-"""After a collective or the rendezvous failed: which rank was lost, and how (it died, or hung past
-run.timeout_s), as one PeerLost line. The ranks still alive check in at torchrun's agent store; the
-ones that do not within a second are the lost ones."""
+"""A rank lost: after a collective or the rendezvous failed, which one and how (it died, or hung past
+run.timeout_s), as one PeerLost line (the ranks still alive check in at torchrun's agent store; the ones
+that do not within a second are the lost ones); before the ranks met there, why it stopped, told to them."""
 
 from __future__ import annotations
 
+import json
+import os
 import signal
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
+from typing import Any
 
 import torch.distributed as dist
 
+from ddp import launchers
 from ddp.devices import World
-from ddp.errors import PeerLost, first_line
+from ddp.errors import (
+    EXIT_FAILURE,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_USAGE,
+    INTERRUPTED,
+    Diverged,
+    PeerLost,
+    Stopped,
+    UsageError,
+    WriteFailed,
+    exit_code,
+    first_line,
+    machine_failure,
+    path_refused,
+)
 
 # Failures of a collective that say nothing more specific than their text (gloo and nccl raise
 # RuntimeError or DistError with these words). gloo's "Application timeout caused pair closure" comes
@@ -58,25 +77,119 @@ def _check_in(world: World, store: dist.Store, wait_s: float) -> dict[int, str]:
 def silent_ranks(world: World, store: dist.Store | None, wait_s: float = 1.0) -> dict[int, str] | None:
     """The ranks that do not check in at the agent's store within `wait_s` (dead or hung), with their
     hosts; None without an agent store (it would have died with rank 0), or when the store does not
-    answer either (a store op on a link that is down blocks in the kernel for minutes: a thread asks)."""
+    answer either."""
     if store is None:
         return None
     # The launcher, seeing a dead worker, SIGTERMs the others; this rank is leaving anyway, and
     # takes at most a few seconds more to say whom it lost (torchrun's SIGKILL comes 30 s later).
     previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    found: list[dict[int, str]] = []
     try:
-        asking = threading.Thread(target=lambda: found.append(_check_in(world, store, wait_s)), daemon=True)
-        asking.start()
-        asking.join(wait_s + 2)
-        return found[0] if found else None
+        return asked(lambda: _check_in(world, store, wait_s), wait_s + 2)
     finally:
         signal.signal(signal.SIGTERM, previous)
 
 
+def asked(question: Callable[[], Any], seconds: float) -> Any:
+    """question()'s answer, asked in a thread of its own: None when it fails or takes over `seconds` (a store op
+    on a link that is down blocks in the kernel for minutes)."""
+    found: list[Any] = []
+
+    def ask() -> None:
+        try:
+            found.append(question())
+        except Exception:  # noqa: BLE001 (a store that does not answer, or refuses: no answer)
+            pass
+
+    asking = threading.Thread(target=ask, daemon=True)
+    asking.start()
+    asking.join(seconds)
+    return found[0] if found else None
+
+
 def register_host(world: World, store: dist.Store) -> None:
-    """This rank's host in the store, for the others to name it if they lose it."""
+    """This rank's host in the store, for the others to name it if they lose it: this rank has come to the
+    meeting (wait_for_everyone); from here on a collective tells the others when it stops."""
+    global _met
     store.set(f"host/{world.rank}", socket.gethostname())
+    _met = True
+
+
+# Before the ranks meet at torchrun's agent store, no collective can tell a rank that another has stopped: on
+# one machine torchrun stops the others, but a machine whose rank stopped (its copy of the data missing, say)
+# left the other machines' ranks waiting out run.timeout_s, then saying only that the rendezvous timed out.
+# So a rank that stops before it came leaves its reason at the store, and those waiting there stop with it.
+LEFT = "left-before-meeting"  # the key of the first such reason, under launchers.agent_store's prefix
+TELL_S = 5.0  # how long a rank that stops may take to tell (a store that does not answer: it says nothing)
+_met = False  # register_host done: this process came to the meeting
+
+
+@contextmanager
+def telling_the_waiting(env: launchers.Env = os.environ) -> Iterator[None]:
+    """Around a rank's whole run: if it ends before it came to the meeting (register_host), how and why go to
+    torchrun's agent store, for the ranks waiting there (wait_for_everyone). Elsewhere nothing."""
+    reason = (EXIT_OK, "it ended without training")  # (--print-config)
+    try:
+        yield
+    except BaseException as e:
+        reason = _reason(e)
+        raise
+    finally:
+        if not _met and launchers.agent_store(env):
+            tell(*reason, env)
+
+
+def _reason(error: BaseException) -> tuple[int, str]:
+    """(exit code, line) of a rank that ends with `error`, as its own line says it (cli.command)."""
+    if isinstance(error, KeyboardInterrupt):
+        return EXIT_INTERRUPTED, INTERRUPTED
+    if isinstance(error, SystemExit):
+        return (error.code if isinstance(error.code, int) else 1), f"it exited with {error.code}"
+    if isinstance(error, OSError) and (refused := path_refused(error)):
+        return EXIT_USAGE, refused
+    if isinstance(error, (UsageError, Diverged, WriteFailed, PeerLost, Stopped)):
+        return exit_code(error), str(error)
+    return EXIT_FAILURE, machine_failure(error) or first_line(error, typed=True)  # a bug: its traceback there
+
+
+def tell(code: int, line: str, env: launchers.Env = os.environ) -> None:
+    """(`code`, `line`) at torchrun's agent store, for the ranks waiting there; the first rank's stays."""
+    addr, port, prefix = launchers.agent_store(env) or ("", 0, "")
+    leave_word(addr, port, f"{prefix}/{LEFT}", {"rank": env.get("RANK", "?"), "code": code, "line": line})
+
+
+def leave_word(addr: str, port: int, key: str, said: dict[str, Any]) -> None:
+    """`said` and this host's name, as JSON at the TCPStore at addr:port under `key`, unless a word is there
+    already (the first stays). Nothing if the store does not take it within TELL_S."""
+    word = json.dumps({**said, "host": socket.gethostname()})
+    store = lambda: dist.TCPStore(addr, port, is_master=False, timeout=timedelta(seconds=TELL_S))  # noqa: E731
+    asked(lambda: store().compare_set(key, "", word), TELL_S + 1)
+
+
+def word_left(store: dist.Store, key: str) -> dict[str, Any] | None:
+    """The word leave_word left at `store` under `key`, or None."""
+    return json.loads(store.get(key)) if store.check([key]) else None
+
+
+def wait_for_everyone(world: World, store: dist.Store, timeout_s: float, where: str) -> None:
+    """After register_host, until every rank has come (then init_process_group meets them at once). A rank that
+    stopped before it came and told why (tell): its line, a UsageError where it was one, else PeerLost. None
+    within `timeout_s`: PeerLost naming the ranks that did not come."""
+    keys = [f"host/{r}" for r in range(world.world_size)]
+    deadline, pause = time.monotonic() + timeout_s, 0.005
+    while not store.check(keys):
+        if left := word_left(store, LEFT):
+            who = f"rank {left['rank']} on {left['host']}"
+            if left["code"] == EXIT_USAGE:
+                raise UsageError(f"{who} stopped before the ranks met: {left['line']}")
+            raise PeerLost(f"rank {world.rank} of {world.world_size}: {who} ended before the ranks met "
+                           f"(exit {left['code']}): {left['line']}")  # fmt: skip
+        if time.monotonic() > deadline:
+            missing = ", ".join(str(r) for r, key in enumerate(keys) if not store.check([key]))
+            raise PeerLost(f"rank {world.rank} of {world.world_size}: rank {missing} did not come to {where} within "
+                           f"run.timeout_s={timeout_s:g} s, and did not say why (killed, or hung? its machine's log "
+                           "says more)")  # fmt: skip
+        time.sleep(pause)
+        pause = min(0.2, 2 * pause)
 
 
 def explain(world: World, error: BaseException, timeout_s: float, store: dist.Store | None) -> PeerLost:

@@ -23,20 +23,26 @@ set; the ranks get the environment as it was.
 The launch files put `--preflight=N` first: ddp/train.py --preflight N with the ranks' arguments, here, before
 torchrun starts a rank (one Python and torch start fewer than a process of its own: 2.2 s on the 2-core test
 machine); a mistake ends it with that one line and exit 2, else it prints the command it goes on with. --help and
---print-config are answered there, once, and no rank starts.
+--print-config are answered there, once, and no rank starts. In a job on a fixed number of machines, a node that
+its preflight stops (its copy of the data missing, say) leaves its line at the rendezvous store; the agents waiting
+there for it end with that line and its exit code, where torchrun waited out its join timeout (600 s) in silence.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shlex
 import signal
 import socket
 import sys
+import tempfile
 import threading
 import time
+from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 if __package__ in (None, ""):  # run as a file: import ddp from the repository, not ddp/'s modules as top-level ones
     sys.path[0] = str(Path(__file__).resolve().parent.parent)
@@ -57,11 +63,13 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError  #
 from torch.distributed.run import main as torchrun  # noqa: E402
 from torch.distributed.run import parse_args  # noqa: E402
 
-from ddp import network  # noqa: E402
+from ddp import lost_rank, network  # noqa: E402
 from ddp.errors import EXIT_FAILURE, EXIT_USAGE  # noqa: E402
 
 GRACE_S = 20.0  # how long the agent may outlive its ranks (its own exit barrier waits on the other hosts)
 STORE_LOST_S = 5.0  # ... when its rendezvous store does not answer: what it waits for cannot come
+NODE_LEFT = "ddp-cifar/node-left"  # at the rendezvous store: the word of a node whose preflight stopped it
+ERROR_FILE = "TORCHELASTIC_ERROR_FILE"  # where a rank's line goes (launchers.record_error), the preflight's too
 
 
 class ExitBarrierRace(logging.Filter):
@@ -116,9 +124,8 @@ def main(argv: list[str]) -> int:
     store = args.rdzv_endpoint if ":" in args.rdzv_endpoint and not args.standalone else None
     elastic = args.max_restarts > 0
     if store or not elastic:  # (an elastic job without an endpoint of its own: not watched)
-        watch = threading.Thread(
-            target=leave_after_the_ranks, args=(store, elastic), name="ddp-agent-watch", daemon=True
-        )
+        watched = (store, elastic, fixed_nodes_store(args))
+        watch = threading.Thread(target=leave_after_the_ranks, args=watched, name="ddp-agent-watch", daemon=True)
         watch.start()
     try:
         torchrun(argv)
@@ -145,7 +152,19 @@ def preflight(processes: str, argv: list[str]) -> int | None:
 
     if {"--help", "-h", "--print-config"} & set(args.training_script_args):
         return train.cli(args.training_script_args)
-    return train.cli(["--preflight", processes, *args.training_script_args]) or None  # 0: the ranks may start
+    with tempfile.NamedTemporaryFile(suffix=".json") as said:  # its line, where a rank's goes (launchers.record_error)
+        before = os.environ.get(ERROR_FILE)
+        os.environ[ERROR_FILE] = said.name
+        try:
+            code = train.cli(["--preflight", processes, *args.training_script_args])
+        finally:
+            os.environ.pop(ERROR_FILE)
+            os.environ.update({ERROR_FILE: before} if before else {})
+        hosts_it = "is_host=true" in args.rdzv_conf.lower().split(",")  # (its store is not up: no one waits there)
+        if code and (store := fixed_nodes_store(args)) and not hosts_it:  # the other machines wait for this one
+            line = json.loads(Path(said.name).read_text() or '{"message": {}}')["message"].get("message", "")
+            lost_rank.leave_word(*store, NODE_LEFT, {"code": code, "line": line.removeprefix("error: ")})
+    return code or None  # 0: the ranks may start
 
 
 def failed(error: ChildFailedError) -> int:
@@ -166,18 +185,21 @@ def failed(error: ChildFailedError) -> int:
     return code if code > 0 else 128 - code if code < 0 else EXIT_FAILURE
 
 
-def leave_after_the_ranks(store: str | None, elastic: bool) -> None:
+def leave_after_the_ranks(store: str | None, elastic: bool, nodes: tuple[str, int] | None) -> None:
     """Once every rank this agent started has ended, this process leaves (exit 1) with one line when
     `store` ("host:port": the rendezvous store on another host) does not answer STORE_LOST_S later, or
     GRACE_S later in any case, unless `elastic` and the store answers: the agent may be waiting there for
-    its next ranks. The agent ends before that on its own in every other case."""
-    seen, ended_at = False, None
+    its next ranks. The agent ends before that on its own in every other case. Before its ranks start,
+    it leaves with the word of a node whose preflight stopped it, if one is left at `nodes` (node_left)."""
+    seen, ended_at, asking = False, None, {}
     while True:
         time.sleep(0.5)
         if _ranks_running():
             seen, ended_at = True, None
             continue
         if not seen:
+            if nodes:
+                node_left(nodes, asking)
             continue
         ended_at = ended_at or time.monotonic()
         waited, host = time.monotonic() - ended_at, socket.gethostname()
@@ -192,6 +214,34 @@ def leave_after_the_ranks(store: str | None, elastic: bool) -> None:
         if waited > GRACE_S:
             _leave(f"torchrun's agent on {host} still waited {GRACE_S:.0f} s after its ranks ended (for its "
                    "rendezvous store on another host?)")  # fmt: skip
+
+
+def fixed_nodes_store(args: Any) -> tuple[str, int] | None:
+    """(host, port) of the c10d rendezvous store of a job on a fixed number of machines, where the agents wait for
+    every one to begin; None on one machine, or in an elastic job (--nnodes=MIN:MAX: it begins without one)."""
+    low, _, high = str(args.nnodes).partition(":")
+    if args.standalone or args.rdzv_backend != "c10d" or high not in ("", low) or low == "1":
+        return None
+    host, _, port = args.rdzv_endpoint.rpartition(":")
+    return (host, int(port)) if port.isdigit() else (args.rdzv_endpoint, 29400)  # torch's c10d default
+
+
+def node_left(store: tuple[str, int], asking: dict[str, Any]) -> None:
+    """While this agent waits for the other machines at the rendezvous: if one's preflight stopped it and it left
+    its word at `store` (preflight), its line here, and this agent leaves with its exit code; the job cannot begin
+    without it (torchrun waits out its join timeout, 600 s, in silence). `asking` keeps the store's client."""
+    try:
+        if "client" not in asking:  # the store may not be up yet (its host starts after this one)
+            asking["client"] = torch.distributed.TCPStore(*store, is_master=False, timeout=timedelta(seconds=3))
+        word = lost_rank.word_left(asking["client"], NODE_LEFT)
+    except (RuntimeError, ValueError):  # torch's DistError is a RuntimeError
+        asking.pop("client", None)
+        return
+    if word:
+        print(f"error: {word['host']}, a machine of this job, stopped before it began: {word['line']}", file=sys.stderr,
+              flush=True)  # fmt: skip
+        time.sleep(1.0)  # the other machines' agents, if more wait, read the word before this one's store goes
+        os._exit(word["code"])
 
 
 def _leave(why: str) -> None:

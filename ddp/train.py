@@ -43,6 +43,7 @@ from ddp import (
     lifeline,
     loaders,
     logs,
+    lost_rank,
     metrics,
     mixing,
     models,
@@ -70,6 +71,7 @@ Values: defaults < the YAML file < section.key=value on the command line. Keys:
 """
 
 
+@lost_rank.telling_the_waiting()  # stopped before the ranks met (one machine's data missing, say): they hear why
 def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     """The run this process is part of; the last epoch's metrics."""
     args = parse_args(sys.argv[1:] if argv is None else argv, USAGE)
@@ -217,8 +219,7 @@ def fit(cfg: Config, world: World, data: datasets.Data, plan: Plan) -> dict[str,
         profiling.Profile(profile_steps, cfg.run.out_dir, world) as profile,
     ):
         for epoch in range(first_epoch, cfg.train.epochs + 1):
-            # DistributedSampler: this epoch's shuffle, the same on every rank, each rank its slice (a
-            # resumed epoch goes on from the step it stopped at).
+            # the sampler: this epoch's shuffle, alike on every rank, each its slice (resumed: from the step it left)
             job.sampler.set_epoch(epoch, start_step=position.step_in_epoch)
             started, before = metrics.epoch_start(world.device), job.stats.images()  # this rank's images so far
             position = train_epoch(job, epoch, position, stop, profile, last_metrics)
@@ -244,9 +245,8 @@ def warm_up(job: Job, epoch: int, position: Position) -> float:
     job.sampler.set_epoch(epoch, start_step=position.step_in_epoch)
     images, labels = next(iter(job.train_loader))
     evaluated = [distributed.for_eval(job.wrapped)] + ([job.trained.ema.module] if job.trained.ema else [])
-    return warmup.throwaway_steps(job.checkpoints, position, job.stats, job.cfg.run.warmup_steps,
-                                  lambda: train_step(job, images, labels),
-                                  lambda: [test_confusion(job, module) for module in evaluated])  # fmt: skip
+    steps, evaluations = lambda: train_step(job, images, labels), lambda: [test_confusion(job, m) for m in evaluated]
+    return warmup.throwaway_steps(job.checkpoints, position, job.stats, job.cfg.run.warmup_steps, steps, evaluations)
 
 
 def train_epoch(

@@ -1,5 +1,6 @@
 """Device and launcher resolution, as pure functions: any GPU count can be asked about on a CPU box."""
 
+import socket
 import threading
 from dataclasses import replace
 from datetime import timedelta
@@ -11,7 +12,7 @@ from launch_envs import SRUN, TORCHRUN
 
 from ddp import checks, devices, launchers, logs, lost_rank
 from ddp.config import RunConfig
-from ddp.errors import UsageError
+from ddp.errors import PeerLost, UsageError
 
 
 def resolve(cuda_count: int, env: dict | None = None, **run) -> devices.World:
@@ -216,3 +217,48 @@ def test_the_stop_agreement_takes_a_flag_of_any_rank_one_step_late_on_every_rank
     for t in threads:
         t.join(timeout=60)
     assert seen == {r: ([False, False, False, True], None, [False, False], True, None) for r in (0, 1)}
+
+
+def test_a_rank_that_stops_before_the_ranks_meet_is_heard_there_the_first_one_only_and_a_silent_one_named(monkeypatch):
+    """torchrun's agent store (a TCPStore here), 3 ranks. Rank 0 and 2 come; rank 1 stops on a usage error before it
+    came: rank 0 stops with its line, a UsageError. A second rank's crash after it leaves the first word. The next
+    restart attempt has keys of its own: rank 1 crashes there, and that is a PeerLost naming the crash. A rank that
+    never comes and says nothing: after run.timeout_s, a PeerLost naming it."""
+    monkeypatch.setattr(lost_rank, "_met", False)
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    env = {"TORCHELASTIC_USE_AGENT_STORE": "True", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(server.port)}
+    ranks = [devices.World(r, r, 3, torch.device("cpu"), "ddp", "torchrun") for r in range(3)]
+
+    def attempt(n: int, stops: BaseException | None) -> dist.Store:
+        attempt_env = {**env, "TORCHELASTIC_RESTART_COUNT": str(n)}
+        store = dist.PrefixStore(launchers.agent_store(attempt_env)[2], server)
+        for world in (ranks[0], ranks[2]):
+            lost_rank.register_host(world, store)
+        monkeypatch.setattr(lost_rank, "_met", False)  # rank 1's process: it has not come
+        with pytest.raises(type(stops)), lost_rank.telling_the_waiting({**attempt_env, "RANK": "1"}):
+            raise stops
+        return store
+
+    store = attempt(0, UsageError("data.path=/data/cifar.npz: no such file"))
+    with pytest.raises(UsageError) as said:
+        lost_rank.wait_for_everyone(ranks[0], store, 30, "the rendezvous")
+    host = socket.gethostname()
+    assert str(said.value) == f"rank 1 on {host} stopped before the ranks met: data.path=/data/cifar.npz: no such file"
+    with pytest.raises(ZeroDivisionError), lost_rank.telling_the_waiting({**env, "RANK": "2"}):
+        raise ZeroDivisionError("a bug")
+    with pytest.raises(UsageError, match="no such file"):
+        lost_rank.wait_for_everyone(ranks[2], store, 30, "the rendezvous")
+    store = attempt(1, ZeroDivisionError("division by zero"))
+    with pytest.raises(PeerLost) as said:
+        lost_rank.wait_for_everyone(ranks[0], store, 30, "the rendezvous")
+    assert str(said.value) == (f"rank 0 of 3: rank 1 on {host} ended before the ranks met (exit 1): "
+                               "ZeroDivisionError: division by zero")  # fmt: skip
+    store = dist.PrefixStore(launchers.agent_store({**env, "TORCHELASTIC_RESTART_COUNT": "2"})[2], server)
+    for world in (ranks[0], ranks[2]):
+        lost_rank.register_host(world, store)
+    with pytest.raises(PeerLost) as said:
+        lost_rank.wait_for_everyone(ranks[2], store, 0.3, "the rendezvous (here)")
+    assert str(said.value).startswith("rank 2 of 3: rank 1 did not come to the rendezvous (here) within "
+                                      "run.timeout_s=0.3 s, and did not say why")  # fmt: skip
+    lost_rank.register_host(ranks[1], store)
+    lost_rank.wait_for_everyone(ranks[2], store, 0.3, "the rendezvous")  # all came: it returns

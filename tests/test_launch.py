@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from conftest import BIN, REPO, TINY, TRAIN, clean_env, metrics, require
@@ -204,6 +205,59 @@ def test_ctrl_c_while_a_node_waits_for_its_master_is_one_line_and_130():
         os.killpg(proc.pid, signal.SIGINT)
         err = proc.communicate(timeout=60)[1]
     assert proc.returncode == 130 and err == "stopped at once on SIGINT (Ctrl-C), without a checkpoint\n", err
+
+
+def two_nodes_one_without_the_data(tmp_path: Path) -> tuple[list[str], str]:
+    """ONE_EPOCH on an .npz, as node 0 runs it, and node 1's data.path, where its (node-local) copy is missing."""
+    x = np.random.default_rng(0).integers(0, 256, (64, 32, 32, 3), dtype=np.uint8)
+    np.savez(tmp_path / "data.npz", x_train=x, y_train=np.arange(64) % 10, x_test=x[:20], y_test=np.arange(20) % 10)
+    return [*ONE_EPOCH, "data.dataset=npz", f"data.path={tmp_path / 'data.npz'}"], str(tmp_path / "missing.npz")
+
+
+def test_a_rank_that_stops_before_the_ranks_meet_ends_the_other_machines_ranks_with_its_line_at_once(tmp_path):
+    """Plain torchrun on two machines (two agents here), the second's copy of the data missing: its rank stops
+    with its line; the first machine's rank, waiting for it at the rendezvous, stops with the same line within
+    seconds, exit 2 (it waited out run.timeout_s, then said only that the rendezvous timed out)."""
+    args, missing = two_nodes_one_without_the_data(tmp_path)
+    port = free_port()
+    rdzv = ["--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}"]
+    node = lambda conf, *more: subprocess.Popen(  # noqa: E731
+        [str(BIN / "torchrun"), *rdzv, f"--rdzv_conf=is_host={conf}", str(TRAIN), *args, "run.timeout_s=300", *more],
+        cwd=REPO, env=clean_env(), stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    node_0 = node("true", f"run.out_dir={tmp_path / 'run'}")
+    started = time.monotonic()
+    node_1 = node("false", f"data.path={missing}")
+    errors = [proc.communicate(timeout=120)[1] for proc in (node_0, node_1)]
+    seconds = time.monotonic() - started
+    line = f"data.path={missing}: no such file"
+    assert f"error: rank 1 on {socket.gethostname()} stopped before the ranks met: {line}\n" in errors[0], errors[0]
+    assert f"error: {line}\n" in errors[1] and node_0.returncode != 0 and node_1.returncode != 0
+    assert "exitcode  : 2" in errors[0] and not (tmp_path / "run" / "metrics.jsonl").exists()
+    assert seconds < 60, seconds  # bounded well inside run.timeout_s, not fast (2 torch starts on 2 cores)
+
+
+def test_a_node_that_its_preflight_stops_ends_the_node_waiting_for_it_with_its_line_and_exit_2(tmp_path):
+    """launch/multinode.sh on two machines, the second's copy of the data missing: its preflight says so before
+    torchrun starts, exit 2, and node 0's torchrun, waiting for it at the rendezvous (600 s in silence, torch's
+    join timeout), ends with that line and exit 2 within seconds, no rank started."""
+    args, missing = two_nodes_one_without_the_data(tmp_path)
+    env = clean_env(NNODES="2", NODE_RANK="0", NPROC="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    node_0 = subprocess.Popen(["bash", "launch/multinode.sh", *args, f"run.out_dir={tmp_path / 'run'}"], cwd=REPO,
+                              env=env, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    deadline = time.monotonic() + 120
+    while launcher.network.connect_error("127.0.0.1", int(env["MASTER_PORT"]), 1.0) and time.monotonic() < deadline:
+        time.sleep(0.2)  # node 0's store is up: node 0 waits at its rendezvous
+    started = time.monotonic()
+    node_1 = run_script("launch/multinode.sh", *args, f"data.path={missing}", env={**env, "NODE_RANK": "1"})
+    err = node_0.communicate(timeout=120)[1]
+    seconds = time.monotonic() - started
+    line = f"data.path={missing}: no such file"
+    assert node_1.returncode == 2 and node_1.stderr == f"error: {line}\n", node_1.stderr
+    assert node_0.returncode == 2, err
+    assert err.endswith(f"error: {socket.gethostname()}, a machine of this job, stopped before it began: {line}\n")
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+    assert seconds < 60, seconds  # bounded, not fast
 
 
 def test_accelerate_launch_on_cpu_runs_2_processes_through_mpi(tmp_path):

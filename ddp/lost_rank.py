@@ -127,7 +127,8 @@ _met = False  # register_host done: this process came to the meeting
 def telling_the_waiting(env: launchers.Env = os.environ) -> Iterator[None]:
     """Around a rank's whole run: if it ends before it came to the meeting (register_host), how and why go to
     torchrun's agent store, for the ranks waiting there (wait_for_everyone). Elsewhere nothing."""
-    reason = (EXIT_OK, "it ended without training")  # (--print-config)
+    global _met
+    _met, reason = False, (EXIT_OK, "it ended without training")  # (--print-config)
     try:
         yield
     except BaseException as e:

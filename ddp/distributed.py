@@ -72,6 +72,8 @@ def setup(world: World, timeout_s: float) -> Iterator[World]:
         traceback.clear_frames(e.__traceback__)  # frames keep their names and lines, not their locals (DDP)
         if world.grouped and lost_rank.is_comm_failure(e):
             raise lost_rank.explain(world, e, timeout_s, store) from e
+        if store is not None:  # its own error (out of memory, say): why, for a rank it leaves (explain names it)
+            lost_rank.say_why(world, e, store)
         raise
     finally:
         if dist.is_initialized():

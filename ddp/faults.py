@@ -11,6 +11,8 @@ a lost node does: no handler runs, nothing is flushed.
                                   lost (with one process per node)
     DDP_CIFAR_FAULT=pause:N[:rR]  SIGSTOP rank R in global step N, once its optimizer step is taken: the test
                                   that sends a stop signal then, and SIGCONTs it, knows the step it lands in
+    DDP_CIFAR_FAULT=oom:N[:rR]    rank R runs out of memory in global step N (a CUDA OutOfMemoryError's text, raised
+                                  as its optimizer step is taken): an error of that rank alone, said by it
 
 A fault fires once per run directory: it leaves rundir.fault_marker there first, so the restarted
 job (same command, same environment) runs through.
@@ -43,7 +45,7 @@ def arm(out_dir: str, rank: int, steps_done: int) -> None:
     marker = rundir.fault_marker(out_dir, point, step)
     if rank != target or marker.exists():
         return
-    if point in ("step", "node", "pause"):
+    if point in ("step", "node", "pause", "oom"):
         steps = itertools.count(steps_done + 1)  # the global step each optimizer step completes
 
         def after_optimizer_step(*_: Any) -> None:
@@ -52,6 +54,9 @@ def arm(out_dir: str, rank: int, steps_done: int) -> None:
                     marker.write_text(spec)
                     os.kill(os.getpid(), signal.SIGSTOP)  # on until the test's SIGCONT
                     return
+                if point == "oom":
+                    marker.write_text(spec)
+                    raise RuntimeError(f"CUDA out of memory. Tried to allocate 2.00 GiB (DDP_CIFAR_FAULT={spec})")
                 if point == "node":
                     os.kill(os.getppid(), signal.SIGKILL)
                 _kill(marker, spec, os.getpid())

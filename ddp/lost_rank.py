@@ -1,6 +1,6 @@
-"""A rank lost: after a collective or the rendezvous failed, which one and how (it died, or hung past
-run.timeout_s), as one PeerLost line (the ranks still alive check in at torchrun's agent store; the ones
-that do not within a second are the lost ones); before the ranks met there, why it stopped, told to them."""
+"""A rank lost: after a collective or the rendezvous failed, which one and how (it died, hung past
+run.timeout_s, or stopped on an error it said), as one PeerLost line (the ranks still alive check in at
+torchrun's agent store; the ones that do not within a second are the lost ones); before the ranks met, why."""
 
 from __future__ import annotations
 
@@ -117,7 +117,8 @@ def register_host(world: World, store: dist.Store) -> None:
 # Before the ranks meet at torchrun's agent store, no collective can tell a rank that another has stopped: on
 # one machine torchrun stops the others, but a machine whose rank stopped (its copy of the data missing, say)
 # left the other machines' ranks waiting out run.timeout_s, then saying only that the rendezvous timed out.
-# So a rank that stops before it came leaves its reason at the store, and those waiting there stop with it.
+# So a rank that stops before it came leaves its reason at the store, and those waiting there stop with it. After
+# the meeting a rank that stops on an error of its own leaves it there too, for those it leaves to name (say_why).
 LEFT = "left-before-meeting"  # the key of the first such reason, under launchers.agent_store's prefix
 TELL_S = 5.0  # how long a rank that stops may take to tell (a store that does not answer: it says nothing)
 _met = False  # register_host done: this process came to the meeting
@@ -171,6 +172,16 @@ def word_left(store: dist.Store, key: str) -> dict[str, Any] | None:
     return json.loads(store.get(key)) if store.check([key]) else None
 
 
+def say_why(world: World, error: BaseException, store: dist.Store) -> None:
+    """After the meeting: why this rank stops, at the agent store, when it stops on an error of its own (out of memory,
+    a bug), for a rank that it leaves waiting in a collective to name (explain); not a stop, a Ctrl-C, a lost rank."""
+    if isinstance(error, (PeerLost, Stopped, KeyboardInterrupt, SystemExit)):
+        return
+    code, line = _reason(error)
+    word = json.dumps({"rank": world.rank, "host": socket.gethostname(), "code": code, "line": line})
+    asked(lambda: store.compare_set(LEFT, "", word), TELL_S)
+
+
 def wait_for_everyone(world: World, store: dist.Store, timeout_s: float, where: str) -> None:
     """After register_host, until every rank has come (then init_process_group meets them at once). A rank that
     stopped before it came and told why (tell): its line, a UsageError where it was one, else PeerLost. None
@@ -200,6 +211,9 @@ def explain(world: World, error: BaseException, timeout_s: float, store: dist.St
     hung = "imed out" in first or "imeout" in first
     what = f"no answer within run.timeout_s={timeout_s:g}: hung" if hung else "its connection closed: it died"
     silent = silent_ranks(world, store)
+    word = asked(lambda: word_left(store, LEFT), 2.0) if silent and store is not None else None
+    if word and str(word["rank"]) in map(str, silent):  # it said why (say_why)
+        what = f"it stopped: {word['line']}"
     if silent:
         hosts = sorted({h for h in silent.values() if h and h != socket.gethostname()})  # another machine's
         who = f"rank {', '.join(map(str, silent))}" + (f" on {', '.join(hosts)}" if hosts else "")

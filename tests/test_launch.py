@@ -230,10 +230,30 @@ def test_a_rank_that_stops_before_the_ranks_meet_ends_the_other_machines_ranks_w
         errors = [proc.communicate(timeout=90)[1] for proc in nodes]
     finally:
         kill_orphans([proc.pid for proc in nodes])  # a failed test's launchers (their ranks leave with them)
-    line = f"data.path={missing}: no such file"
-    assert f"error: rank 1 on {socket.gethostname()} stopped before the ranks met: {line}\n" in errors[0], errors[0]
+    line = f"data.path={missing}: no such file"  # (the rendezvous numbers the machines: node 1's rank may be 0)
+    assert re.search(f"error: rank [01] on {socket.gethostname()} stopped before the ranks met: {re.escape(line)}\n",
+                     errors[0]), errors[0]  # fmt: skip
     assert f"error: {line}\n" in errors[1] and nodes[0].returncode != 0 and nodes[1].returncode != 0
     assert "exitcode  : 2" in errors[0] and not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_a_rank_that_runs_out_of_memory_is_named_with_why_by_the_rank_on_another_machine_it_leaves(tmp_path):
+    """Two machines (two torchrun agents here), one rank each; rank 1 runs out of memory in step 3 (an error of its
+    own: DDP_CIFAR_FAULT=oom). Rank 0, waiting for it in a collective, names it and why: it said so at torchrun's
+    store before it left, where rank 0 said only that its connection closed."""
+    port = free_port()
+    rdzv = ["--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}"]
+    run = [str(TRAIN), *ONE_EPOCH, "train.batch_size=16", f"run.out_dir={tmp_path}"]
+    env = clean_env(DDP_CIFAR_FAULT="oom:3:r1")
+    nodes = [subprocess.Popen([str(BIN / "torchrun"), *rdzv, f"--rdzv_conf=is_host={host}", *run], cwd=REPO, env=env,
+                              stderr=subprocess.PIPE, text=True) for host in ("true", "false")]  # fmt: skip
+    try:
+        errors = "".join(proc.communicate(timeout=120)[1] for proc in nodes)
+    finally:
+        kill_orphans([proc.pid for proc in nodes])
+    said = "out of memory (CUDA out of memory. Tried to allocate 2.00 GiB (DDP_CIFAR_FAULT=oom:3:r1)); try a smaller"
+    assert f"error: rank 1 of 2: {said}" in errors, errors
+    assert f"error: rank 0 of 2: lost contact with rank 1 (it stopped: {said}" in errors, errors
 
 
 def test_a_node_that_its_preflight_stops_ends_the_node_waiting_for_it_with_its_line_and_exit_2(tmp_path):

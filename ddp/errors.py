@@ -10,7 +10,8 @@
     130 EXIT_INTERRUPTED  Ctrl-C where no checkpoint is made: before training (a preflight waiting for
                       MASTER_ADDR, a download), or a second Ctrl-C in training (128 + SIGINT, as a shell says)
 
-cli.command turns them into one line on stderr and the exit code; nothing else defines an exit code.
+cli.command turns them into one line on stderr and the exit code; nothing else defines an exit code. ending()
+says the same of an exception, for a rank that leaves it for the others (lost_rank).
 """
 
 import contextlib
@@ -234,3 +235,17 @@ def exit_code(error: BaseException) -> int:
     if isinstance(error, Diverged):
         return EXIT_DIVERGED
     return EXIT_FAILURE
+
+
+def ending(error: BaseException) -> tuple[int, str]:
+    """(exit code, line) of a process that ends with `error`, as its own line says it (cli.command; a bug: the
+    first line of the traceback it prints)."""
+    if isinstance(error, KeyboardInterrupt):
+        return EXIT_INTERRUPTED, INTERRUPTED
+    if isinstance(error, SystemExit):
+        return (error.code if isinstance(error.code, int) else EXIT_FAILURE), f"it exited with {error.code}"
+    if isinstance(error, OSError) and (refused := path_refused(error)):
+        return EXIT_USAGE, refused
+    if isinstance(error, (UsageError, Diverged, WriteFailed, PeerLost, Stopped)):
+        return exit_code(error), str(error)
+    return EXIT_FAILURE, machine_failure(error) or first_line(error, typed=True)

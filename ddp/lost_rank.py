@@ -19,22 +19,7 @@ import torch.distributed as dist
 
 from ddp import launchers
 from ddp.devices import World
-from ddp.errors import (
-    EXIT_FAILURE,
-    EXIT_INTERRUPTED,
-    EXIT_OK,
-    EXIT_USAGE,
-    INTERRUPTED,
-    Diverged,
-    PeerLost,
-    Stopped,
-    UsageError,
-    WriteFailed,
-    exit_code,
-    first_line,
-    machine_failure,
-    path_refused,
-)
+from ddp.errors import EXIT_OK, EXIT_USAGE, PeerLost, Stopped, UsageError, ending, first_line
 
 # Failures of a collective that say nothing more specific than their text (gloo and nccl raise
 # RuntimeError or DistError with these words). gloo's "Application timeout caused pair closure" comes
@@ -133,24 +118,11 @@ def telling_the_waiting(env: launchers.Env = os.environ) -> Iterator[None]:
     try:
         yield
     except BaseException as e:
-        reason = _reason(e)
+        reason = ending(e)
         raise
     finally:
         if not _met and launchers.agent_store(env):
             tell(*reason, env)
-
-
-def _reason(error: BaseException) -> tuple[int, str]:
-    """(exit code, line) of a rank that ends with `error`, as its own line says it (cli.command)."""
-    if isinstance(error, KeyboardInterrupt):
-        return EXIT_INTERRUPTED, INTERRUPTED
-    if isinstance(error, SystemExit):
-        return (error.code if isinstance(error.code, int) else 1), f"it exited with {error.code}"
-    if isinstance(error, OSError) and (refused := path_refused(error)):
-        return EXIT_USAGE, refused
-    if isinstance(error, (UsageError, Diverged, WriteFailed, PeerLost, Stopped)):
-        return exit_code(error), str(error)
-    return EXIT_FAILURE, machine_failure(error) or first_line(error, typed=True)  # a bug: its traceback there
 
 
 def tell(code: int, line: str, env: launchers.Env = os.environ) -> None:
@@ -177,7 +149,7 @@ def say_why(world: World, error: BaseException, store: dist.Store) -> None:
     a bug), for a rank that it leaves waiting in a collective to name (explain); not a stop, a Ctrl-C, a lost rank."""
     if isinstance(error, (PeerLost, Stopped, KeyboardInterrupt, SystemExit)):
         return
-    code, line = _reason(error)
+    code, line = ending(error)
     word = json.dumps({"rank": world.rank, "host": socket.gethostname(), "code": code, "line": line})
     asked(lambda: store.compare_set(LEFT, "", word), TELL_S)
 

@@ -621,3 +621,19 @@ def test_dataloader_workers_out_of_shared_memory_is_one_line_with_what_to_try(tm
 
     assert cli.command(bus_error, []) == 1
     assert capsys.readouterr().err.startswith("error: out of shared memory (DataLoader worker (pid 4242) is killed")
+
+
+@pytest.mark.parametrize(
+    "error",
+    [errors.UsageError("data.path=/x.npz: no such file"), MemoryError("no room"), KeyboardInterrupt(),
+     PermissionError(13, "Permission denied", "/root/secret.npz"), errors.Stopped("stopped on SIGTERM at step 4"),
+     errors.WriteFailed("cannot write metrics.jsonl: no space left")],
+)  # fmt: skip
+def test_what_a_rank_tells_the_others_when_it_leaves_is_its_own_line_and_exit_code(error, capsys):
+    """errors.ending (what lost_rank leaves at torchrun's store) against cli.command's line and exit code."""
+
+    def main(argv: list[str]) -> None:
+        raise error
+
+    code = cli.command(main, [])
+    assert errors.ending(error) == (code, capsys.readouterr().err.strip().removeprefix("error: "))

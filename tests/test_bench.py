@@ -90,10 +90,11 @@ def test_host_cost_counts_top_level_operators_per_thread_and_tells_the_stop_flag
 def test_a_ddp_step_of_ours_reads_nothing_from_the_device_broadcasts_no_buffers_and_divides_nothing_by_one(tmp_path):
     """ddp/train.py under torchrun at 2 ranks, profiled: the gradients' all-reduce and the stop
     agreement are a step's only collectives (no buffer broadcast: train.dist_bn=broadcast makes rank
-    0's statistics everyone's at the boundaries), and no tensor of the device is read in a step. With
+    0's statistics everyone's at the boundaries), and no tensor of the device is read in a step, Muon's
+    step on the filters included (a CUDA graph records the step: a read would stop its capture). With
     one micro-batch the loss is not divided by 1: that was a kernel forward and one backward, a step."""
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    counts = host_cost.ours(torchrun, tmp_path / "ours")
+    counts = host_cost.ours(torchrun, tmp_path / "ours", "optim.muon_lr=0.05")
     assert counts["collective_kinds"] == ["gloo:all_reduce"] and counts["collectives"] <= 2
     assert counts["device_reads"] == 0 and counts["flag_reads"] <= 1
     trace = json.loads((tmp_path / "ours" / "profile" / "rank0.json").read_text())["traceEvents"]

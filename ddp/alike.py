@@ -40,13 +40,13 @@ def described(cfg: Config, data: datasets.Data | None = None) -> dict[str, Any]:
 
 
 def data_of(d: config.DataConfig, data: datasets.Data) -> dict[str, Any]:
-    """The data part of described's: the data's digest (datasets.digest) and where this machine read it."""
+    """The data part of described's: the data's digest (datasets.Data.digest) and where this machine read it."""
     where = f"data.path={d.path}" if d.dataset == "npz" else f"data.root={d.root}"
-    return {"data": (*datasets.digest(data), where)}
+    return {"data": (*data.digest, where)}
 
 
 def check(cfg: Config, data: datasets.Data, world: World) -> None:
-    """Every rank's code, settings and data (datasets.digest) against rank 0's: a UsageError on every rank naming
+    """Every rank's code, settings and data (Data.digest) against rank 0's: a UsageError on every rank naming
     the first rank that differs and how. Another torch is only said, once per machine (by rank 0)."""
     if not world.grouped:
         return

@@ -18,7 +18,7 @@ import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ddp.launchers import quiet_startup
 
@@ -34,6 +34,9 @@ from ddp.devices import World
 from ddp.ema import EMA, Lookahead
 from ddp.errors import EXIT_FAILURE, EXIT_OK, CorruptCheckpoint, UsageError, WriteFailed, first_line
 from ddp.metrics import StepStats
+
+if TYPE_CHECKING:  # a type alone: the commands here (inspect, export) read no data
+    from ddp.datasets import Data
 
 
 @dataclass
@@ -67,6 +70,12 @@ class RunInfo:
     train_images: int
     normalize: dict[str, list[float]]  # the training split's per-channel mean and std, as the model saw them
     classes: list[str]  # the names of the model's outputs, in order
+    data_digest: str | None = None  # datasets.Data.digest's: a resume on other images or labels says so
+
+    @classmethod
+    def of(cls, config: dict[str, dict[str, Any]], world_size: int, data: Data) -> RunInfo:
+        normalize = {"mean": list(data.mean), "std": list(data.std)}
+        return cls(config, world_size, len(data.train.labels), normalize, data.classes, data.digest[2])
 
 
 def build_state(
@@ -97,6 +106,7 @@ def build_state(
         "train_images": info.train_images,
         "normalize": info.normalize,
         "classes": info.classes,
+        "data_digest": info.data_digest,
         "config": info.config,
         "metrics": metrics,  # of the last finished epoch
         "versions": {"torch": str(torch.__version__), "ddp_cifar": ddp_version},
@@ -189,7 +199,7 @@ class Checkpoints:
             same_world = restore_rank(state, world, stats)
         accum_steps = state["config"]["train"].get("grad_accum_steps", 1)
         position = Position(state["epoch"], state["step"], state["global_step"])
-        changes = changed(state["config"], self.info.config)
+        changes = changed(state["config"], self.info.config) + data_changed(state, self.info)
         return Resumed(path, position, state["metrics"], state["world_size"], accum_steps, same_world, changes)
 
     def due(self, position: Position, steps_per_epoch: int, stopping: bool) -> bool:
@@ -263,6 +273,13 @@ def changed(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     default = config.to_dict(config.Config())
     was = {s: {k: old.get(s, {}).get(k, default[s][k]) for k in keys} for s, keys in new.items()}
     return [f"{s}.{k} {was[s][k]!r} -> {v!r}" for s in new for k, v in new[s].items() if was[s][k] != v]
+
+
+def data_changed(state: dict[str, Any], info: RunInfo) -> list[str]:
+    """The resume line's word where the data differs from the checkpoint's (a checkpoint of before 2026-11-28 keeps
+    no digest: nothing to compare)."""
+    other = state.get("data_digest") not in (None, info.data_digest)
+    return ["the data (other images or labels than the checkpoint's)"] if other else []
 
 
 def check_compatible(

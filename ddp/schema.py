@@ -72,6 +72,7 @@ def _entries(state: dict[str, Any]) -> list[str]:
         and all(x > 0 for x in stats[1]),
         "metrics": metrics is None or isinstance(metrics, dict) and _of(metrics.get("train_loss"), float)
         and _of(metrics.get("test_acc", 0.0), float),
+        "data_digest": isinstance(state.get("data_digest") or "", str),  # (none before 2026-11-28)
     }  # fmt: skip
     return [name for name, holds in checks.items() if not holds]
 

@@ -171,8 +171,7 @@ def build(cfg: Config, world: World, data: datasets.Data, plan: Plan) -> tuple[J
     average = ema.EMA(model, t.ema_decay, t.ema_warmup) if t.ema_decay > 0 else None
     lookahead = ema.Lookahead(model, t.lookahead_every, t.lookahead_decay, total_steps) if t.lookahead_every else None
     trained = checkpoint.Trained(model, optimizer, scheduler, scaler, average, lookahead, plan.loss_scale)
-    normalize = {"mean": list(data.mean), "std": list(data.std)}
-    info = checkpoint.RunInfo(config.to_dict(cfg), world.world_size, len(data.train.labels), normalize, data.classes)
+    info = checkpoint.RunInfo.of(config.to_dict(cfg), world.world_size, data)
     checkpoints = checkpoint.Checkpoints(cfg.run, world, trained, info)
     stats = metrics.StepStats(world.device)
     resumed = checkpoints.resume(stats)  # torch.load(..., map_location="cpu") into the raw model, before the wrap

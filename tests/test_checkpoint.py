@@ -13,6 +13,7 @@ import sys
 import time
 import zipfile
 
+import numpy as np
 import pytest
 import torch
 from conftest import REPO, TINY, TRAIN, clean_env, metrics, ok, piped, python
@@ -246,6 +247,22 @@ def test_resuming_with_other_settings_lists_every_one_that_changed_and_trains_wi
     same = ok(python(str(TRAIN), f"run.out_dir={tmp_path}", *TINY, *changes, "train.epochs=3"))
     line = next(line for line in same.stdout.splitlines() if line.startswith("resumed from"))
     assert line.endswith("changed since: train.epochs 2 -> 3")
+
+
+def test_a_resume_on_other_images_at_the_same_path_says_so_and_one_on_the_same_does_not(tmp_path, capsys):
+    """The .npz at data.path written anew between two runs (other pixels, the same size): its resume line says
+    the data changed, as it says a changed setting; the next resume, on the data its checkpoint was made on, not."""
+    x = torch.randint(0, 256, (64, 32, 32, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(0)).numpy()
+    path, y = tmp_path / "data.npz", torch.arange(64).numpy() % 10
+    run = [f"run.out_dir={tmp_path / 'run'}", *TINY, "data.dataset=npz", f"data.path={path}", "train.batch_size=16"]
+    lines = []
+    for epochs, images in ((1, x), (2, 255 - x), (3, 255 - x)):
+        np.savez(path, x_train=images, y_train=y, x_test=images[:20], y_test=y[:20])
+        train.main([*run, f"train.epochs={epochs}"])
+        lines += [line for line in capsys.readouterr().out.splitlines() if line.startswith("resumed from")]
+    assert lines[0].endswith("changed since: train.epochs 1 -> 2, the data (other images or labels than the "
+                             "checkpoint's)"), lines[0]  # fmt: skip
+    assert lines[1].endswith("changed since: train.epochs 2 -> 3"), lines[1]
 
 
 @pytest.mark.parametrize("prefix", ["module.", "_orig_mod.", "module._orig_mod."])

@@ -79,10 +79,18 @@ def test_two_hosts_two_ranks_each_by_name_then_resumed_on_one(tmp_path):
     """World size 4 across 2 hosts (rendezvous at h0 by name): each test image counted once, the
     checkpoint whole; the same run then continues on h0 alone (2 ranks, same global batch).
     Each host has its own name on 127.0.1.1, as Debian and Ubuntu write /etc/hosts: gloo would
-    advertise that address and the other host could not reach it. Each says which interface it uses."""
+    advertise that address and the other host could not reach it. Each says which interface it uses.
+    First h1 is given a data.path it has not: its preflight stops it, and h0, waiting for it at the rendezvous,
+    ends with h1's line (torchrun waited out its 600 s join timeout in silence)."""
     out = tmp_path / "run"
     with hosts(2, loopback_names=(0, 1)) as (h0, h1):
         args = [*TINY, f"run.out_dir={out}"]
+        node0 = store_up(h0, multinode(h0, 0, h0, *args))
+        missing = ["data.dataset=npz", f"data.path={tmp_path / 'not-on-h1.npz'}"]
+        (code1, _, err1), (code0, _, err0) = finish(multinode(h1, 1, h0, *args, *missing), node0, timeout=60)
+        line = f"data.path={tmp_path / 'not-on-h1.npz'}: no such file"
+        assert code1 == code0 == 2 and err1 == f"error: {line}\n", (err0, err1)
+        assert err0.endswith(f"error: {h1.name}, a machine of this job, stopped before it began: {line}\n"), err0
         results = finish(multinode(h0, 0, h0, *args, nproc=2), multinode(h1, 1, h0, *args, nproc=2))
         ok_all(results)
         for (_, stdout, _), host in zip(results, (h0, h1)):

@@ -82,7 +82,7 @@ def asked(question: Callable[[], Any], seconds: float) -> Any:
     def ask() -> None:
         try:
             found.append(question())
-        except Exception:  # noqa: BLE001 (a store that does not answer, or refuses: no answer)
+        except Exception:  # a store that does not answer, or refuses: no answer
             pass
 
     asking = threading.Thread(target=ask, daemon=True)
@@ -104,7 +104,7 @@ def register_host(world: World, store: dist.Store) -> None:
 # left the other machines' ranks waiting out run.timeout_s, then saying only that the rendezvous timed out.
 # So a rank that stops before it came leaves its reason at the store, and those waiting there stop with it. After
 # the meeting a rank that stops on an error of its own leaves it there too, for those it leaves to name (say_why).
-LEFT = "left-before-meeting"  # the key of the first such reason, under launchers.agent_store's prefix
+WHY = "why-a-rank-left"  # the key of the first such word, under launchers.agent_store's prefix
 TELL_S = 5.0  # how long a rank that stops may take to tell (a store that does not answer: it says nothing)
 _met = False  # register_host done: this process came to the meeting
 
@@ -128,15 +128,18 @@ def telling_the_waiting(env: launchers.Env = os.environ) -> Iterator[None]:
 def tell(code: int, line: str, env: launchers.Env = os.environ) -> None:
     """(`code`, `line`) at torchrun's agent store, for the ranks waiting there; the first rank's stays."""
     addr, port, prefix = launchers.agent_store(env) or ("", 0, "")
-    leave_word(addr, port, f"{prefix}/{LEFT}", {"rank": env.get("RANK", "?"), "code": code, "line": line})
+    leave_word(addr, port, f"{prefix}/{WHY}", {"rank": env.get("RANK", "?"), "code": code, "line": line})
 
 
 def leave_word(addr: str, port: int, key: str, said: dict[str, Any]) -> None:
-    """`said` and this host's name, as JSON at the TCPStore at addr:port under `key`, unless a word is there
-    already (the first stays). Nothing if the store does not take it within TELL_S."""
-    word = json.dumps({**said, "host": socket.gethostname()})
-    store = lambda: dist.TCPStore(addr, port, is_master=False, timeout=timedelta(seconds=TELL_S))  # noqa: E731
-    asked(lambda: store().compare_set(key, "", word), TELL_S + 1)
+    """`said` at the TCPStore at addr:port under `key` (_word); nothing if it does not take it within TELL_S."""
+    asked(lambda: _word(dist.TCPStore(addr, port, is_master=False, timeout=timedelta(seconds=TELL_S)), key, said),
+          TELL_S + 1)  # fmt: skip
+
+
+def _word(store: dist.Store, key: str, said: dict[str, Any]) -> None:
+    """`said` and this host's name as JSON at `store` under `key`, unless a word is there already (the first stays)."""
+    store.compare_set(key, "", json.dumps({**said, "host": socket.gethostname()}))
 
 
 def word_left(store: dist.Store, key: str) -> dict[str, Any] | None:
@@ -150,8 +153,7 @@ def say_why(world: World, error: BaseException, store: dist.Store) -> None:
     if isinstance(error, (PeerLost, Stopped, KeyboardInterrupt, SystemExit)):
         return
     code, line = ending(error)
-    word = json.dumps({"rank": world.rank, "host": socket.gethostname(), "code": code, "line": line})
-    asked(lambda: store.compare_set(LEFT, "", word), TELL_S)
+    asked(lambda: _word(store, WHY, {"rank": world.rank, "code": code, "line": line}), TELL_S)
 
 
 def wait_for_everyone(world: World, store: dist.Store, timeout_s: float, where: str) -> None:
@@ -161,7 +163,7 @@ def wait_for_everyone(world: World, store: dist.Store, timeout_s: float, where: 
     keys = [f"host/{r}" for r in range(world.world_size)]
     deadline, pause = time.monotonic() + timeout_s, 0.005
     while not store.check(keys):
-        if left := word_left(store, LEFT):
+        if left := word_left(store, WHY):
             who = f"rank {left['rank']} on {left['host']}"
             if left["code"] == EXIT_USAGE:
                 raise UsageError(f"{who} stopped before the ranks met: {left['line']}")
@@ -183,7 +185,7 @@ def explain(world: World, error: BaseException, timeout_s: float, store: dist.St
     hung = "imed out" in first or "imeout" in first
     what = f"no answer within run.timeout_s={timeout_s:g}: hung" if hung else "its connection closed: it died"
     silent = silent_ranks(world, store)
-    word = asked(lambda: word_left(store, LEFT), 2.0) if silent and store is not None else None
+    word = asked(lambda: word_left(store, WHY), 2.0) if silent and store is not None else None
     if word and str(word["rank"]) in map(str, silent):  # it said why (say_why)
         what = f"it stopped: {word['line']}"
     if silent:

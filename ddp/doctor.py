@@ -35,7 +35,20 @@ quiet_startup(__name__)  # run as a command: a Ctrl-C or a missing package in th
 import torch
 import torch.distributed as dist
 
-from ddp import alike, cifar, config, datasets, devices, distributed, files, launchers, metrics, network, rundir
+from ddp import (
+    alike,
+    cifar,
+    config,
+    datasets,
+    devices,
+    distributed,
+    files,
+    launchers,
+    lost_rank,
+    metrics,
+    network,
+    rundir,
+)
 from ddp.cli import command, leave, parse_args, show
 from ddp.config import DataConfig
 from ddp.devices import World
@@ -288,6 +301,7 @@ Checks the setup that ddp/train.py with the same arguments would use. Keys:
 """
 
 
+@lost_rank.telling_the_waiting()  # a machine's mistake before the ranks met: the others hear it, not time out
 def main(argv: list[str]) -> int:
     args = parse_args(argv, USAGE)
     cfg = config.load(args.config, args.overrides)

@@ -214,26 +214,31 @@ def two_nodes_one_without_the_data(tmp_path: Path) -> tuple[list[str], str]:
     return [*ONE_EPOCH, "data.dataset=npz", f"data.path={tmp_path / 'data.npz'}"], str(tmp_path / "missing.npz")
 
 
-def test_a_rank_that_stops_before_the_ranks_meet_ends_the_other_machines_ranks_with_its_line_at_once(tmp_path):
-    """Plain torchrun on two machines (two agents here), the second's copy of the data missing: its rank stops
-    with its line; the first machine's rank, waiting for it at the rendezvous, stops with the same line within
-    seconds, exit 2 (it waited out run.timeout_s, then said only that the rendezvous timed out)."""
+@pytest.mark.parametrize("program", ["ddp/train.py", "ddp.doctor"])
+def test_a_rank_that_stops_before_the_ranks_meet_ends_the_other_machines_ranks_with_its_line_at_once(program, tmp_path):
+    """Plain torchrun on two machines (two agents here), the second's copy of the data missing (the doctor: a key
+    mistyped there): its rank stops with its line; the first machine's rank, waiting for it at the rendezvous, stops
+    with the same line within seconds, exit 2 (it waited out run.timeout_s, then said only that the rendezvous
+    timed out)."""
     args, missing = two_nodes_one_without_the_data(tmp_path)
     port = free_port()
     rdzv = ["--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}"]
+    run = [str(TRAIN)] if program == "ddp/train.py" else ["-m", program]
     node = lambda conf, *more: subprocess.Popen(  # noqa: E731
-        [str(BIN / "torchrun"), *rdzv, f"--rdzv_conf=is_host={conf}", str(TRAIN), *args, "run.timeout_s=300", *more],
+        [str(BIN / "torchrun"), *rdzv, f"--rdzv_conf=is_host={conf}", *run, *args, "run.timeout_s=300", *more],
         cwd=REPO, env=clean_env(), stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
-    nodes = [node("true", f"run.out_dir={tmp_path / 'run'}"), node("false", f"data.path={missing}")]
+    mistake = f"data.path={missing}" if program == "ddp/train.py" else "optim.lrr=1"
+    nodes = [node("true", f"run.out_dir={tmp_path / 'run'}"), node("false", mistake)]
     try:  # bounded well inside run.timeout_s, not fast: two torch starts on 2 cores
         errors = [proc.communicate(timeout=90)[1] for proc in nodes]
     finally:
         kill_orphans([proc.pid for proc in nodes])  # a failed test's launchers (their ranks leave with them)
-    line = f"data.path={missing}: no such file"  # (the rendezvous numbers the machines: node 1's rank may be 0)
-    assert re.search(f"error: rank [01] on {socket.gethostname()} stopped before the ranks met: {re.escape(line)}\n",
-                     errors[0]), errors[0]  # fmt: skip
-    assert f"error: {line}\n" in errors[1] and nodes[0].returncode != 0 and nodes[1].returncode != 0
+    said = re.search(r"^(doctor: )?error: (.*)$", errors[1], flags=re.M)
+    assert said and (f"data.path={missing}: no such file" if mistake.startswith("data") else "'optim.lrr'") in said[2]
+    host = re.escape(socket.gethostname())  # the rendezvous numbers the machines: node 1's rank may be 0
+    line = f"{re.escape(said[1] or '')}error: rank [01] on {host} stopped before the ranks met: {re.escape(said[2])}"
+    assert re.search(line, errors[0]) and nodes[0].returncode != 0 and nodes[1].returncode != 0, errors[0]
     assert "exitcode  : 2" in errors[0] and not (tmp_path / "run" / "metrics.jsonl").exists()
 
 

@@ -93,27 +93,30 @@ def _meeting_point(world: World) -> str:
 def _rendezvous(world: World, timeout_s: float, where: str) -> tuple[dict[str, Any], dist.Store | None]:
     """init_process_group's arguments, and torchrun's agent store when the workers join there.
 
-    world.init_method where we run the rendezvous (slurm, MPI); else torchrun's, with a key prefix
-    that gives each restart attempt its own keys: restarted workers (torchrun --max-restarts) join
+    Where we run the rendezvous (slurm, MPI: world.init_method), a store rank 0 serves there; else torchrun's, with
+    a key prefix that gives each restart attempt its own keys: restarted workers (torchrun --max-restarts) join
     the agent's store again, where the dead attempt's gloo addresses still are; they connect to those
-    and fail ("Connection refused", pytorch/pytorch#167288). There each rank first waits for all the
+    and fail ("Connection refused", pytorch/pytorch#167288). In either each rank first waits for all the
     others, or for the reason one that stopped before it came left (lost_rank.wait_for_everyone).
-    Outside an agent store: env://.
+    Outside both (torch 2.4's torchrun): env://.
     Picks the network interface first where this host's name resolves to a loopback address."""
     master = urlsplit(world.init_method).hostname if world.init_method else launchers.master_address()
     note = network.pick_interface(master, launchers.spans_machines()) if master else None
     if note and world.is_local_main:  # each machine says it once
         print(f"rank {world.rank}: {note} (GLOO_SOCKET_IFNAME chooses)", flush=True)
-    if world.init_method:
-        return {"init_method": world.init_method, "rank": world.rank, "world_size": world.world_size}, None
-    agent = launchers.agent_store()
-    if agent is None:
+    meeting = launchers.served_by_rank_0(world.init_method) if world.init_method else launchers.agent_store()
+    if meeting is None:
         return {}, None
-    addr, port, prefix = agent
-    store = dist.PrefixStore(prefix, dist.TCPStore(addr, port, is_master=False, timeout=timedelta(seconds=timeout_s)))
+    addr, port, prefix = meeting
+    ours = world.init_method is not None  # rank 0 serves it, as init_method=tcp:// would: it goes when rank 0 does
+    timeout = timedelta(seconds=timeout_s)
+    served = dist.TCPStore(addr, port, world.world_size, world.is_main, timeout, wait_for_workers=False) if ours \
+        else dist.TCPStore(addr, port, is_master=False, timeout=timeout)  # fmt: skip
+    store = dist.PrefixStore(prefix, served)
     lost_rank.register_host(world, store)
     lost_rank.wait_for_everyone(world, store, timeout_s, where)
-    return {"store": store, "rank": world.rank, "world_size": world.world_size}, store
+    group = {"store": served if ours else store, "rank": world.rank, "world_size": world.world_size}
+    return group, None if ours else store  # (lost_rank.explain asks an agent's store: it outlives the ranks)
 
 
 def shard(model: nn.Module, world: World, amp: torch.dtype | None) -> nn.Module:

@@ -111,8 +111,8 @@ _met = False  # register_host done: this process came to the meeting
 
 @contextmanager
 def telling_the_waiting(env: launchers.Env = os.environ) -> Iterator[None]:
-    """Around a rank's whole run: if it ends before it came to the meeting (register_host), how and why go to
-    torchrun's agent store, for the ranks waiting there (wait_for_everyone). Elsewhere nothing."""
+    """Around a rank's whole run: if it ends before it came to the meeting (register_host), how and why go to the
+    store where the ranks meet, for those waiting there (wait_for_everyone). In one process nothing."""
     global _met
     _met, reason = False, (EXIT_OK, "it ended without training")  # (--print-config)
     try:
@@ -121,14 +121,20 @@ def telling_the_waiting(env: launchers.Env = os.environ) -> Iterator[None]:
         reason = ending(e)
         raise
     finally:
-        if not _met and launchers.agent_store(env):
+        if not _met and launchers.meeting_store(env):
             tell(*reason, env)
 
 
 def tell(code: int, line: str, env: launchers.Env = os.environ) -> None:
-    """(`code`, `line`) at torchrun's agent store, for the ranks waiting there; the first rank's stays."""
-    addr, port, prefix = launchers.agent_store(env) or ("", 0, "")
-    leave_word(addr, port, f"{prefix}/{WHY}", {"rank": env.get("RANK", "?"), "code": code, "line": line})
+    """(`code`, `line`) at the store where the ranks meet (launchers.meeting_store), for those waiting there; the
+    first rank's stays. Not from rank 0 where it would serve that store itself (srun, mpirun): none is up."""
+    addr, port, prefix = launchers.meeting_store(env) or ("", 0, "")
+    try:  # (a word that cannot be told must not hide the error it tells: meeting_store found a launch)
+        rank: int | str = launchers.detect_launch(env).rank
+    except UsageError:
+        rank = env.get("RANK", "?")
+    if rank != 0 or launchers.agent_store(env):
+        leave_word(addr, port, f"{prefix}/{WHY}", {"rank": rank, "code": code, "line": line})
 
 
 def leave_word(addr: str, port: int, key: str, said: dict[str, Any]) -> None:

@@ -108,6 +108,8 @@ def test_parallel_modes_need_the_right_launch():
 def test_srun_tasks_are_ranks_with_a_rendezvous_on_the_first_node():
     launch = launchers.detect_launch(SRUN)
     assert launch == launchers.Launch("slurm", 3, 1, 4, 2, f"tcp://gpu07:{launchers.slurm_port('4242')}")
+    assert launchers.meeting_store(SRUN) == ("gpu07", launchers.slurm_port("4242"), "ddp-cifar")  # rank 0 serves it
+    assert launchers.meeting_store({**SRUN, "SLURM_PROCID": "x"}) is None  # (the variables' error comes later)
     world = resolve(1, SRUN)  # --gpus-per-task=1: each task sees one GPU, and it is its cuda:0
     assert (world.rank, world.world_size, world.device, world.launcher) == (3, 4, torch.device("cuda", 0), "slurm")
     assert resolve(2, SRUN).device == torch.device("cuda", 1)  # both GPUs visible: the local rank picks
@@ -226,7 +228,8 @@ def test_a_rank_that_stops_before_the_ranks_meet_is_heard_there_the_first_one_on
     never comes and says nothing: after run.timeout_s, a PeerLost naming it."""
     monkeypatch.setattr(lost_rank, "_met", False)
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
-    env = {"TORCHELASTIC_USE_AGENT_STORE": "True", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(server.port)}
+    env = {"TORCHELASTIC_USE_AGENT_STORE": "True", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(server.port),
+           "LOCAL_RANK": "0", "WORLD_SIZE": "3"}  # fmt: skip
     ranks = [devices.World(r, r, 3, torch.device("cpu"), "ddp", "torchrun") for r in range(3)]
 
     def attempt(n: int, stops: BaseException | None) -> dist.Store:

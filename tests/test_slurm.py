@@ -9,6 +9,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from conftest import (
@@ -107,6 +108,23 @@ def test_srun_starts_the_ranks_directly(slurm, tmp_path):
     ok(proc)
     assert f"launcher=slurm parallel={parallel} world_size=2" in proc.stdout
     assert metrics(tmp_path)[0]["world_size"] == 2
+
+
+def test_a_task_that_stops_before_the_ranks_meet_ends_the_others_at_once_with_its_line(slurm, tmp_path):
+    """Plain srun (SLURM's default leaves the other tasks running when one fails), task 1's data.path a file it has
+    not (node-local disks): task 0, waiting for it in the store rank 0 serves, stops with its line at once, exit 2.
+    It waited out run.timeout_s, then said only "Timed out after 61 seconds waiting for clients. 1/2 clients joined"."""
+    x = np.zeros((64, 32, 32, 3), dtype=np.uint8) + np.arange(64, dtype=np.uint8)[:, None, None, None]
+    np.savez(tmp_path / "data.npz", x_train=x, y_train=np.arange(64) % 10, x_test=x[:20], y_test=np.arange(20) % 10)
+    missing = tmp_path / "not-on-this-node.npz"
+    task_1_misses = 'if [ "$SLURM_PROCID" = 1 ]; then set -- "$@" "data.path=$MISSING"; fi; exec python "$@"'
+    proc = subprocess.run(
+        ["srun", "--ntasks=2", "bash", "-c", task_1_misses, "task", str(TRAIN), *TINY, "data.dataset=npz",
+         f"data.path={tmp_path / 'data.npz'}", f"run.out_dir={tmp_path / 'run'}", "run.timeout_s=300"],
+        cwd=REPO, env={**slurm, "MISSING": str(missing)}, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    line = f"error: rank 1 on {socket.gethostname()} stopped before the ranks met: data.path={missing}: no such file"
+    assert proc.returncode == 2 and line in proc.stderr, proc.stderr
 
 
 def test_doctor_under_srun_checks_every_task(slurm, tmp_path):

@@ -104,7 +104,7 @@ def _rendezvous(world: World, timeout_s: float, where: str) -> tuple[dict[str, A
     note = network.pick_interface(master, launchers.spans_machines()) if master else None
     if note and world.is_local_main:  # each machine says it once
         print(f"rank {world.rank}: {note} (GLOO_SOCKET_IFNAME chooses)", flush=True)
-    meeting = launchers.served_by_rank_0(world.init_method) if world.init_method else launchers.agent_store()
+    meeting = lost_rank.served_by_rank_0(world.init_method) if world.init_method else launchers.agent_store()
     if meeting is None:
         return {}, None
     addr, port, prefix = meeting

@@ -272,25 +272,6 @@ def agent_store(env: Env = os.environ) -> tuple[str, int, str] | None:
     return env["MASTER_ADDR"], master_port(env), f"ddp-cifar/attempt-{env.get('TORCHELASTIC_RESTART_COUNT', '0')}"
 
 
-def meeting_store(env: Env = os.environ) -> tuple[str, int, str] | None:
-    """(address, port, key prefix) of the store where this process meets the others of its run: torchrun's agent
-    store, or where the rendezvous is ours (srun, mpirun) the one rank 0 serves at its tcp:// address (distributed
-    makes it); None in one process, or where the launcher's variables make no sense (that error comes later)."""
-    try:
-        if agent := agent_store(env):
-            return agent
-        init_method = detect_launch(env).init_method
-    except (UsageError, KeyError):
-        return None
-    return served_by_rank_0(init_method) if init_method else None
-
-
-def served_by_rank_0(init_method: str) -> tuple[str, int, str]:
-    """(address, port, key prefix) of the store rank 0 serves at `init_method` (tcp://host:port)."""
-    host, _, port = init_method.removeprefix("tcp://").rpartition(":")
-    return host, int(port), "ddp-cifar"
-
-
 # Commands that start a run's processes and stay their parents (or grandparents) while they run.
 _LAUNCHER_WORDS = ("torchrun", "torch.distributed.run", "torch.distributed.launch", "accelerate", "mpirun",
                    "mpiexec", "orterun", "prterun")  # fmt: skip

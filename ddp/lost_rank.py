@@ -91,6 +91,25 @@ def asked(question: Callable[[], Any], seconds: float) -> Any:
     return found[0] if found else None
 
 
+def meeting_store(env: launchers.Env = os.environ) -> tuple[str, int, str] | None:
+    """(address, port, key prefix) of the store where this process meets the others of its run: torchrun's agent
+    store, or where the rendezvous is ours (srun, mpirun) the one rank 0 serves at its tcp:// address (distributed
+    makes it); None in one process, or where the launcher's variables make no sense (that error comes later)."""
+    try:
+        if agent := launchers.agent_store(env):
+            return agent
+        init_method = launchers.detect_launch(env).init_method
+    except (UsageError, KeyError):
+        return None
+    return served_by_rank_0(init_method) if init_method else None
+
+
+def served_by_rank_0(init_method: str) -> tuple[str, int, str]:
+    """(address, port, key prefix) of the store rank 0 serves at `init_method` (tcp://host:port)."""
+    host, _, port = init_method.removeprefix("tcp://").rpartition(":")
+    return host, int(port), "ddp-cifar"
+
+
 def register_host(world: World, store: dist.Store) -> None:
     """This rank's host in the store, for the others to name it if they lose it: this rank has come to the
     meeting (wait_for_everyone); from here on a collective tells the others when it stops."""
@@ -99,12 +118,12 @@ def register_host(world: World, store: dist.Store) -> None:
     _met = True
 
 
-# Before the ranks meet at torchrun's agent store, no collective can tell a rank that another has stopped: on
+# Before the ranks meet at their store (meeting_store), no collective can tell a rank that another has stopped: on
 # one machine torchrun stops the others, but a machine whose rank stopped (its copy of the data missing, say)
 # left the other machines' ranks waiting out run.timeout_s, then saying only that the rendezvous timed out.
 # So a rank that stops before it came leaves its reason at the store, and those waiting there stop with it. After
 # the meeting a rank that stops on an error of its own leaves it there too, for those it leaves to name (say_why).
-WHY = "why-a-rank-left"  # the key of the first such word, under launchers.agent_store's prefix
+WHY = "why-a-rank-left"  # the key of the first such word, under meeting_store's prefix
 TELL_S = 5.0  # how long a rank that stops may take to tell (a store that does not answer: it says nothing)
 _met = False  # register_host done: this process came to the meeting
 
@@ -121,14 +140,14 @@ def telling_the_waiting(env: launchers.Env = os.environ) -> Iterator[None]:
         reason = ending(e)
         raise
     finally:
-        if not _met and launchers.meeting_store(env):
+        if not _met and meeting_store(env):
             tell(*reason, env)
 
 
 def tell(code: int, line: str, env: launchers.Env = os.environ) -> None:
     """(`code`, `line`) at the store where the ranks meet (launchers.meeting_store), for those waiting there; the
     first rank's stays. Not from rank 0 where it would serve that store itself (srun, mpirun): none is up."""
-    addr, port, prefix = launchers.meeting_store(env) or ("", 0, "")
+    addr, port, prefix = meeting_store(env) or ("", 0, "")
     try:  # (a word that cannot be told must not hide the error it tells: meeting_store found a launch)
         rank: int | str = launchers.detect_launch(env).rank
     except UsageError:

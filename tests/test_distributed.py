@@ -108,8 +108,8 @@ def test_parallel_modes_need_the_right_launch():
 def test_srun_tasks_are_ranks_with_a_rendezvous_on_the_first_node():
     launch = launchers.detect_launch(SRUN)
     assert launch == launchers.Launch("slurm", 3, 1, 4, 2, f"tcp://gpu07:{launchers.slurm_port('4242')}")
-    assert launchers.meeting_store(SRUN) == ("gpu07", launchers.slurm_port("4242"), "ddp-cifar")  # rank 0 serves it
-    assert launchers.meeting_store({**SRUN, "SLURM_PROCID": "x"}) is None  # (the variables' error comes later)
+    assert lost_rank.meeting_store(SRUN) == ("gpu07", launchers.slurm_port("4242"), "ddp-cifar")  # rank 0 serves it
+    assert lost_rank.meeting_store({**SRUN, "SLURM_PROCID": "x"}) is None  # (the variables' error comes later)
     world = resolve(1, SRUN)  # --gpus-per-task=1: each task sees one GPU, and it is its cuda:0
     assert (world.rank, world.world_size, world.device, world.launcher) == (3, 4, torch.device("cuda", 0), "slurm")
     assert resolve(2, SRUN).device == torch.device("cuda", 1)  # both GPUs visible: the local rank picks

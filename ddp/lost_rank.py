@@ -182,7 +182,7 @@ def say_why(world: World, error: BaseException, store: dist.Store) -> None:
 
 
 def wait_for_everyone(world: World, store: dist.Store, timeout_s: float, where: str) -> None:
-    """After register_host, until every rank has come (then init_process_group meets them at once). A rank that
+    """After register_host, until every rank has come (then distributed.setup makes the group at once). A rank that
     stopped before it came and told why (tell): its line, a UsageError where it was one, else PeerLost. None
     within `timeout_s`: PeerLost naming the ranks that did not come."""
     keys = [f"host/{r}" for r in range(world.world_size)]

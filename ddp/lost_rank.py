@@ -145,7 +145,7 @@ def telling_the_waiting(env: launchers.Env = os.environ) -> Iterator[None]:
 
 
 def tell(code: int, line: str, env: launchers.Env = os.environ) -> None:
-    """(`code`, `line`) at the store where the ranks meet (launchers.meeting_store), for those waiting there; the
+    """(`code`, `line`) at the store where the ranks meet (meeting_store), for those waiting there; the
     first rank's stays. Not from rank 0 where it would serve that store itself (srun, mpirun): none is up."""
     addr, port, prefix = meeting_store(env) or ("", 0, "")
     try:  # (a word that cannot be told must not hide the error it tells: meeting_store found a launch)

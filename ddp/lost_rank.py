@@ -125,6 +125,8 @@ def register_host(world: World, store: dist.Store) -> None:
 # the meeting a rank that stops on an error of its own leaves it there too, for those it leaves to name (say_why).
 WHY = "why-a-rank-left"  # the key of the first such word, under meeting_store's prefix
 TELL_S = 5.0  # how long a rank that stops may take to tell (a store that does not answer: it says nothing)
+HEARD = f"{WHY}/heard"  # how many ranks read that word or left one (_word): serve_word waits for them
+HEAR_S = 30.0  # how long rank 0 serves its word for ranks yet to come (their store goes with it)
 _met = False  # register_host done: this process came to the meeting
 
 
@@ -146,14 +148,18 @@ def telling_the_waiting(env: launchers.Env = os.environ) -> Iterator[None]:
 
 def tell(code: int, line: str, env: launchers.Env = os.environ) -> None:
     """(`code`, `line`) at the store where the ranks meet (meeting_store), for those waiting there; the
-    first rank's stays. Not from rank 0 where it would serve that store itself (srun, mpirun): none is up."""
+    first rank's stays. Rank 0 where it would serve that store (srun, mpirun) serves it to tell (serve_word)."""
     addr, port, prefix = meeting_store(env) or ("", 0, "")
     try:  # (a word that cannot be told must not hide the error it tells: meeting_store found a launch)
-        rank: int | str = launchers.detect_launch(env).rank
+        launch = launchers.detect_launch(env)
+        rank, world_size = launch.rank, launch.world_size
     except UsageError:
-        rank = env.get("RANK", "?")
-    if rank != 0 or launchers.agent_store(env):
-        leave_word(addr, port, f"{prefix}/{WHY}", {"rank": rank, "code": code, "line": line})
+        rank, world_size = env.get("RANK", "?"), 0
+    said = {"rank": rank, "code": code, "line": line}
+    if rank == 0 and not launchers.agent_store(env):
+        serve_word(addr, port, prefix, said, world_size)
+    else:
+        leave_word(addr, port, f"{prefix}/{WHY}", said)
 
 
 def leave_word(addr: str, port: int, key: str, said: dict[str, Any]) -> None:
@@ -163,8 +169,25 @@ def leave_word(addr: str, port: int, key: str, said: dict[str, Any]) -> None:
 
 
 def _word(store: dist.Store, key: str, said: dict[str, Any]) -> None:
-    """`said` and this host's name as JSON at `store` under `key`, unless a word is there already (the first stays)."""
+    """`said` and this host's name as JSON at `store` under `key`, unless a word is there already (the first stays);
+    this rank counted as one that no longer waits (serve_word)."""
     store.compare_set(key, "", json.dumps({**said, "host": socket.gethostname()}))
+    store.add(f"{key}/heard", 1)
+
+
+def serve_word(addr: str, port: int, prefix: str, said: dict[str, Any], world_size: int) -> None:
+    """Rank 0, stopping before the ranks met where it serves their store (srun, mpirun): that store served at
+    addr:port with `said` in it until each other rank has read it or left its own (_word), or HEAR_S passed."""
+
+    def serve() -> None:
+        store = dist.PrefixStore(prefix, dist.TCPStore(addr, port, world_size, True, timedelta(seconds=TELL_S),
+                                                       wait_for_workers=False))  # fmt: skip
+        _word(store, WHY, said)
+        deadline = time.monotonic() + HEAR_S
+        while store.add(HEARD, 0) < world_size and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    asked(serve, HEAR_S + TELL_S)
 
 
 def word_left(store: dist.Store, key: str) -> dict[str, Any] | None:
@@ -189,6 +212,7 @@ def wait_for_everyone(world: World, store: dist.Store, timeout_s: float, where: 
     deadline, pause = time.monotonic() + timeout_s, 0.005
     while not store.check(keys):
         if left := word_left(store, WHY):
+            store.add(HEARD, 1)
             who = f"rank {left['rank']} on {left['host']}"
             if left["code"] == EXIT_USAGE:
                 raise UsageError(f"{who} stopped before the ranks met: {left['line']}")

@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -125,7 +126,7 @@ def register_host(world: World, store: dist.Store) -> None:
 # the meeting a rank that stops on an error of its own leaves it there too, for those it leaves to name (say_why).
 WHY = "why-a-rank-left"  # the key of the first such word, under meeting_store's prefix
 TELL_S = 5.0  # how long a rank that stops may take to tell (a store that does not answer: it says nothing)
-HEARD = f"{WHY}/heard"  # how many ranks read that word or left one (_word): serve_word waits for them
+HEARD = f"{WHY}/heard"  # how many ranks read it or left their own (_word): serve_word waits for them
 HEAR_S = 30.0  # how long rank 0 serves its word for ranks yet to come (their store goes with it)
 _met = False  # register_host done: this process came to the meeting
 
@@ -157,7 +158,7 @@ def tell(code: int, line: str, env: launchers.Env = os.environ) -> None:
         rank, world_size = env.get("RANK", "?"), 0
     said = {"rank": rank, "code": code, "line": line}
     if rank == 0 and not launchers.agent_store(env):
-        serve_word(addr, port, prefix, said, world_size)
+        serve_word(addr, port, f"{prefix}/{WHY}", said, world_size)
     else:
         leave_word(addr, port, f"{prefix}/{WHY}", said)
 
@@ -175,17 +176,21 @@ def _word(store: dist.Store, key: str, said: dict[str, Any]) -> None:
     store.add(f"{key}/heard", 1)
 
 
-def serve_word(addr: str, port: int, prefix: str, said: dict[str, Any], world_size: int) -> None:
-    """Rank 0, stopping before the ranks met where it serves their store (srun, mpirun): that store served at
-    addr:port with `said` in it until each other rank has read it or left its own (_word), or HEAR_S passed."""
+def serve_word(addr: str, port: int, key: str, said: dict[str, Any], of: int, who: str = "ranks") -> None:
+    """Where this process would serve the store at addr:port (rank 0 under srun or mpirun, the node that hosts
+    torchrun's rendezvous) and stops before the others met there: that store served with `said` under `key` until
+    each of the other `of` - 1 has read it or left its own (_word), or HEAR_S passed (a line after 2 s)."""
 
     def serve() -> None:
-        store = dist.PrefixStore(prefix, dist.TCPStore(addr, port, world_size, True, timedelta(seconds=TELL_S),
-                                                       wait_for_workers=False))  # fmt: skip
-        _word(store, WHY, said)
-        deadline = time.monotonic() + HEAR_S
-        while store.add(HEARD, 0) < world_size and time.monotonic() < deadline:
+        store = dist.TCPStore(addr, port, of, True, timedelta(seconds=TELL_S), wait_for_workers=False)
+        _word(store, key, said)
+        start, noted = time.monotonic(), False
+        while store.add(f"{key}/heard", 0) < of and time.monotonic() < start + HEAR_S:
+            if not noted and time.monotonic() > start + 2:
+                print(f"(waiting up to {HEAR_S:g} s for the other {who} to hear this)", file=sys.stderr, flush=True)
+                noted = True
             time.sleep(0.05)
+        time.sleep(0.5)  # the last to hear may still be reading (a launcher's agent: until it has left)
 
     asked(serve, HEAR_S + TELL_S)
 

@@ -24,8 +24,9 @@ The launch files put `--preflight=N` first: ddp/train.py --preflight N with the 
 torchrun starts a rank (one Python and torch start fewer than a process of its own: 2.2 s on the 2-core test
 machine); a mistake ends it with that one line and exit 2, else it prints the command it goes on with. --help and
 --print-config are answered there, once, and no rank starts. In a job on a fixed number of machines, a node that
-its preflight stops (its copy of the data missing, say) leaves its line at the rendezvous store; the agents waiting
-there for it end with that line and its exit code, where torchrun waited out its join timeout (600 s) in silence.
+its preflight stops (its copy of the data missing, say) leaves its line at the rendezvous store (node 0, its host,
+serves it to do so); the agents waiting there for it end with that line and its exit code, where torchrun waited out
+its join timeout (600 s) in silence.
 """
 
 from __future__ import annotations
@@ -160,10 +161,13 @@ def preflight(processes: str, argv: list[str]) -> int | None:
         finally:
             os.environ.pop(ERROR_FILE)
             os.environ.update({ERROR_FILE: before} if before else {})
-        hosts_it = "is_host=true" in args.rdzv_conf.lower().split(",")  # (its store is not up: no one waits there)
-        if code and (store := fixed_nodes_store(args)) and not hosts_it:  # the other machines wait for this one
+        if code and (store := fixed_nodes_store(args)):  # the other machines wait for this one
             line = json.loads(Path(said.name).read_text() or '{"message": {}}')["message"].get("message", "")
-            lost_rank.leave_word(*store, NODE_LEFT, {"code": code, "line": line.removeprefix("error: ")})
+            word = {"code": code, "line": line.removeprefix("error: ")}
+            if "is_host=true" in args.rdzv_conf.lower().split(","):  # its store is not up: it serves one to tell
+                lost_rank.serve_word(*store, NODE_LEFT, word, int(str(args.nnodes).partition(":")[0]), "machines")
+            else:
+                lost_rank.leave_word(*store, NODE_LEFT, word)
     return code or None  # 0: the ranks may start
 
 
@@ -241,6 +245,7 @@ def node_left(store: tuple[str, int], asking: dict[str, Any]) -> None:
         print(f"error: {word['host']}, a machine of this job, stopped before it began: {word['line']}", file=sys.stderr,
               flush=True)  # fmt: skip
         time.sleep(1.0)  # the other machines' agents, if more wait, read the word before this one's store goes
+        asking["client"].add(f"{NODE_LEFT}/heard", 1)  # (a store served to tell it waits for this: serve_word)
         os._exit(word["code"])
 
 

@@ -4,6 +4,7 @@ torchrun's agent store; the ones that do not within a second are the lost ones);
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import signal
@@ -129,6 +130,7 @@ TELL_S = 5.0  # how long a rank that stops may take to tell (a store that does n
 HEARD = f"{WHY}/heard"  # how many ranks read it or left their own (_word): serve_word waits for them
 HEAR_S = 30.0  # how long rank 0 serves its word for ranks yet to come (their store goes with it)
 _met = False  # register_host done: this process came to the meeting
+_serving: list[threading.Thread] = []  # serve_word's, joined at exit (until_heard)
 
 
 @contextmanager
@@ -178,21 +180,35 @@ def _word(store: dist.Store, key: str, said: dict[str, Any]) -> None:
 
 def serve_word(addr: str, port: int, key: str, said: dict[str, Any], of: int, who: str = "ranks") -> None:
     """Where this process would serve the store at addr:port (rank 0 under srun or mpirun, the node that hosts
-    torchrun's rendezvous) and stops before the others met there: that store served with `said` under `key` until
-    each of the other `of` - 1 has read it or left its own (_word), or HEAR_S passed (a line after 2 s)."""
+    torchrun's rendezvous) and stops before the others met there: that store served with `said` under `key`, from
+    a thread while this process says its error, and at its exit (until_heard) until each of the other `of` - 1 has
+    read it or left its own (_word), or HEAR_S passed (a line after 2 s)."""
 
     def serve() -> None:
-        store = dist.TCPStore(addr, port, of, True, timedelta(seconds=TELL_S), wait_for_workers=False)
-        _word(store, key, said)
-        start, noted = time.monotonic(), False
-        while store.add(f"{key}/heard", 0) < of and time.monotonic() < start + HEAR_S:
-            if not noted and time.monotonic() > start + 2:
-                print(f"(waiting up to {HEAR_S:g} s for the other {who} to hear this)", file=sys.stderr, flush=True)
-                noted = True
-            time.sleep(0.05)
-        time.sleep(0.5)  # the last to hear may still be reading (a launcher's agent: until it has left)
+        try:
+            store = dist.TCPStore(addr, port, of, True, timedelta(seconds=TELL_S), wait_for_workers=False)
+            _word(store, key, said)
+            start, noted = time.monotonic(), False
+            while store.add(f"{key}/heard", 0) < of and time.monotonic() < start + HEAR_S:
+                if not noted and time.monotonic() > start + 2:
+                    print(f"(waiting up to {HEAR_S:g} s for the other {who} to hear this)", file=sys.stderr,
+                          flush=True)  # fmt: skip
+                    noted = True
+                time.sleep(0.05)
+            time.sleep(0.5)  # the last to hear may still be reading (a launcher's agent: until it has left)
+        except Exception:  # the port taken, say: no word
+            pass
 
-    asked(serve, HEAR_S + TELL_S)
+    if not _serving:
+        atexit.register(until_heard)
+    _serving.append(threading.Thread(target=serve, name="serving-word", daemon=True))
+    _serving[-1].start()
+
+
+def until_heard() -> None:
+    """At this process's exit: until serve_word's stores are no longer needed (at most HEAR_S and a bit)."""
+    for thread in _serving:
+        thread.join(HEAR_S + TELL_S)
 
 
 def word_left(store: dist.Store, key: str) -> dict[str, Any] | None:

@@ -4,6 +4,7 @@ import concurrent.futures
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from datetime import timedelta
 
@@ -270,24 +271,20 @@ def test_a_rank_that_stops_before_the_ranks_meet_is_heard_there_the_first_one_on
 
 
 def test_rank_0_that_stops_before_the_ranks_meet_serves_its_word_until_the_others_heard_or_told(monkeypatch):
-    """srun, 3 tasks: rank 0, which would serve the ranks' store, stops on a usage error before it came. It serves that
-    store with its line until rank 1 has read it (a UsageError naming rank 0) and rank 2 has left its own; then it
-    ends at once. A rank that never comes: rank 0 ends after HEAR_S."""
+    """srun, 3 tasks: rank 0, which would serve the ranks' store, stops on a usage error before it came. It goes on
+    at once (to say its error), serving that store with its line; at its exit (until_heard) it waits until rank 1
+    has read it (a UsageError naming rank 0) and rank 2 has left its own, then ends at once. A rank that never
+    comes: rank 0 ends after HEAR_S."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**SRUN, "SLURM_NTASKS": "3", "SLURM_STEP_TASKS_PER_NODE": "3", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(port)}  # fmt: skip
-
-    def rank_0_stops() -> float:
-        monkeypatch.setattr(lost_rank, "_met", False)
-        start = time.monotonic()
-        with pytest.raises(UsageError), lost_rank.telling_the_waiting({**env, "SLURM_PROCID": "0"}):
-            raise UsageError("data.path=/data/cifar.npz: no such file")
-        return time.monotonic() - start
-
-    rank_0 = concurrent.futures.ThreadPoolExecutor(1)
-    serving = rank_0.submit(rank_0_stops)
+           "MASTER_PORT": str(port), "SLURM_PROCID": "0"}  # fmt: skip
+    monkeypatch.setattr(lost_rank, "_serving", [])
+    monkeypatch.setattr(lost_rank, "_met", False)
+    with pytest.raises(UsageError), lost_rank.telling_the_waiting(env):
+        raise UsageError("data.path=/data/cifar.npz: no such file")
+    rank_0_exits = concurrent.futures.ThreadPoolExecutor(1).submit(timed, lost_rank.until_heard)
     client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))
     store = dist.PrefixStore(lost_rank.meeting_store({**env, "SLURM_PROCID": "1"})[2], client)
     world_1 = devices.World(1, 1, 3, torch.device("cpu"), "ddp", "slurm")
@@ -296,10 +293,19 @@ def test_rank_0_that_stops_before_the_ranks_meet_serves_its_word_until_the_other
         lost_rank.wait_for_everyone(world_1, store, 30, "the rendezvous")
     assert str(said.value) == f"rank 0 on {socket.gethostname()} stopped before the ranks met: data.path=" \
                               "/data/cifar.npz: no such file"  # fmt: skip
-    assert not serving.done()  # rank 2 has neither heard nor told
+    assert not rank_0_exits.done()  # rank 2 has neither heard nor told
     with pytest.raises(ValueError), lost_rank.telling_the_waiting({**env, "SLURM_PROCID": "2"}):
         raise ValueError("a bug")
-    assert serving.result(timeout=3) < 3  # it ended at once, not after HEAR_S
+    assert rank_0_exits.result(timeout=3) < 3  # it ended at once, not after HEAR_S
     monkeypatch.setattr(lost_rank, "HEAR_S", 0.5)
-    serving = rank_0.submit(rank_0_stops)
-    assert 0.5 <= serving.result(timeout=10) < 3  # nobody came: it served its word for HEAR_S, then ended
+    monkeypatch.setattr(lost_rank, "_met", False)
+    with pytest.raises(UsageError), lost_rank.telling_the_waiting(env):
+        raise UsageError("data.path=/data/cifar.npz: no such file")
+    assert 0.5 <= timed(lost_rank.until_heard) < 3  # nobody came: it served its word for HEAR_S, then ended
+
+
+def timed(call: Callable[[], object]) -> float:
+    """The seconds call() took."""
+    start = time.monotonic()
+    call()
+    return time.monotonic() - start

@@ -31,7 +31,7 @@ class World:
     device: torch.device  # this rank's device; under dp the first of the GPUs it spreads over
     parallel: str  # "none" | "dp" | "ddp" | "fsdp", resolved from run.parallel
     launcher: str = "none"  # who started the processes: torchrun | accelerate | slurm | none
-    init_method: str | None = None  # tcp://host:port for slurm and MPI; None = torchrun's env://
+    init_method: str | None = None  # tcp://host:port where rank 0 serves the store; None: torchrun's agent's
     backend: str = "auto"  # run.backend: "gloo" on a GPU lets ranks share it; auto = nccl on CUDA, gloo on CPU
     # Set by distributed.setup on CUDA: a gloo group for flags on the host (the rule: distributed.py).
     control: Any = field(default=None, compare=False, repr=False)

@@ -91,14 +91,15 @@ def _meeting_point(world: World) -> str:
 
 
 def _rendezvous(world: World, timeout_s: float, where: str) -> tuple[dict[str, Any], dist.Store | None]:
-    """init_process_group's arguments, and torchrun's agent store when the workers join there.
+    """init_process_group's arguments, and the store where the ranks met.
 
-    Where we run the rendezvous (slurm, MPI: world.init_method), a store rank 0 serves there; else torchrun's, with
+    Where we run the rendezvous (slurm, MPI, a torchrun that shares no store of its own, as torch 2.4's:
+    world.init_method), a store rank 0 serves there, as init_method=tcp:// and env:// would; else torchrun's, with
     a key prefix that gives each restart attempt its own keys: restarted workers (torchrun --max-restarts) join
     the agent's store again, where the dead attempt's gloo addresses still are; they connect to those
     and fail ("Connection refused", pytorch/pytorch#167288). In either each rank first waits for all the
     others, or for the reason one that stopped before it came left (lost_rank.wait_for_everyone).
-    Outside both (torch 2.4's torchrun): env://.
+    Outside both (a World made without a launcher's variables): env://.
     Picks the network interface first where this host's name resolves to a loopback address."""
     master = urlsplit(world.init_method).hostname if world.init_method else launchers.master_address()
     note = network.pick_interface(master, launchers.spans_machines()) if master else None
@@ -116,7 +117,7 @@ def _rendezvous(world: World, timeout_s: float, where: str) -> tuple[dict[str, A
     lost_rank.register_host(world, store)
     lost_rank.wait_for_everyone(world, store, timeout_s, where)
     group = {"store": served if ours else store, "rank": world.rank, "world_size": world.world_size}
-    return group, None if ours else store  # (lost_rank.explain asks an agent's store: it outlives the ranks)
+    return group, store  # (lost_rank.explain asks it which ranks are lost; one rank 0 serves goes with rank 0)
 
 
 def shard(model: nn.Module, world: World, amp: torch.dtype | None) -> nn.Module:

@@ -52,7 +52,7 @@ class Launch:
     local_rank: int
     world_size: int
     local_world_size: int = 1  # processes on this node
-    init_method: str | None = None  # tcp://host:port when the launcher leaves the rendezvous to us
+    init_method: str | None = None  # tcp://host:port when the rendezvous is ours (no torchrun agent store)
 
 
 def _ints(env: Env, names: tuple[str, ...]) -> list[int]:
@@ -84,8 +84,9 @@ def _torchrun(env: Env, name: str) -> Launch | None:
         raise UsageError(f"{', '.join(present)} set but {', '.join(missing)} not: launch with torchrun (which sets "
                          "them all), or unset them for a single process")  # fmt: skip
     rank, local_rank, world_size, local = _counts(env, ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"))
-    master_port(env)  # a port number, else one line (torch's own int() of it was a traceback)
-    return _checked(name, rank, local_rank, world_size, local_world_size=local)
+    port = master_port(env)  # a port number, else one line (torch's own int() of it was a traceback)
+    served = None if agent_store(env) else f"tcp://{env['MASTER_ADDR']}:{port}"  # rank 0 serves it, as env:// did
+    return _checked(name, rank, local_rank, world_size, local_world_size=local, init_method=served)
 
 
 def _accelerate_mpi(env: Env) -> Launch | None:

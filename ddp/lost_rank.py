@@ -1,6 +1,6 @@
 """A rank lost: after a collective or the rendezvous failed, which one and how (it died, hung past
-run.timeout_s, or stopped on an error it said), as one PeerLost line (the ranks still alive check in at
-torchrun's agent store; the ones that do not within a second are the lost ones); before the ranks met, why."""
+run.timeout_s, or stopped on an error it said), as one PeerLost line (the ranks still alive check in at the
+store where they met; the ones that do not within a second are the lost ones); before the ranks met, why."""
 
 from __future__ import annotations
 
@@ -62,9 +62,9 @@ def _check_in(world: World, store: dist.Store, wait_s: float) -> dict[int, str]:
 
 
 def silent_ranks(world: World, store: dist.Store | None, wait_s: float = 1.0) -> dict[int, str] | None:
-    """The ranks that do not check in at the agent's store within `wait_s` (dead or hung), with their
-    hosts; None without an agent store (it would have died with rank 0), or when the store does not
-    answer either."""
+    """The ranks that do not check in at the store where the ranks met within `wait_s` (dead or hung), with
+    their hosts; None without one, or when it does not answer either (torchrun's on a host cut off; one that
+    rank 0 served, gone with it)."""
     if store is None:
         return None
     # The launcher, seeing a dead worker, SIGTERMs the others; this rank is leaving anyway, and
@@ -128,7 +128,7 @@ def register_host(world: World, store: dist.Store) -> None:
 WHY = "why-a-rank-left"  # the key of the first such word, under meeting_store's prefix
 TELL_S = 5.0  # how long a rank that stops may take to tell (a store that does not answer: it says nothing)
 HEARD = f"{WHY}/heard"  # how many ranks read it or left their own (_word): serve_word waits for them
-HEAR_S = 30.0  # how long rank 0 serves its word for ranks yet to come (their store goes with it)
+HEAR_S = 15.0  # how long rank 0 serves its word for ranks yet to come (their store goes with it)
 _met = False  # register_host done: this process came to the meeting
 _serving: list[threading.Thread] = []  # serve_word's, joined at exit (until_heard)
 
@@ -261,8 +261,8 @@ def explain(world: World, error: BaseException, timeout_s: float, store: dist.St
     if silent:
         hosts = sorted({h for h in silent.values() if h and h != socket.gethostname()})  # another machine's
         who = f"rank {', '.join(map(str, silent))}" + (f" on {', '.join(hosts)}" if hosts else "")
-    elif store is not None and silent is None:  # torchrun's store, on rank 0's host, is out of reach too
+    elif store is not None and silent is None and not world.init_method:  # torchrun's store, out of reach too
         who = f"the other ranks (the rendezvous store does not answer either: is {socket.gethostname()} cut off?)"
-    else:
-        who = "another rank"
+    else:  # no store to ask (one rank 0 served is gone with it, or left with it)
+        who = f"rank {1 - world.rank}" if world.world_size == 2 else "another rank"
     return PeerLost(f"rank {world.rank} of {world.world_size}: lost contact with {who} ({what}) [{first}]")

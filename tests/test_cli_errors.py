@@ -14,13 +14,15 @@ import subprocess
 import sys
 import tempfile
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from conftest import REPO, TINY, TRAIN, clean_env, forks, metrics, piped, python, torchrun
 
-from ddp import cli, errors, rundir, train
+from ddp import cli, errors, lost_rank, rundir, train
 
 
 def assert_usage_error(proc, *fragments: str) -> None:
@@ -180,12 +182,17 @@ def test_a_config_through_a_pipe_is_one_processs_and_a_launchers_ranks_are_told(
     assert capsys.readouterr().err == f"error: --config /dev/fd/999 is not here: {cli.PIPED}\n"
 
 
-def test_batch_not_divisible_by_world_size_fails_before_the_rendezvous(tmp_path):
-    # Launcher variables for rank 0 of 3 with nobody else coming: the check must come first, or
-    # this process would wait in init_process_group instead of exiting.
-    env = clean_env(RANK="0", LOCAL_RANK="0", WORLD_SIZE="3", MASTER_ADDR="127.0.0.1", MASTER_PORT="29555")
+def test_batch_not_divisible_by_world_size_fails_before_the_rendezvous_and_tells_the_others(tmp_path):
+    """torchrun's variables for rank 2 of 3, its agent's store here, nobody else coming: the check comes first (else
+    this process would wait at the rendezvous), and its line goes to that store for the ranks waiting there."""
+    agent = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    env = clean_env(RANK="2", LOCAL_RANK="0", WORLD_SIZE="3", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(agent.port),
+                    TORCHELASTIC_USE_AGENT_STORE="True")  # fmt: skip
     proc = python(str(TRAIN), f"run.out_dir={tmp_path}", "train.batch_size=100", env=env, timeout=60)
-    assert_usage_error(proc, "train.batch_size=100 must be a positive multiple of world_size=3", "99 or 102")
+    line = "train.batch_size=100 must be a positive multiple of world_size=3"
+    assert_usage_error(proc, line, "99 or 102")
+    word = json.loads(agent.get(f"ddp-cifar/attempt-0/{lost_rank.WHY}"))
+    assert (word["rank"], word["code"]) == (2, 2) and word["line"].startswith(line)
 
 
 def test_offline_cifar_without_a_copy_names_data_root(tmp_path):

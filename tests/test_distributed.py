@@ -309,3 +309,13 @@ def timed(call: Callable[[], object]) -> float:
     start = time.monotonic()
     call()
     return time.monotonic() - start
+
+
+def test_a_lost_rank_without_a_store_to_ask_is_the_other_one_in_a_world_of_2_else_another_rank():
+    """Where the ranks met in a store rank 0 served (srun, mpirun, torch 2.4's torchrun) and rank 0 is gone with it,
+    no store tells which rank is lost: in a world of 2 it is the other one; in a larger one, another rank."""
+    closed = RuntimeError("[gloo/transport/tcp/pair.cc:561] Connection closed by peer [10.0.0.1]:1234")
+    said = [str(lost_rank.explain(devices.World(1, 0, n, torch.device("cpu"), "ddp", "slurm", "tcp://h0:1"), closed,
+                                  60, None)) for n in (2, 3)]  # fmt: skip
+    assert said == [f"rank 1 of {n}: lost contact with {who} (its connection closed: it died) [{closed}]"
+                    for n, who in ((2, "rank 0"), (3, "another rank"))]  # fmt: skip

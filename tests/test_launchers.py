@@ -70,9 +70,11 @@ def test_slurm_ports_differ_between_jobs_and_stay_below_the_ephemeral_range():
 
 
 def test_torchrun_variables_come_before_slurm():
-    env = {**SRUN, **TORCHRUN}  # torchrun started by srun, one per node (slurm/train.sh)
+    env = {**SRUN, **TORCHRUN, "TORCHELASTIC_USE_AGENT_STORE": "True"}  # torchrun started by srun (slurm/train.sh)
     launch = launchers.detect_launch(env)
-    assert (launch.launcher, launch.rank, launch.init_method) == ("torchrun", 1, None)
+    assert (launch.launcher, launch.rank, launch.init_method) == ("torchrun", 1, None)  # the ranks meet at its store
+    old_torchrun = {**env, "TORCHELASTIC_USE_AGENT_STORE": "False"}  # torch 2.4's: rank 0 serves at MASTER_PORT
+    assert launchers.detect_launch(old_torchrun).init_method == "tcp://127.0.0.1:29500"
     assert launchers.detect_launch(env, "slurm").rank == 3
     assert launchers.detect_launch(env, "none").world_size == 1
 

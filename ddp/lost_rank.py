@@ -151,7 +151,8 @@ def telling_the_waiting(env: launchers.Env = os.environ) -> Iterator[None]:
 
 def tell(code: int, line: str, env: launchers.Env = os.environ) -> None:
     """(`code`, `line`) at the store where the ranks meet (meeting_store), for those waiting there; the
-    first rank's stays. Rank 0 where it would serve that store (srun, mpirun) serves it to tell (serve_word)."""
+    first rank's stays. Rank 0, where it would serve that store (srun, mpirun, a torchrun without a store of its
+    own), serves it to tell (serve_word)."""
     addr, port, prefix = meeting_store(env) or ("", 0, "")
     try:  # (a word that cannot be told must not hide the error it tells: meeting_store found a launch)
         launch = launchers.detect_launch(env)
@@ -206,9 +207,13 @@ def serve_word(addr: str, port: int, key: str, said: dict[str, Any], of: int, wh
 
 
 def until_heard() -> None:
-    """At this process's exit: until serve_word's stores are no longer needed (at most HEAR_S and a bit)."""
-    for thread in _serving:
-        thread.join(HEAR_S + TELL_S)
+    """At this process's exit: until serve_word's stores are no longer needed (at most HEAR_S and a bit), or a
+    Ctrl-C ends the wait (the process then ends as it would have, with its error's exit code)."""
+    try:
+        for thread in _serving:
+            thread.join(HEAR_S + TELL_S)
+    except KeyboardInterrupt:
+        pass
 
 
 def word_left(store: dist.Store, key: str) -> dict[str, Any] | None:

@@ -1,6 +1,7 @@
 """Device and launcher resolution, as pure functions: any GPU count can be asked about on a CPU box."""
 
 import concurrent.futures
+import signal
 import socket
 import threading
 import time
@@ -319,3 +320,13 @@ def test_a_lost_rank_without_a_store_to_ask_is_the_other_one_in_a_world_of_2_els
                                   60, None)) for n in (2, 3)]  # fmt: skip
     assert said == [f"rank 1 of {n}: lost contact with {who} (its connection closed: it died) [{closed}]"
                     for n, who in ((2, "rank 0"), (3, "another rank"))]  # fmt: skip
+
+
+def test_a_ctrl_c_while_rank_0_serves_its_word_at_exit_ends_that_wait_without_a_traceback(monkeypatch):
+    """until_heard runs among the exit handlers, after the error's line: a Ctrl-C there ends the wait (the process
+    then ends with its error's exit code), where it was `Exception ignored in atexit callback` and a traceback."""
+    serving = threading.Thread(target=time.sleep, args=(10,), daemon=True)
+    serving.start()
+    monkeypatch.setattr(lost_rank, "_serving", [serving])
+    threading.Timer(0.2, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT)).start()  # Ctrl-C
+    assert timed(lost_rank.until_heard) < 5

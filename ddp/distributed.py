@@ -110,13 +110,15 @@ def _rendezvous(world: World, timeout_s: float, where: str) -> tuple[dict[str, A
         return {}, None
     addr, port, prefix = meeting
     ours = world.init_method is not None  # rank 0 serves it, as init_method=tcp:// would: it goes when rank 0 does
+    if ours and world.is_main:
+        network.check_port_free(port)  # else one line naming who holds it (another run's rank 0?), not EADDRINUSE
     timeout = timedelta(seconds=timeout_s)
     served = dist.TCPStore(addr, port, world.world_size, world.is_main, timeout, wait_for_workers=False) if ours \
         else dist.TCPStore(addr, port, is_master=False, timeout=timeout)  # fmt: skip
     store = dist.PrefixStore(prefix, served)
     lost_rank.register_host(world, store)
     lost_rank.wait_for_everyone(world, store, timeout_s, where)
-    group = {"store": served if ours else store, "rank": world.rank, "world_size": world.world_size}
+    group = {"store": store, "rank": world.rank, "world_size": world.world_size}
     return group, store  # (lost_rank.explain asks it which ranks are lost; one rank 0 serves goes with rank 0)
 
 

@@ -118,21 +118,21 @@ def first_host(nodelist: str) -> str:
     return re.sub(r"\[([^],-]+)[^]]*\]", r"\1", first)
 
 
-def slurm_port(job_id: str) -> int:
-    """The rendezvous port of a SLURM job: the same on every node, different for concurrent jobs,
-    below Linux's ephemeral range (32768+) so no outgoing connection holds it."""
-    return 10000 + int(job_id) % 20000
+def slurm_port(job_id: str, step_id: str = "0") -> int:
+    """The rendezvous port of a SLURM job's step: the same on every node, different for concurrent jobs and for
+    the steps of one (two sruns at once in an allocation), below Linux's ephemeral range (32768+)."""
+    return 10000 + (int(job_id) + 5003 * int(step_id if step_id.isdigit() else 0)) % 20000
 
 
 def slurm_rendezvous(env: Env = os.environ) -> tuple[str, int]:
-    """(address, port) of rank 0 in a SLURM job: MASTER_ADDR/MASTER_PORT if set, else the first node
-    of the step (or job) and slurm_port(job id). slurm/train.sh asks this for torchrun's rendezvous."""
+    """(address, port) of rank 0 in a SLURM job: MASTER_ADDR/MASTER_PORT if set, else the first node of the
+    step (or job) and slurm_port(job id, step id). slurm/train.sh asks this for torchrun's rendezvous."""
     nodes = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
     if "MASTER_ADDR" not in env and not nodes or "MASTER_PORT" not in env and "SLURM_JOB_ID" not in env:
         raise UsageError("not inside a SLURM job (no SLURM_JOB_NODELIST / SLURM_JOB_ID): set MASTER_ADDR and "
                          "MASTER_PORT")  # fmt: skip
     addr = env.get("MASTER_ADDR") or first_host(nodes)
-    port = master_port(env) if "MASTER_PORT" in env else slurm_port(env["SLURM_JOB_ID"])
+    port = master_port(env) if "MASTER_PORT" in env else slurm_port(env["SLURM_JOB_ID"], env.get("SLURM_STEP_ID", ""))
     return addr, port
 
 

@@ -103,13 +103,16 @@ def meeting_store(env: launchers.Env = os.environ) -> tuple[str, int, str] | Non
         init_method = launchers.detect_launch(env).init_method
     except (UsageError, KeyError):
         return None
-    return served_by_rank_0(init_method) if init_method else None
+    return served_by_rank_0(init_method, env) if init_method else None
 
 
-def served_by_rank_0(init_method: str) -> tuple[str, int, str]:
-    """(address, port, key prefix) of the store rank 0 serves at `init_method` (tcp://host:port)."""
+def served_by_rank_0(init_method: str, env: launchers.Env = os.environ) -> tuple[str, int, str]:
+    """(address, port, key prefix) of the store rank 0 serves at `init_method` (tcp://host:port). The prefix names
+    the SLURM step or MPI job where there is one: another run's ranks that come to that port (its rank 0 could not
+    take it) keep to keys of their own there, where they joined this run's group and broke it."""
     host, _, port = init_method.removeprefix("tcp://").rpartition(":")
-    return host, int(port), "ddp-cifar"
+    slurm = f"{env['SLURM_JOB_ID']}.{env['SLURM_STEP_ID']}" if {"SLURM_JOB_ID", "SLURM_STEP_ID"} <= env.keys() else ""
+    return host, int(port), "/".join(filter(None, ("ddp-cifar", slurm or env.get("PMIX_NAMESPACE"))))
 
 
 def register_host(world: World, store: dist.Store) -> None:
@@ -197,8 +200,8 @@ def serve_word(addr: str, port: int, key: str, said: dict[str, Any], of: int, wh
                     noted = True
                 time.sleep(0.05)
             time.sleep(0.5)  # the last to hear may still be reading (a launcher's agent: until it has left)
-        except Exception:  # the port taken, say: no word
-            pass
+        except Exception:  # the port taken (another run's store, whose ranks keep to their keys?): the word left there
+            leave_word(addr, port, key, said)
 
     if not _serving:
         atexit.register(until_heard)

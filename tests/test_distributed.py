@@ -112,7 +112,12 @@ def test_parallel_modes_need_the_right_launch():
 def test_srun_tasks_are_ranks_with_a_rendezvous_on_the_first_node():
     launch = launchers.detect_launch(SRUN)
     assert launch == launchers.Launch("slurm", 3, 1, 4, 2, f"tcp://gpu07:{launchers.slurm_port('4242')}")
-    assert lost_rank.meeting_store(SRUN) == ("gpu07", launchers.slurm_port("4242"), "ddp-cifar")  # rank 0 serves it
+    assert lost_rank.meeting_store(SRUN) == ("gpu07", launchers.slurm_port("4242"), "ddp-cifar/4242.0")  # rank 0's
+    # A second srun in the same allocation at once (step 1): a port and keys of its own.
+    assert lost_rank.meeting_store({**SRUN, "SLURM_STEP_ID": "1"}) == ("gpu07", launchers.slurm_port("4242", "1"),
+                                                                       "ddp-cifar/4242.1")  # fmt: skip
+    assert launchers.slurm_port("4242", "1") != launchers.slurm_port("4242") == launchers.slurm_port("4242", "0")
+    assert lost_rank.served_by_rank_0("tcp://h0:1", {"PMIX_NAMESPACE": "2720"})[2] == "ddp-cifar/2720"  # mpirun's job
     assert lost_rank.meeting_store({**SRUN, "SLURM_PROCID": "x"}) is None  # (the variables' error comes later)
     world = resolve(1, SRUN)  # --gpus-per-task=1: each task sees one GPU, and it is its cuda:0
     assert (world.rank, world.world_size, world.device, world.launcher) == (3, 4, torch.device("cuda", 0), "slurm")
@@ -330,3 +335,20 @@ def test_a_ctrl_c_while_rank_0_serves_its_word_at_exit_ends_that_wait_without_a_
     monkeypatch.setattr(lost_rank, "_serving", [serving])
     threading.Timer(0.2, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT)).start()  # Ctrl-C
     assert timed(lost_rank.until_heard) < 5
+
+
+def test_rank_0_whose_port_another_runs_store_holds_leaves_its_word_there_under_its_own_keys(monkeypatch):
+    """Two sruns in one allocation on one MASTER_PORT: the second's rank 0 finds the first's store there (it said why:
+    network.check_port_free). It cannot serve its word, and leaves it in that store under its step's keys, where its
+    own ranks wait; the first run's keys are untouched."""
+    first = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    env = {**SRUN, "SLURM_STEP_ID": "1", "SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_STEP_TASKS_PER_NODE": "2",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(first.port)}  # fmt: skip
+    monkeypatch.setattr(lost_rank, "_serving", [])
+    monkeypatch.setattr(lost_rank, "_met", False)
+    with pytest.raises(UsageError), lost_rank.telling_the_waiting(env):
+        raise UsageError(f"MASTER_PORT={first.port} is taken on {socket.gethostname()}")
+    lost_rank.until_heard()
+    assert lost_rank.word_left(dist.PrefixStore("ddp-cifar/4242.1", first), lost_rank.WHY)["line"].startswith(
+        f"MASTER_PORT={first.port} is taken")  # fmt: skip
+    assert lost_rank.word_left(dist.PrefixStore("ddp-cifar/4242.0", first), lost_rank.WHY) is None

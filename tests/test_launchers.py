@@ -64,9 +64,9 @@ def test_the_batch_script_itself_and_one_task_are_a_single_process():
     assert launchers.detect_launch(batch, "slurm").rank == 3  # unless run.launcher=slurm says so
 
 
-def test_slurm_ports_differ_between_jobs_and_stay_below_the_ephemeral_range():
-    ports = {launchers.slurm_port(str(job)) for job in range(100_000, 100_050)}
-    assert len(ports) == 50 and all(10000 <= p < 32768 for p in ports)
+def test_slurm_ports_differ_between_jobs_and_their_steps_and_stay_below_the_ephemeral_range():
+    ports = {launchers.slurm_port(str(job), str(step)) for job in range(100_000, 100_050) for step in range(4)}
+    assert len(ports) == 200 and all(10000 <= p < 32768 for p in ports)
 
 
 def test_torchrun_variables_come_before_slurm():

@@ -133,6 +133,21 @@ def test_a_task_that_stops_before_the_ranks_meet_ends_the_others_at_once_with_it
     assert f"error: {said}data.path={missing}: no such file" in proc.stderr, proc.stderr
 
 
+def test_two_sruns_at_once_in_one_allocation_each_meet_their_own_ranks_and_finish(slurm, tmp_path):
+    """Two `srun -n2 python ddp/train.py` at once in one salloc (a small sweep): each step's ranks meet at a port of
+    its own (slurm_port of the job and the step). Both took the job's one port: the second's rank 0 could not
+    listen there, its rank 1 joined the first run's store, and the first run, trained to its end, failed there
+    (`lost contact with rank 0`)."""
+    run = f"srun -n2 --overlap python {TRAIN} {' '.join(TINY)} train.epochs=1 run.progress=false run.out_dir={tmp_path}"
+    both = f"{run}/a > {tmp_path}/a.log 2>&1 & {run}/b > {tmp_path}/b.log 2>&1; b=$?; wait $!; echo $? $b"
+    proc = subprocess.run(["salloc", "-n4", "--overcommit", "bash", "-c", both], cwd=REPO, env=slurm,
+                          capture_output=True, text=True, timeout=180)  # fmt: skip
+    logs = {run: (tmp_path / f"{run}.log").read_text() for run in "ab"}
+    assert proc.stdout.split() == ["0", "0"], (proc.stdout, proc.stderr, logs)
+    learnt = [[(m["train_loss"], m["test_acc"]) for m in metrics(tmp_path / run)] for run in "ab"]
+    assert learnt[0] == learnt[1] and len(learnt[0]) == 1  # the same run, twice
+
+
 def test_doctor_under_srun_checks_every_task(slurm, tmp_path):
     proc = subprocess.run(
         ["srun", "--ntasks=2", "python", "-m", "ddp.doctor", f"run.out_dir={tmp_path}", "data.dataset=synthetic"],

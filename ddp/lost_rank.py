@@ -169,10 +169,10 @@ def tell(code: int, line: str, env: launchers.Env = os.environ) -> None:
         leave_word(addr, port, f"{prefix}/{WHY}", said)
 
 
-def leave_word(addr: str, port: int, key: str, said: dict[str, Any]) -> None:
-    """`said` at the TCPStore at addr:port under `key` (_word); nothing if it does not take it within TELL_S."""
-    asked(lambda: _word(dist.TCPStore(addr, port, is_master=False, timeout=timedelta(seconds=TELL_S)), key, said),
-          TELL_S + 1)  # fmt: skip
+def leave_word(addr: str, port: int, key: str, said: dict[str, Any], wait_s: float = TELL_S) -> None:
+    """`said` at the TCPStore at addr:port under `key` (_word); nothing if it does not take it within `wait_s`."""
+    asked(lambda: _word(dist.TCPStore(addr, port, is_master=False, timeout=timedelta(seconds=wait_s)), key, said),
+          wait_s + 1)  # fmt: skip
 
 
 def _word(store: dist.Store, key: str, said: dict[str, Any]) -> None:

@@ -25,8 +25,8 @@ torchrun starts a rank (one Python and torch start fewer than a process of its o
 machine); a mistake ends it with that one line and exit 2, else it prints the command it goes on with. --help and
 --print-config are answered there, once, and no rank starts. In a job on a fixed number of machines, a node that
 its preflight stops (its copy of the data missing, say) leaves its line at the rendezvous store (node 0, its host,
-serves it to do so); the agents waiting there for it end with that line and its exit code, where torchrun waited out
-its join timeout (600 s) in silence.
+serves it to do so; another node waits a while for it to be up); the agents waiting there for it end with that line
+and its exit code, where torchrun waited out its join timeout (600 s) in silence.
 """
 
 from __future__ import annotations
@@ -166,8 +166,11 @@ def preflight(processes: str, argv: list[str]) -> int | None:
             word = {"code": code, "line": line.removeprefix("error: ")}
             if "is_host=true" in args.rdzv_conf.lower().split(","):  # its store is not up: it serves one to tell
                 lost_rank.serve_word(*store, NODE_LEFT, word, int(str(args.nnodes).partition(":")[0]), "machines")
-            else:
-                lost_rank.leave_word(*store, NODE_LEFT, word)
+            else:  # node 0's store may not be up yet (node 0 started later): this node waits for it a while
+                if network.connect_error(*store, 1.0):
+                    print(f"(waiting up to {lost_rank.HEAR_S:g} s for the rendezvous store at {store[0]}:{store[1]} to "
+                          "tell the other machines)", file=sys.stderr, flush=True)  # fmt: skip
+                lost_rank.leave_word(*store, NODE_LEFT, word, lost_rank.HEAR_S)
     return code or None  # 0: the ranks may start
 
 

@@ -298,6 +298,31 @@ def test_a_node_that_its_preflight_stops_ends_the_node_waiting_for_it_with_its_l
     assert stops_ended - waits_end < lost_rank.HEAR_S / 2  # node 0 ends as node 1 has heard it, not after HEAR_S
 
 
+def test_a_node_that_its_preflight_stops_before_node_0_is_up_waits_for_its_store_to_tell_it(tmp_path):
+    """launch/multinode.sh: node 1's copy of the data missing, node 0 started 6 s after node 1's preflight stopped it.
+    Node 1 says it waits for node 0's store, and leaves its line there once it is up; node 0 ends with it, exit 2.
+    Node 1 gave up after 5 s, and node 0 waited out torch's join timeout (600 s) in silence."""
+    args, missing = two_nodes_one_without_the_data(tmp_path)
+    env = clean_env(NNODES="2", NPROC="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    stops = subprocess.Popen(["bash", "launch/multinode.sh", *args, f"data.path={missing}"], cwd=REPO,
+                             env={**env, "NODE_RANK": "1"}, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        said = [stops.stderr.readline(), stops.stderr.readline()]  # its error, then that it waits
+        time.sleep(6)
+        waits = subprocess.run(["bash", "launch/multinode.sh", *args, f"run.out_dir={tmp_path / 'run'}"], cwd=REPO,
+                               env={**env, "NODE_RANK": "0"}, capture_output=True, text=True, timeout=60)  # fmt: skip
+        said += stops.communicate(timeout=30)[1].splitlines(keepends=True)
+    finally:
+        kill_orphans([stops.pid])
+    line = f"data.path={missing}: no such file"
+    assert stops.returncode == 2 and said == [f"error: {line}\n", f"(waiting up to {lost_rank.HEAR_S:g} s for the "
+                                              f"rendezvous store at 127.0.0.1:{env['MASTER_PORT']} to tell the other "
+                                              "machines)\n"], said  # fmt: skip
+    assert waits.returncode == 2, waits.stderr
+    assert waits.stderr.endswith(f"error: {socket.gethostname()}, a machine of this job, stopped before it began: "
+                                 f"{line}\n")  # fmt: skip
+
+
 def test_accelerate_launch_on_cpu_runs_2_processes_through_mpi(tmp_path):
     require("mpirun", "apt-get install openmpi-bin")
     hostfile = tmp_path / "hostfile"

@@ -166,11 +166,12 @@ def preflight(processes: str, argv: list[str]) -> int | None:
             word = {"code": code, "line": line.removeprefix("error: ")}
             if "is_host=true" in args.rdzv_conf.lower().split(","):  # its store is not up: it serves one to tell
                 lost_rank.serve_word(*store, NODE_LEFT, word, int(str(args.nnodes).partition(":")[0]), "machines")
-            else:  # node 0's store may not be up yet (node 0 started later): this node waits for it a while
-                if network.connect_error(*store, 1.0):
+            else:  # a mistake of this node's: node 0's store may not be up yet (started later), it waits a while
+                usage = code == EXIT_USAGE  # (not when its check found that store silent: it waited for it already)
+                if usage and network.connect_error(*store, 1.0):
                     print(f"(waiting up to {lost_rank.HEAR_S:g} s for the rendezvous store at {store[0]}:{store[1]} to "
                           "tell the other machines)", file=sys.stderr, flush=True)  # fmt: skip
-                lost_rank.leave_word(*store, NODE_LEFT, word, lost_rank.HEAR_S)
+                lost_rank.leave_word(*store, NODE_LEFT, word, lost_rank.HEAR_S if usage else lost_rank.TELL_S)
     return code or None  # 0: the ranks may start
 
 

@@ -162,11 +162,11 @@ def tell(code: int, line: str, env: launchers.Env = os.environ) -> None:
         rank, world_size = launch.rank, launch.world_size
     except UsageError:
         rank, world_size = env.get("RANK", "?"), 0
-    said = {"rank": rank, "code": code, "line": line}
+    said, key = {"rank": rank, "code": code, "line": line}, f"{prefix}/{WHY}"
     if rank == 0 and not launchers.agent_store(env):
-        serve_word(addr, port, f"{prefix}/{WHY}", said, world_size)
+        serve_word(addr, port, key, said, world_size)
     else:
-        leave_word(addr, port, f"{prefix}/{WHY}", said)
+        leave_word(addr, port, key, said)
 
 
 def leave_word(addr: str, port: int, key: str, said: dict[str, Any], wait_s: float = TELL_S) -> None:
@@ -225,7 +225,7 @@ def word_left(store: dist.Store, key: str) -> dict[str, Any] | None:
 
 
 def say_why(world: World, error: BaseException, store: dist.Store) -> None:
-    """After the meeting: why this rank stops, at the agent store, when it stops on an error of its own (out of memory,
+    """After the meeting: why this rank stops, at the store where the ranks met, on an error of its own (out of memory,
     a bug), for a rank that it leaves waiting in a collective to name (explain); not a stop, a Ctrl-C, a lost rank."""
     if isinstance(error, (PeerLost, Stopped, KeyboardInterrupt, SystemExit)):
         return

@@ -397,10 +397,10 @@ def test_the_startup_hook_speaks_for_local_rank_0_and_keeps_other_tracebacks(rai
 
 def test_out_of_memory_is_one_line_naming_the_rank_and_what_to_try(tmp_path, capsys, monkeypatch):
     """A failed allocation was torch's traceback: the CPU's and a GPU's (torch.cuda.OutOfMemoryError, raised on
-    rank 1 of 2 under torchrun's variables), each in a step. Data too large (2.4 TB of images asked for, here in
-    this process) says so, exit 2: it was the step's advice, a smaller train.batch_size."""
+    rank 1 of 2 under torchrun's variables), each in a step. Data too large (3 TB of uint8 images asked for, here
+    in this process) says so, exit 2: it was the step's advice, a smaller train.batch_size."""
     monkeypatch.chdir(REPO)
-    code = train.cli([f"run.out_dir={tmp_path}", *TINY, "data.synthetic_train=100000000"])
+    code = train.cli([f"run.out_dir={tmp_path}", *TINY, "data.synthetic_train=1000000000"])
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1, err
     assert err.startswith("error: data.dataset=synthetic: the data does not fit in this machine's memory (") and (

@@ -147,6 +147,57 @@ def out_of_shared_memory(error: BaseException) -> str | None:
     return next((line.strip() for line in reversed(lines) if "shared memory" in line), None)
 
 
+def oom_kills() -> int | None:
+    """How many processes of this process's memory cgroup (its job's, its container's: those the ranks share) the
+    kernel's out-of-memory killer has ended, a machine's shortage or the cgroup's limit, or where no cgroup says, how
+    many on this machine since it booted (/proc/vmstat); None where nothing says."""
+    try:
+        with open("/proc/self/cgroup") as groups:
+            listed = groups.read()
+    except OSError:
+        listed = ""
+    for path in (*_cgroup_counters(listed), "/proc/vmstat"):
+        try:
+            with open(path) as counters:
+                found = next((int(line.split()[1]) for line in counters if line.startswith("oom_kill ")), None)
+        except (OSError, ValueError):
+            continue
+        if found is not None:
+            return found
+    return None
+
+
+def _cgroup_counters(listed: str) -> list[str]:
+    """The files that count oom_kill for the memory cgroup /proc/self/cgroup's text `listed` names: cgroup v2's
+    memory.events.local (its own processes; memory.events counts those of the cgroups below it too) and
+    memory.events, or v1's memory.oom_control."""
+    entries = [line.split(":", 2) for line in listed.splitlines() if line.count(":") >= 2]
+    found = []
+    for _, controllers, path in entries:  # v1's first: in a hybrid layout the memory controller is v1's
+        if "memory" in controllers.split(","):
+            found.insert(0, f"/sys/fs/cgroup/memory{path}/memory.oom_control")
+        elif not controllers:
+            found += [f"/sys/fs/cgroup{path}/memory.events.local", f"/sys/fs/cgroup{path}/memory.events"]
+    return found
+
+
+OOM_KILLS_AT_START = oom_kills()  # of this process: more since, and a process killed by SIGKILL was most likely one
+
+
+def oom_killed() -> str | None:
+    """What the kernel's out-of-memory killer did on this machine since this process began, if anything: the
+    words for a SIGKILL (a rank's, a DataLoader worker's) that has no word of its own."""
+    now, then = oom_kills(), OOM_KILLS_AT_START
+    if now is None or then is None or now <= then:
+        return None
+    many = now - then > 1
+    return (f"the kernel's out-of-memory killer ended {now - then} process{'es' if many else ''} on this machine "
+            f"meanwhile (dmesg names {'them' if many else 'it'})")  # fmt: skip
+
+
+MACHINE_MEMORY_FIX = "give it more memory, or use less: fewer ranks on this machine, data.workers or train.batch_size"
+
+
 LOST_WORKER_FIX = "run the same command to resume; data.loader=device (the default) or data.workers=0 uses no workers"
 
 
@@ -175,7 +226,8 @@ def machine_failure(error: BaseException) -> str | None:
     if shared := out_of_shared_memory(error):
         return f"out of shared memory ({shared}; /dev/shm: {_mib('/dev/shm', 'total')}); {SHARED_MEMORY_FIX}"
     if lost := lost_worker(error):
-        killer = "; SIGKILL: the kernel's out-of-memory killer, most often (dmesg says)" if "Killed" in lost else ""
+        killer = "; SIGKILL: " + (oom_killed() or "the kernel's out-of-memory killer, most often (dmesg says)")
+        killer = killer if "Killed" in lost else ""
         return f"a DataLoader worker was lost ({lost.rstrip('. ')}{killer}); {LOST_WORKER_FIX}"
     if out_of_memory(error):
         return f"out of memory ({first_line(error)}); {OUT_OF_MEMORY_FIX}"

@@ -13,6 +13,8 @@ a lost node does: no handler runs, nothing is flushed.
                                   that sends a stop signal then, and SIGCONTs it, knows the step it lands in
     DDP_CIFAR_FAULT=oom:N[:rR]    rank R runs out of memory in global step N (a CUDA OutOfMemoryError's text, raised
                                   as its optimizer step is taken): an error of that rank alone, said by it
+    DDP_CIFAR_FAULT=memory:N[:rR] rank R takes memory in global step N, 64 MB at a time, until the kernel's
+                                  out-of-memory killer ends it (the test limits its memory cgroup; past 64 GB an error)
 
 A fault fires once per run directory: it leaves rundir.fault_marker there first, so the restarted
 job (same command, same environment) runs through.
@@ -45,7 +47,7 @@ def arm(out_dir: str, rank: int, steps_done: int) -> None:
     marker = rundir.fault_marker(out_dir, point, step)
     if rank != target or marker.exists():
         return
-    if point in ("step", "node", "pause", "oom"):
+    if point in ("step", "node", "pause", "oom", "memory"):
         steps = itertools.count(steps_done + 1)  # the global step each optimizer step completes
 
         def after_optimizer_step(*_: Any) -> None:
@@ -57,6 +59,9 @@ def arm(out_dir: str, rank: int, steps_done: int) -> None:
                 if point == "oom":
                     marker.write_text(spec)
                     raise RuntimeError(f"CUDA out of memory. Tried to allocate 2.00 GiB (DDP_CIFAR_FAULT={spec})")
+                if point == "memory":
+                    marker.write_text(spec)
+                    _take_memory()
                 if point == "node":
                     os.kill(os.getppid(), signal.SIGKILL)
                 _kill(marker, spec, os.getpid())
@@ -72,6 +77,12 @@ def arm(out_dir: str, rank: int, steps_done: int) -> None:
                 _kill(marker, spec, os.getpid() if point == "write" else os.getppid())
 
         sys.addaudithook(on_rename)
+
+
+def _take_memory() -> None:
+    """Memory, 64 MB at a time and each byte written (untouched pages cost nothing), until this process is killed."""
+    taken = [bytearray(b"\x01") * (64 << 20) for _ in range(1024)]
+    raise RuntimeError(f"{VAR}=memory: {len(taken) * 64 / 1024:g} GB taken and still not killed: no memory limit?")
 
 
 def _kill(marker: Path, spec: str, pid: int) -> None:

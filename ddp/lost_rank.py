@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from ddp import launchers
 from ddp.devices import World
-from ddp.errors import EXIT_OK, EXIT_USAGE, PeerLost, Stopped, UsageError, ending, first_line
+from ddp.errors import EXIT_OK, EXIT_USAGE, PeerLost, Stopped, UsageError, ending, first_line, oom_killed
 
 # Failures of a collective that say nothing more specific than their text (gloo and nccl raise
 # RuntimeError or DistError with these words). gloo's "Application timeout caused pair closure" comes
@@ -266,6 +266,8 @@ def explain(world: World, error: BaseException, timeout_s: float, store: dist.St
     word = asked(lambda: word_left(store, WHY), 2.0) if silent and store is not None else None
     if word and str(word["rank"]) in map(str, silent):  # it said why (say_why)
         what = f"it stopped: {word['line']}"
+    elif not hung and silent and socket.gethostname() in silent.values() and (oom := oom_killed()):
+        what += f"; {oom}"  # one of this machine's, killed without a word
     if silent:
         hosts = sorted({h for h in silent.values() if h and h != socket.gethostname()})  # another machine's
         who = f"rank {', '.join(map(str, silent))}" + (f" on {', '.join(hosts)}" if hosts else "")

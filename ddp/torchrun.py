@@ -65,7 +65,7 @@ from torch.distributed.run import main as torchrun  # noqa: E402
 from torch.distributed.run import parse_args  # noqa: E402
 
 from ddp import lost_rank, network  # noqa: E402
-from ddp.errors import EXIT_FAILURE, EXIT_USAGE  # noqa: E402
+from ddp.errors import EXIT_FAILURE, EXIT_USAGE, MACHINE_MEMORY_FIX, oom_killed  # noqa: E402
 
 GRACE_S = 20.0  # how long the agent may outlive its ranks (its own exit barrier waits on the other hosts)
 STORE_LOST_S = 5.0  # ... when its rendezvous store does not answer: what it waits for cannot come
@@ -188,6 +188,8 @@ def failed(error: ChildFailedError) -> int:
         stopped = rank != first and failure.exitcode == -signal.SIGTERM  # torchrun's "closing signal SIGTERM"
         if not os.path.isfile(failure.error_file) and not stopped:
             how = f"was killed by {failure.signal_name()}" if failure.exitcode < 0 else f"exited {failure.exitcode}"
+            oom = oom_killed() if failure.exitcode == -signal.SIGKILL else None  # (it has no word of its own)
+            how += f": out of memory, most likely ({oom}); {MACHINE_MEMORY_FIX}" if oom else ""
             print(f"error: rank {rank} (pid {failure.pid}) {how}", file=sys.stderr, flush=True)
     code = failures[first].exitcode
     return code if code > 0 else 128 - code if code < 0 else EXIT_FAILURE

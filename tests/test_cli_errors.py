@@ -577,10 +577,11 @@ def test_no_space_outside_the_runs_own_files_is_one_line_naming_tmpdir(capsys):
         cli.command(bug, [])
 
 
-def test_a_dataloader_worker_killed_is_one_line_saying_who_kills_so(tmp_path):
+def test_a_dataloader_worker_killed_is_one_line_saying_who_kills_so(tmp_path, monkeypatch):
     """A worker of data.loader=torch killed with SIGKILL, as the kernel's out-of-memory killer does: torch's
     traceback ("DataLoader worker (pid N) is killed by signal: Killed.", or by the timing "DataLoader worker
-    (pid(s) N) exited unexpectedly"). Now one line, exit 1."""
+    (pid(s) N) exited unexpectedly"). Now one line, exit 1; with the out-of-memory kills counted since the run began,
+    what the kernel did, where it was "most often"."""
     # The worker killed is a fork of the run, after its start line (its imports' `ldconfig -p` done), in one long
     # epoch: under load the first child of the run had been that ldconfig, or an epoch's worker already exiting,
     # and the run went on (2026-11-28).
@@ -603,6 +604,12 @@ def test_a_dataloader_worker_killed_is_one_line_saying_who_kills_so(tmp_path):
     said = [f"error: a DataLoader worker was lost (DataLoader worker {how}); {errors.LOST_WORKER_FIX}" for how in
             (killed, gone)]  # fmt: skip
     assert err.splitlines()[-1] in said, err
+    monkeypatch.setattr(errors, "OOM_KILLS_AT_START", 3)
+    monkeypatch.setattr(errors, "oom_kills", lambda: 4)  # one kill in this process's memory cgroup since it began
+    lost = errors.machine_failure(RuntimeError(f"DataLoader worker (pid 9) is killed by signal: Killed. {'x' * 9}"))
+    assert lost == ("a DataLoader worker was lost (DataLoader worker (pid 9) is killed by signal: Killed. xxxxxxxxx; "
+                    "SIGKILL: the kernel's out-of-memory killer ended 1 process on this machine meanwhile (dmesg names "
+                    f"it)); {errors.LOST_WORKER_FIX}")  # fmt: skip
 
 
 def test_dataloader_workers_out_of_shared_memory_is_one_line_with_what_to_try(tmp_path, capsys):

@@ -2,6 +2,7 @@
 two "nodes" on loopback, accelerate launch (torchrun and MPI modes). SLURM itself: test_slurm.py."""
 
 import concurrent.futures
+import contextlib
 import json
 import logging
 import os
@@ -11,6 +12,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +20,7 @@ import pytest
 import torch
 from conftest import BIN, REPO, TINY, TRAIN, clean_env, kill_orphans, metrics, require
 
-from ddp import lost_rank
+from ddp import errors, lost_rank
 from ddp import torchrun as launcher
 
 SCRIPTS = sorted([*(REPO / "launch").glob("*.sh"), *(REPO / "slurm").glob("*.sh")])
@@ -86,13 +88,71 @@ def test_ctrl_c_on_the_torchrun_script_ends_with_our_lines_and_130_and_a_killed_
     assert re.search(r"^error: rank 1 \(pid \d+\) was killed by SIGKILL$", killed.stderr, re.M), killed.stderr
 
 
-def test_the_ranks_torchrun_stops_after_one_failed_get_no_line_of_their_own(tmp_path, capsys):
+@contextlib.contextmanager
+def memory_cgroup(limit: int) -> Iterator[Path]:
+    """A memory cgroup of its own (cgroup v2, or v1's memory controller) limited to `limit` bytes, no swap: its
+    cgroup.procs file, for a process to move itself into; its processes killed and the cgroup removed after."""
+    root, v2 = Path("/sys/fs/cgroup"), Path("/sys/fs/cgroup/cgroup.controllers")
+    if os.geteuid() != 0:
+        pytest.skip("a memory cgroup to limit (a real out-of-memory kill) needs root: run the tests as root")
+    if v2.is_file():
+        group, limits = root / f"ddp-cifar-test-{os.getpid()}", {"memory.max": limit, "memory.swap.max": 0}
+    else:  # v1: the swap limit after the memory limit (at least it)
+        group = root / "memory" / f"ddp-cifar-test-{os.getpid()}"
+        limits = {"memory.limit_in_bytes": limit, "memory.memsw.limit_in_bytes": limit}
+    try:
+        group.mkdir()
+    except OSError as e:
+        pytest.skip(f"no memory cgroup could be made at {group} ({e.strerror}): a real out-of-memory kill needs one")
+    try:
+        if not (group / next(iter(limits))).exists():
+            pytest.skip(f"{group} has no memory controller (not in its parent's cgroup.subtree_control)")
+        for name, value in limits.items():
+            if (group / name).exists():  # (memsw: only where swap is accounted)
+                (group / name).write_text(str(value))
+        yield group / "cgroup.procs"
+    finally:
+        deadline = time.monotonic() + 30
+        while (pids := (group / "cgroup.procs").read_text().split()) and time.monotonic() < deadline:
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(pid), signal.SIGKILL)
+            time.sleep(0.1)
+        group.rmdir()
+
+
+def test_a_rank_the_kernels_out_of_memory_killer_ends_is_said_to_be_out_of_memory_by_torchrun_and_its_peer(tmp_path):
+    """Rank 1 takes memory in step 3 until the kernel kills it (DDP_CIFAR_FAULT=memory; the job in a memory cgroup
+    of 2.5 GB, about twice what it needs): a SIGKILL leaves no word, and torchrun's line was only "rank 1 (pid N)
+    was killed by SIGKILL", rank 0's "its connection closed: it died". Both now say what the kernel's count of
+    out-of-memory kills (/proc/vmstat) says: that it ended a process on this machine meanwhile."""
+    job = [*TINY, f"run.out_dir={tmp_path}"]
+    with memory_cgroup(5 << 29) as procs:
+        move = f'echo $$ > {procs} && exec bash launch/torchrun.sh "$@"'
+        env = clean_env(DDP_CIFAR_FAULT="memory:3:r1")
+        proc = subprocess.run(["bash", "-c", move, "bash", *job], cwd=REPO, env=env, capture_output=True, text=True,
+                              timeout=120)  # fmt: skip
+    said = (
+        r"the kernel's out-of-memory killer ended \d+ process(es)? on this machine meanwhile \(dmesg names (it|them)\)"
+    )
+    assert proc.returncode == 128 + signal.SIGKILL and "Traceback" not in proc.stderr, proc.stderr
+    fix = "give it more memory, or use less: fewer ranks on this machine"
+    assert re.search(rf"^error: rank 1 \(pid \d+\) was killed by SIGKILL: out of memory, most likely \({said}\); {fix}",
+                     proc.stderr, re.M), proc.stderr  # fmt: skip
+    assert re.search(rf"^error: rank 0 of 2: lost contact with rank 1 \(its connection closed: it died; {said}\)",
+                     proc.stderr, re.M), proc.stderr  # fmt: skip
+
+
+def test_the_ranks_torchrun_stops_after_one_failed_get_no_line_of_their_own(tmp_path, capsys, monkeypatch):
     """Rank 0's usage error (its own line, in its error file) and rank 1 stopped by torchrun's closing SIGTERM:
     "error: rank 1 (pid ...) was killed by SIGTERM" was the last line, under the cause; and where the error file's
     time (whole seconds) was not before the stopped rank's, the exit code was 143, not the cause's. A rank killed
-    by another signal, or by SIGTERM with no other failure (before its stop handler), still gets its line."""
+    by another signal, or by SIGTERM with no other failure (before its stop handler), still gets its line; a SIGKILL
+    with the kernel's out-of-memory kills counted since torchrun began says so."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
+    monkeypatch.setattr(errors, "OOM_KILLS_AT_START", 5)  # as this process began
+    monkeypatch.setattr(errors, "oom_kills", lambda: 5)  # none since (an earlier test's would be counted)
     later = int(time.time()) + 100  # rank 0's file says it failed after rank 1 was stopped: not so
     for rank, stamp in ((0, 1), (1, later)):
         (tmp_path / f"rank{rank}.json").write_text(json.dumps({"message": {"message": "x", "extraInfo": {
@@ -109,6 +169,26 @@ def test_the_ranks_torchrun_stops_after_one_failed_get_no_line_of_their_own(tmp_
     assert capsys.readouterr().err == ""
     assert launcher.failed(ChildFailedError("train.py", {1: failure(1, -15)})) == 128 + 15
     assert capsys.readouterr().err == "error: rank 1 (pid 101) was killed by SIGTERM\n"
+    monkeypatch.setattr(errors, "oom_kills", lambda: 7)  # two since
+    assert launcher.failed(ChildFailedError("train.py", {0: failure(0, -15), 1: failure(1, -9)})) == 128 + 9
+    assert capsys.readouterr().err == ("error: rank 1 (pid 101) was killed by SIGKILL: out of memory, most likely (the "
+                                       "kernel's out-of-memory killer ended 2 processes on this machine meanwhile "
+                                       f"(dmesg names them)); {errors.MACHINE_MEMORY_FIX}\n")  # fmt: skip
+
+
+def test_the_out_of_memory_kills_are_counted_in_the_processs_memory_cgroup_else_on_the_machine():
+    """/proc/self/cgroup's lines name the counters: v1's memory controller (a hybrid layout's too), else v2's
+    cgroup, its own processes' count first; none, and /proc/vmstat's count of the machine is the one."""
+    v1 = "4:memory:/slurm/job_7\n1:cpu,cpuacct:/slurm/job_7\n0::/user.slice\n"
+    assert errors._cgroup_counters(v1) == ["/sys/fs/cgroup/memory/slurm/job_7/memory.oom_control",
+                                           "/sys/fs/cgroup/user.slice/memory.events.local",
+                                           "/sys/fs/cgroup/user.slice/memory.events"]  # fmt: skip
+    assert errors._cgroup_counters("0::/system.slice/job.service\n") == [
+        "/sys/fs/cgroup/system.slice/job.service/memory.events.local",
+        "/sys/fs/cgroup/system.slice/job.service/memory.events",
+    ]
+    assert errors._cgroup_counters("") == []
+    assert isinstance(errors.oom_kills(), int)  # this machine says, one way or the other (Linux 4.13 on)
 
 
 def test_a_mistake_every_rank_would_make_is_one_line_before_torchrun_starts(tmp_path):

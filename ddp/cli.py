@@ -30,6 +30,7 @@ from ddp.errors import (
     UsageError,
     WriteFailed,
     exit_code,
+    lost_interrupt,
     machine_failure,
     path_refused,
     to_devnull,
@@ -228,6 +229,7 @@ def command(main: Callable[[list[str]], Any], argv: list[str] | None = None, pro
     (local rank 0), the others exit with the same code silently. Each rank names the rank it lost.
     A Ctrl-C that no stop handles (before training, or the second one in it) is one line too, exit 130."""
     argv = sys.argv[1:] if argv is None else argv
+    lost_interrupt()  # a Ctrl-C in the imports that torch lost: it ends the command here, as it would have there
     try:
         code = _paths_named(main, argv)
     except Stopped as e:

@@ -20,6 +20,7 @@ import os
 import pwd
 import re
 import shutil
+import signal
 import sys
 import tempfile
 from typing import Any, TextIO
@@ -33,6 +34,32 @@ EXIT_INTERRUPTED = 130  # 128 + SIGINT: what a shell reports of a command that C
 
 
 INTERRUPTED = "stopped at once on SIGINT (Ctrl-C), without a checkpoint"  # the line of an exit 130
+_interrupted = False  # a Ctrl-C came while a command imported (remember_interrupts)
+
+
+def remember_interrupts() -> None:
+    """Before a command's imports: Python's Ctrl-C (a KeyboardInterrupt), remembered. torch 2.4 loses one raised
+    inside torch._C's initialisation, and the command ran on as if none had come (lost_interrupt). A Ctrl-C that
+    this process ignores (started in the background by a script) stays ignored."""
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, _interrupt)
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    global _interrupted
+    _interrupted = True
+    raise KeyboardInterrupt
+
+
+def lost_interrupt() -> None:
+    """After a command's imports: the KeyboardInterrupt of a Ctrl-C that came in them and was lost there, raised
+    again (it ends the command as it would have then); Python's own handler back."""
+    global _interrupted
+    if signal.getsignal(signal.SIGINT) is _interrupt:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if _interrupted:
+        _interrupted = False  # (raised once)
+        raise KeyboardInterrupt
 
 
 class LossyStderr:

@@ -28,7 +28,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ddp.errors import EXIT_USAGE, INTERRUPTED, UsageError, standard_streams
+from ddp.errors import EXIT_USAGE, INTERRUPTED, UsageError, remember_interrupts, standard_streams
 
 if TYPE_CHECKING:  # a type alone: importing this module imports no torch (quiet_startup runs before it)
     from ddp.config import RunConfig
@@ -193,17 +193,17 @@ def speaks_for_its_machine(env: Env = os.environ) -> bool:
 
 
 def quiet_startup(module: str) -> None:
-    """From a command's module run as one (`module`: its __name__ is "__main__"; an import changes nothing),
-    before its seconds of imports (torch's), two things that nothing else handles become one line, said by
-    one process per machine (speaks_for_its_machine), instead of a traceback:
-    - a Ctrl-C, as in those imports: INTERRUPTED, and the interpreter ends as Ctrl-C ends it (128 + SIGINT);
-    - a package this Python lacks (python without the venv, a torch that lacks one of its own): which
-      one, this interpreter, and how to install them; exit 2.
-    Any other exception keeps its traceback (a module of ddp's own missing is a bug). And errors.standard_streams:
-    a stderr the OS refuses (a hung-up terminal, a full disk) or closed (`2>&-`) loses its lines, not the exit code."""
+    """From a command's module run as one (`module`: its __name__ is "__main__"; an import changes nothing), before
+    its seconds of imports (torch's), two things nothing else handles become one line, said by one process per machine
+    (speaks_for_its_machine), not a traceback: a Ctrl-C in them (one torch lost: cli.command's), INTERRUPTED, and the
+    interpreter ends as Ctrl-C ends it (128 + SIGINT); a package this Python lacks (no venv, a torch without one of its
+    own): which one, this interpreter, and how to install them; exit 2. Any other exception keeps its traceback (a
+    module of ddp's own missing is a bug). And errors.standard_streams: a stderr the OS refuses (a hung-up terminal, a
+    full disk) or closed (`2>&-`) loses its lines, not the exit code."""
     if module != "__main__":
         return
     standard_streams()
+    remember_interrupts()
     previous = sys.excepthook
 
     def hook(kind: type[BaseException], value: BaseException, tb: object) -> None:

@@ -65,7 +65,7 @@ from torch.distributed.run import main as torchrun  # noqa: E402
 from torch.distributed.run import parse_args  # noqa: E402
 
 from ddp import lost_rank, network  # noqa: E402
-from ddp.errors import EXIT_FAILURE, EXIT_USAGE, MACHINE_MEMORY_FIX, oom_killed  # noqa: E402
+from ddp.errors import EXIT_FAILURE, EXIT_USAGE, MACHINE_MEMORY_FIX, lost_interrupt, oom_killed  # noqa: E402
 
 GRACE_S = 20.0  # how long the agent may outlive its ranks (its own exit barrier waits on the other hosts)
 STORE_LOST_S = 5.0  # ... when its rendezvous store does not answer: what it waits for cannot come
@@ -110,6 +110,7 @@ ECHOES = ("failed (exitcode: ", "Sending process %s closing signal", "no error f
 
 
 def main(argv: list[str]) -> int:
+    lost_interrupt()  # a Ctrl-C in torch's import that torch lost (2.4): as if it had ended the import
     if argv and argv[0].startswith("--preflight="):
         code = preflight(argv[0].partition("=")[2], argv[1:])
         if code is not None:

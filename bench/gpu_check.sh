@@ -117,7 +117,12 @@ step bench "$py" -m bench "${bench[@]}" --out "$out"
 step fast train fast --config configs/fast.yaml run.warmup_steps=3 "${train_sizes[@]}"
 step resnet18 train resnet18 --config configs/resnet18.yaml "${train_sizes[@]}"
 step ranks ranks
-step fsdp fsdp
+if wanted fsdp && ! "$py" -c 'from torch.distributed.fsdp import fully_shard' 2>/dev/null; then  # torch < 2.6
+  version=$("$py" -c 'import torch; print(torch.__version__)')
+  summary+=("| fsdp | skipped: run.parallel=fsdp needs torch >= 2.6 (FSDP2), this is $version | |")
+else
+  step fsdp fsdp
+fi
 if ! wanted airbench; then
   :
 elif [ -n "$airbench" ]; then

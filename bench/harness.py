@@ -336,12 +336,13 @@ def under_dynamo(settings: dict[str, Any], step: Callable[[], Any], backend: str
     dynamo = {k: v for k, v in settings.items() if not k.startswith("inductor.")}
     induct = {k.removeprefix("inductor."): v for k, v in settings.items() if k.startswith("inductor.")}
     backward = torch.compile(backend=backend) if settings.get("compiled_autograd") else None
+    enable = getattr(compiled_autograd, "_enable", None) or compiled_autograd.enable  # (torch 2.4: `enable`)
 
     def patched() -> Any:
         with torch._dynamo.config.patch(**dynamo), inductor.patch(induct):
             if backward is None:
                 return step()
-            with compiled_autograd._enable(backward):
+            with enable(backward):
                 return step()
 
     return patched

@@ -137,8 +137,8 @@ def check_combinations(cfg: Config, world: World) -> None:
 
 
 def check_fsdp(cfg: Config) -> None:
-    """What run.parallel=fsdp does not do (yet), each with its alternative; and a torch that has FSDP2."""
-    fsdp.check_available()
+    """What run.parallel=fsdp does not do (yet), each with its alternative; then a torch that has FSDP2 (a setting
+    is wrong on any torch: said first)."""
     t, run = cfg.train, cfg.run
     refused = {
         "train.ema_decay": (t.ema_decay > 0, "the moving average copies the whole model, and FSDP2's cannot be copied"),
@@ -158,6 +158,7 @@ def check_fsdp(cfg: Config) -> None:
             f"ddp.{tuned[0]} tunes DistributedDataParallel, which run.parallel=fsdp does not use: leave ddp.* at "
             "their defaults"
         )
+    fsdp.check_available()
 
 
 def check_cuda_graph(cfg: Config, world: World) -> None:

@@ -82,6 +82,32 @@ def require(tool: str, install: str) -> str:
     pytest.fail(reason)
 
 
+def torchrun_shares_its_store() -> bool:
+    """Whether this torch's torchrun gives its workers its rendezvous store (TORCHELASTIC_USE_AGENT_STORE=True),
+    which outlives their rank 0: not torch 2.4's, whose workers meet in a store their rank 0 serves."""
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
+
+    return "use_agent_store" in vars(DynamicRendezvousHandler)  # (overridden where it shares it)
+
+
+def has_fsdp2() -> bool:
+    """Whether this torch has FSDP2's public fully_shard (torch 2.6 on): run.parallel=fsdp runs."""
+    try:
+        from torch.distributed.fsdp import fully_shard  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def needs_fsdp2() -> None:
+    """Skip a test that runs run.parallel=fsdp under a torch without FSDP2 (bench/old_torch.sh: torch 2.4 and 2.5),
+    where ddp/train.py refuses it in one line (test_fsdp.py's test_a_torch_without_fully_shard_... tests that line)."""
+    if not has_fsdp2():
+        import torch
+
+        pytest.skip(f"run.parallel=fsdp needs torch >= 2.6 (FSDP2's fully_shard); this is torch {torch.__version__}")
+
+
 def python(*args: str, env: dict[str, str] | None = None, timeout: float = 180) -> subprocess.CompletedProcess:
     """`python ddp/train.py ARGS` (or any python command line) as a real subprocess."""
     return subprocess.run(

@@ -9,7 +9,7 @@ import types
 
 import pytest
 import torch
-from conftest import REPO, REPORT, TRAIN, clean_env, max_diff, metrics, ok, python, torchrun
+from conftest import REPO, REPORT, TRAIN, clean_env, max_diff, metrics, needs_fsdp2, ok, python, torchrun
 from test_equivalence import SMALL
 from test_resume import JOB, RNG, STEPS, assert_bitwise, final_state, train_cmd
 
@@ -29,6 +29,7 @@ def run(out, *extra, nproc=2, env=None):
 @pytest.fixture(scope="module")
 def fsdp_reference(tmp_path_factory):
     """The FSDP2 run that never stops."""
+    needs_fsdp2()
     out = tmp_path_factory.mktemp("fsdp")
     run(out, *FSDP)
     return out
@@ -39,6 +40,7 @@ def test_fsdp_is_ddp_and_one_process_and_saves_the_same_file(tmp_path):
     micro-batches: FSDP2 at 2 ranks ends with DDP's weights at 2 ranks and one process's, BatchNorm's
     statistics and the optimizer's momentum too, within its 1e-5; in a checkpoint of the same form
     (whole, unsharded plain tensors, DDP's keys and indices)."""
+    needs_fsdp2()
     job = [*SMALL, "model.name=small", "train.sync_bn=true", "optim.clip_grad_norm=0.5", "train.grad_accum_steps=2"]
     states = {}
     for name, nproc, parallel in (("fsdp", 2, "fsdp"), ("ddp", 2, "ddp"), ("one", 1, "none")):
@@ -78,6 +80,7 @@ def test_a_run_goes_from_ddp_to_fsdp_to_another_world_size_and_back(tmp_path):
     mode: DDP at 2 ranks, FSDP2 at 2, FSDP2 at 1 (torchrun), DDP at 2. It ends where one process
     running all 4 epochs ends, within 1e-6: no BatchNorm (the tutorial net), so the world size
     changes nothing but the rounding."""
+    needs_fsdp2()
     job = [
         "data.dataset=synthetic", "data.synthetic_train=128", "data.synthetic_test=16", "data.workers=0",
         "data.augment=false", "model.name=tutorial", "train.batch_size=32", "train.epochs=4", "optim.lr=0.05",

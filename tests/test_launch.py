@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import BIN, REPO, TINY, TRAIN, clean_env, kill_orphans, metrics, require
+from conftest import BIN, REPO, TINY, TRAIN, clean_env, kill_orphans, metrics, needs_fsdp2, require
 
 from ddp import errors, lost_rank
 from ddp import torchrun as launcher
@@ -239,6 +239,8 @@ def test_help_and_print_config_through_a_launch_file_are_answered_once_and_start
 def test_accelerate_multi_gpu_runs_2_processes_on_a_machine_without_gpus(tmp_path, mode, flags):
     """--multi_gpu (or --use_fsdp: run.parallel=fsdp) starts torchrun, which needs no GPU and no MPI: the
     ranks use the CPU and gloo."""
+    if mode == "fsdp":
+        needs_fsdp2()
     cmd = [str(BIN / "accelerate"), "launch", *flags, "--num_processes", "2", "--num_machines", "1",
            "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port()), str(TRAIN),
            *ONE_EPOCH, f"run.out_dir={tmp_path}"]  # fmt: skip

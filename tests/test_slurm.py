@@ -20,6 +20,7 @@ from conftest import (
     assert_free_and_whole,
     clean_env,
     cmdline,
+    has_fsdp2,
     metrics,
     ok,
     require,
@@ -71,7 +72,7 @@ def wait_until_done(env: dict[str, str], job: str, timeout: float) -> str:
 
 
 def test_sbatch_runs_torchrun_per_node_and_writes_metrics_and_a_checkpoint(slurm, tmp_path):
-    parallel = "fsdp"  # ddp: the 2-node sbatch test (tests/test_hosts.py)
+    parallel = "fsdp" if has_fsdp2() else "ddp"  # ddp: the 2-node sbatch test (tests/test_hosts.py)
     start = time.monotonic()
     job = submit(slurm, tmp_path, *TINY, f"run.parallel={parallel}")
     state = wait_until_done(slurm, job, timeout=180)
@@ -99,7 +100,7 @@ def test_a_rendezvous_port_taken_on_the_first_node_fails_the_job_in_one_line(slu
 
 
 def test_srun_starts_the_ranks_directly(slurm, tmp_path):
-    parallel = "fsdp"  # ddp: the srun-killed test here, srun on 2 nodes (test_hosts.py)
+    parallel = "fsdp" if has_fsdp2() else "ddp"  # ddp: the srun-killed test here, srun on 2 nodes (test_hosts.py)
     proc = subprocess.run(
         ["srun", "--ntasks=2", "python", str(TRAIN), *TINY, "train.epochs=1", f"run.out_dir={tmp_path}",
          f"run.parallel={parallel}"],

@@ -78,8 +78,8 @@ def setup(world: World, timeout_s: float) -> Iterator[World]:
     finally:
         if dist.is_initialized():
             gc.collect()  # DDP objects in reference cycles go now, while their group exists
-            with lifeline.deadline(timeout_s, "leaving the process group"):  # torch 2.4's gloo hung there, once
-                dist.destroy_process_group()
+            with lifeline.deadline(timeout_s, "leaving the process group"), lifeline.backstop(timeout_s):
+                dist.destroy_process_group()  # (torch 2.4's gloo hung there holding the GIL: the backstop ends it)
 
 
 def _meeting_point(world: World) -> str:

@@ -13,11 +13,13 @@ deadline. One watcher thread does the three, because the main thread may be bloc
   the watcher ends the process (exit 1). After training, a launcher's stop gives the process the grace to
   end by itself: the launcher stops the others as one rank dies, before they have said that they lost it.
 - Deadlines: a wait that torch would let run past run.timeout_s (the store and the rendezvous) is
-  ended by the watcher with one line that names what it waited for (exit 1).
+  ended by the watcher with one line that names what it waited for (exit 1); one inside torch that holds the
+  interpreter's lock, where the watcher cannot run, by faulthandler's thread (backstop).
 """
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import select
 import signal
@@ -35,6 +37,7 @@ from ddp.errors import EXIT_FAILURE, EXIT_INTERRUPTED, INTERRUPTED
 GRACE_S = 5.0  # after a stop is asked for: how long past the slowest step the loop has to take it
 SLACK_S = 5.0  # how long a wait with a deadline of run.timeout_s may overrun it, torch's own timeout first
 _POLL_S = 0.25  # how often the watcher looks at the parent, the deadlines and the grace
+BACKSTOP_S = 10.0  # past a deadline and its slack: where the watcher could not end the wait (backstop)
 
 
 class LoopStop(Protocol):
@@ -166,6 +169,19 @@ def watched(world: World, stop_signals: tuple[signal.Signals, ...], parent: int)
             if signal.getsignal(sig) is _noted:  # not one the stop's exit has set to SIG_IGN
                 signal.signal(sig, handler)
         signal.set_wakeup_fd(previous_fd)
+
+
+@contextmanager
+def backstop(seconds: float) -> Iterator[None]:
+    """Around a call into torch that may hang holding the interpreter's lock: the watcher, a Python thread, never
+    runs again (torch 2.4's gloo in destroy_process_group, once in a loaded suite: a rank outlived its launcher by an
+    hour). Past `seconds` + SLACK_S + BACKSTOP_S faulthandler's thread, which needs no lock, writes each thread's
+    stack to stderr (where it hangs) and ends the process, exit 1."""
+    faulthandler.dump_traceback_later(seconds + SLACK_S + BACKSTOP_S, exit=True, file=2)
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
 
 
 @contextmanager

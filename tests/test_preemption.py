@@ -4,12 +4,15 @@ test_resume.py and test_slurm.py."""
 import os
 import re
 import signal
+import socket
 import subprocess
+import sys
 import threading
 import time
 
 import pytest
 import torch
+from conftest import REPO, clean_env
 
 from ddp import lifeline, preemption
 from ddp.cli import command
@@ -233,3 +236,30 @@ def test_a_process_whose_launcher_is_gone_after_training_leaves_within_the_grace
     assert re.fullmatch(r"error: rank 0 of 2: stopping on the launcher's end \(its process \d+ is gone\) after "
                         r"training, but it had not ended within \d+ s \(a wait for another rank\?\): left\n",
                         capsys.readouterr().err)  # fmt: skip
+
+
+def test_a_group_end_that_hangs_holding_the_interpreter_is_ended_by_the_backstop(tmp_path):
+    """torch 2.4's gloo once hung in destroy_process_group holding the GIL: the watcher's deadline, a Python thread,
+    never ran, and the rank outlived its killed launcher by an hour (py-spy: the watcher's loop stopped 7 s into
+    the run). Here the group's end is a C call that holds the GIL (ctypes.PyDLL), in a process with the watcher:
+    faulthandler's thread ends it, exit 1, its stack on stderr, at run.timeout_s + SLACK_S + BACKSTOP_S."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    script = f"""
+import ctypes, os, signal, torch
+import torch.distributed as dist
+from ddp import distributed, lifeline
+from ddp.devices import World
+lifeline.SLACK_S, lifeline.BACKSTOP_S = 0.5, 1.0
+world = World(0, 0, 1, torch.device("cpu"), "ddp", "bench", "tcp://127.0.0.1:{port}")
+with lifeline.watched(world, (signal.SIGTERM,), os.getppid()), distributed.setup(world, 1) as world:
+    dist.destroy_process_group = lambda: ctypes.PyDLL(None).sleep(60)  # libc's sleep, the GIL held
+"""
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=clean_env(), capture_output=True, text=True,
+                          timeout=60)  # fmt: skip
+    took = time.monotonic() - started
+    assert proc.returncode == 1 and proc.stderr.startswith("Timeout (0:00:02.5"), proc.stderr
+    assert re.search(r'ddp/distributed.py", line \d+ in setup', proc.stderr), proc.stderr  # where it hung
+    assert took < 20, took  # 2.5 s past the group's end, not the 60 s of the sleep

@@ -168,11 +168,11 @@ def preflight(processes: str, argv: list[str]) -> int | None:
             if "is_host=true" in args.rdzv_conf.lower().split(","):  # its store is not up: it serves one to tell
                 lost_rank.serve_word(*store, NODE_LEFT, word, int(str(args.nnodes).partition(":")[0]), "machines")
             else:  # a mistake of this node's: node 0's store may not be up yet (started later), it waits a while
-                usage = code == EXIT_USAGE  # (not when its check found that store silent: it waited for it already)
-                if usage and network.connect_error(*store, 1.0):
+                later = code == EXIT_USAGE and network.connect_error(*store, 1.0)  # nothing listens there yet
+                if later:  # (a port that listens and does not answer, its check's error: 5 s, as before)
                     print(f"(waiting up to {lost_rank.HEAR_S:g} s for the rendezvous store at {store[0]}:{store[1]} to "
                           "tell the other machines)", file=sys.stderr, flush=True)  # fmt: skip
-                lost_rank.leave_word(*store, NODE_LEFT, word, lost_rank.HEAR_S if usage else lost_rank.TELL_S)
+                lost_rank.leave_word(*store, NODE_LEFT, word, lost_rank.HEAR_S if later else lost_rank.TELL_S)
     return code or None  # 0: the ranks may start
 
 

@@ -92,9 +92,12 @@ def torchrun_shares_its_store() -> bool:
 
 def has_fsdp2() -> bool:
     """Whether this torch has FSDP2's public fully_shard (torch 2.6 on): run.parallel=fsdp runs."""
+    from ddp import fsdp
+    from ddp.errors import UsageError
+
     try:
-        from torch.distributed.fsdp import fully_shard  # noqa: F401
-    except ImportError:
+        fsdp.check_available()
+    except UsageError:
         return False
     return True
 

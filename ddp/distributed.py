@@ -87,7 +87,7 @@ def _meeting_point(world: World) -> str:
     agent = launchers.agent_store()
     if world.init_method:
         return world.init_method
-    return f"torchrun's store at {agent[0]}:{agent[1]}" if agent else "env://MASTER_ADDR:MASTER_PORT"
+    return f"torchrun's store at {network.host_port(*agent[:2])}" if agent else "env://MASTER_ADDR:MASTER_PORT"
 
 
 def _rendezvous(world: World, timeout_s: float, where: str) -> tuple[dict[str, Any], dist.Store | None]:

@@ -87,12 +87,12 @@ def gpus() -> list[dict[str, Any]]:
 def port_free(addr: str, port: int) -> bool | None:
     """Whether `port` is free to listen on at `addr`; None where `addr` is no address of this machine (another's, or
     none: the rendezvous is not served here; binding it said "IN USE")."""
-    with socket.socket() as s:
+    if (at := network.resolve(addr)) is None:
+        return None
+    with socket.socket(network.family(at)) as s:
         try:
-            s.bind(("" if addr in ("127.0.0.1", "localhost") else addr, port))
+            s.bind(("" if at == "127.0.0.1" else at, port))  # (loopback: every address, where torch's store listens)
             return True
-        except (socket.gaierror, UnicodeError):
-            return None
         except OSError as e:
             return None if e.errno == errno.EADDRNOTAVAIL else False
 

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ddp.errors import EXIT_USAGE, INTERRUPTED, UsageError, remember_interrupts, standard_streams
+from ddp.network import host_port
 
 if TYPE_CHECKING:  # a type alone: importing this module imports no torch (quiet_startup runs before it)
     from ddp.config import RunConfig
@@ -85,7 +86,7 @@ def _torchrun(env: Env, name: str) -> Launch | None:
                          "them all), or unset them for a single process")  # fmt: skip
     rank, local_rank, world_size, local = _counts(env, ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"))
     port = master_port(env)  # a port number, else one line (torch's own int() of it was a traceback)
-    served = None if agent_store(env) else f"tcp://{env['MASTER_ADDR']}:{port}"  # rank 0 serves it, as env:// did
+    served = None if agent_store(env) else f"tcp://{host_port(env['MASTER_ADDR'], port)}"  # rank 0 serves it (env://)
     return _checked(name, rank, local_rank, world_size, local_world_size=local, init_method=served)
 
 
@@ -95,7 +96,7 @@ def _accelerate_mpi(env: Env) -> Launch | None:
     for names in _MPI_VARS:
         if names[0] in env:
             rank, local_rank, world_size, local = _counts(env, names)
-            master = f"tcp://{env.get('MASTER_ADDR', '127.0.0.1')}:{master_port(env, 29500)}"
+            master = f"tcp://{host_port(env.get('MASTER_ADDR', '127.0.0.1'), master_port(env, 29500))}"
             return _checked("accelerate", rank, local_rank, world_size, local_world_size=local, init_method=master)
     if "MASTER_ADDR" in env:
         raise UsageError(
@@ -156,7 +157,7 @@ def _slurm(env: Env, forced: bool) -> Launch | None:
     rank, local_rank, world_size = _ints(env, _SLURM_VARS)
     addr, port = slurm_rendezvous(env)
     return _checked("slurm", rank, local_rank, world_size, local_world_size=_tasks_on_this_node(env),
-                    init_method=f"tcp://{addr}:{port}")  # fmt: skip
+                    init_method=f"tcp://{host_port(addr, port)}")  # fmt: skip
 
 
 def detect_launch(env: Env = os.environ, launcher: str = "auto") -> Launch:
@@ -376,8 +377,7 @@ def launch_variables(env: Env = os.environ) -> dict[str, str]:
 
 
 def planned_rendezvous(env: Env = os.environ) -> tuple[str, int, str]:
-    """(address, port, where from) that a launch from here would use: MASTER_ADDR/MASTER_PORT, a
-    SLURM job's derived port, else torchrun's default 29500."""
+    """(address, port, where from) a launch from here would use: MASTER_ADDR/PORT, a SLURM job's, else torchrun's."""
     if "SLURM_JOB_ID" in env and (env.get("SLURM_JOB_NODELIST") or "MASTER_ADDR" in env):
         addr, port = slurm_rendezvous(env)
         return addr, port, "SLURM job" if "MASTER_PORT" not in env else "MASTER_ADDR/MASTER_PORT"

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
+from urllib.parse import urlsplit
 
 import torch.distributed as dist
 
@@ -110,9 +111,10 @@ def served_by_rank_0(init_method: str, env: launchers.Env = os.environ) -> tuple
     """(address, port, key prefix) of the store rank 0 serves at `init_method` (tcp://host:port). The prefix names
     the SLURM step or MPI job where there is one: another run's ranks that come to that port (its rank 0 could not
     take it) keep to keys of their own there, where they joined this run's group and broke it."""
-    host, _, port = init_method.removeprefix("tcp://").rpartition(":")
+    url = urlsplit(init_method)  # (an IPv6 address is in brackets there: [fd00::1]:29500)
+    host, port = url.hostname or "", url.port or 0
     slurm = f"{env['SLURM_JOB_ID']}.{env['SLURM_STEP_ID']}" if {"SLURM_JOB_ID", "SLURM_STEP_ID"} <= env.keys() else ""
-    return host, int(port), "/".join(filter(None, ("ddp-cifar", slurm or env.get("PMIX_NAMESPACE"))))
+    return host, port, "/".join(filter(None, ("ddp-cifar", slurm or env.get("PMIX_NAMESPACE"))))
 
 
 def register_host(world: World, store: dist.Store) -> None:

@@ -19,27 +19,52 @@ from pathlib import Path
 from ddp.errors import PeerLost, UsageError
 
 _SIOCGIFADDR = 0x8915  # Linux: an interface's IPv4 address
+_IF_INET6 = Path("/proc/net/if_inet6")  # Linux: each IPv6 address, its interface and scope (20: link-local)
+
+
+def host_port(host: str, port: int) -> str:
+    """host:port as torchrun's --rdzv_endpoint and a tcp:// URL take it: an IPv6 address in brackets."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def family(address: str) -> socket.AddressFamily:
+    """AF_INET6 for an IPv6 address (fd00::1, fe80::1%eth0), else AF_INET."""
+    return socket.AF_INET6 if ":" in address else socket.AF_INET
+
+
+def _ipv6(name: str | None = None) -> list[tuple[str, str]]:
+    """(interface, IPv6 address) of this host's addresses, link-local ones left out; of interface `name` only."""
+    try:
+        rows = [line.split() for line in _IF_INET6.read_text().splitlines()]
+    except OSError:  # no IPv6 here
+        return []
+    found = [(r[5], str(ipaddress.IPv6Address(bytes.fromhex(r[0])))) for r in rows if len(r) == 6 and r[3] != "20"]
+    return [(n, a) for n, a in found if name in (None, n)]
 
 
 def interface_address(name: str) -> str | None:
-    """The IPv4 address of interface `name`, or None (no such interface, or none on it)."""
+    """The address of interface `name`: its IPv4 address, else its first IPv6 one; None (no such interface,
+    or no address on it)."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         try:
             packed = fcntl.ioctl(s.fileno(), _SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
         except OSError:
-            return None
+            return next((a for _, a in _ipv6(name)), None)
     return socket.inet_ntoa(packed[20:24])
 
 
 def interface_with(address: str) -> str | None:
-    """The interface that holds IPv4 `address` on this host, or None."""
+    """The interface that holds `address` (IPv4 or IPv6) on this host, or None."""
+    if family(address) == socket.AF_INET6:
+        wanted = ipaddress.ip_address(address.partition("%")[0])
+        return next((n for n, a in _ipv6() if ipaddress.ip_address(a) == wanted), None)
     return next((n for _, n in socket.if_nameindex() if interface_address(n) == address), None)
 
 
 def route_to(address: str) -> tuple[str, str] | None:
     """(interface, local address) this host sends from to reach `address` (no packet is sent), or
     None when no route leads there."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+    with socket.socket(family(address), socket.SOCK_DGRAM) as s:
         try:
             s.connect((address, 9))
         except OSError:
@@ -50,25 +75,28 @@ def route_to(address: str) -> tuple[str, str] | None:
 
 
 def resolve(name: str) -> str | None:
-    """`name`'s IPv4 address; None where it has none (a label of over 63 characters is none: idna's UnicodeError)."""
+    """`name`'s address, IPv4 or IPv6 (an IPv6-only cluster's), the first the resolver gives, where torch's store
+    client connects first; an IPv6 address may be in brackets. None where it has none (a label of over 63
+    characters is none: idna's UnicodeError)."""
+    bare = name[1:-1] if name.startswith("[") and name.endswith("]") else name
     try:
-        return socket.gethostbyname(name)
-    except (OSError, UnicodeError):
+        return socket.getaddrinfo(bare, None, type=socket.SOCK_STREAM)[0][4][0] if bare else None
+    except (OSError, UnicodeError, ValueError):  # ValueError: a NUL in it
         return None
 
 
 def unresolved(master: str, host: str) -> str:
-    """Why MASTER_ADDR=`master` has no IPv4 address on `host`, with the fix: a port in it, an IPv6 address, a name."""
+    """Why MASTER_ADDR=`master` has no address on `host`, with the fix: a port in it, a name."""
     name, colon, port = master.rpartition(":")
     if colon and port.isdigit() and resolve(name):
-        return f"MASTER_ADDR={master} holds a port: MASTER_ADDR={name} MASTER_PORT={port}"
+        return f"MASTER_ADDR={master} holds a port: MASTER_ADDR={name.strip('[]')} MASTER_PORT={port}"
     if ":" in master:
-        return f"MASTER_ADDR={master} is no IPv4 address or host name (IPv6?): give the master's IPv4 address or name"
+        return f"MASTER_ADDR={master} is no address or host name: give the master's IPv4 or IPv6 address, or its name"
     return f"MASTER_ADDR={master} does not resolve on {host}: check the name, or this host's /etc/hosts"
 
 
 def own_interfaces() -> dict[str, str]:
-    """{interface: IPv4 address} of this host, loopback left out."""
+    """{interface: address} of this host (its IPv4 address, else its IPv6 one), loopback left out."""
     found = {name: interface_address(name) for _, name in socket.if_nameindex()}
     return {name: a for name, a in found.items() if a and not ipaddress.ip_address(a).is_loopback}
 
@@ -125,7 +153,7 @@ def check_master(master: str, port: int, node_rank: int, timeout_s: float) -> No
         if store_answers(to, port, min(timeout_s, 15.0)):
             return
         raise UsageError(
-            f"MASTER_ADDR={master}:{port} ({to}) accepts connections from {host} but does not answer as "
+            f"MASTER_ADDR={host_port(master, port)} ({to}) accepts connections from {host} but does not answer as "
             "torchrun's rendezvous store: another program on that port? Set MASTER_PORT to the port "
             "NODE_RANK=0 uses (the same on every node)"
         )
@@ -133,7 +161,8 @@ def check_master(master: str, port: int, node_rank: int, timeout_s: float) -> No
         why = "the connection attempts time out: a firewall that drops them?" if isinstance(last, TimeoutError) \
             else f"{last.strerror or last}: is NODE_RANK=0 started there?"  # fmt: skip
         raise PeerLost(
-            f"MASTER_ADDR={master}:{port} ({to}) did not answer {host} within run.timeout_s={timeout_s:g} s ({why}); "
+            f"MASTER_ADDR={host_port(master, port)} ({to}) did not answer {host} within run.timeout_s={timeout_s:g} s "
+            f"({why}); "
             "start NODE_RANK=0 on that host, open the port, or check MASTER_ADDR"
         )
 

@@ -61,6 +61,7 @@ if _QUIET_CPP:
 
 from torch.distributed.elastic.multiprocessing.api import SignalException  # noqa: E402
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError  # noqa: E402
+from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint  # noqa: E402
 from torch.distributed.run import main as torchrun  # noqa: E402
 from torch.distributed.run import parse_args  # noqa: E402
 
@@ -123,7 +124,7 @@ def main(argv: list[str]) -> int:
     for name in ECHO_LOGGERS:
         logging.getLogger(name).addFilter(not_an_echo)
     args = parse_args(argv)
-    store = args.rdzv_endpoint if ":" in args.rdzv_endpoint and not args.standalone else None
+    store = rendezvous_store(args) if ":" in args.rdzv_endpoint else None  # (its port given: on another host)
     elastic = args.max_restarts > 0
     if store or not elastic:  # (an elastic job without an endpoint of its own: not watched)
         watched = (store, elastic, fixed_nodes_store(args))
@@ -170,8 +171,12 @@ def preflight(processes: str, argv: list[str]) -> int | None:
             else:  # a mistake of this node's: node 0's store may not be up yet (started later), it waits a while
                 later = code == EXIT_USAGE and network.connect_error(*store, 1.0)  # nothing listens there yet
                 if later:  # (a port that listens and does not answer, its check's error: 5 s, as before)
-                    print(f"(waiting up to {lost_rank.HEAR_S:g} s for the rendezvous store at {store[0]}:{store[1]} to "
-                          "tell the other machines)", file=sys.stderr, flush=True)  # fmt: skip
+                    print(
+                        f"(waiting up to {lost_rank.HEAR_S:g} s for the rendezvous store at "
+                        f"{network.host_port(*store)} to tell the other machines)",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                 lost_rank.leave_word(*store, NODE_LEFT, word, lost_rank.HEAR_S if later else lost_rank.TELL_S)
     return code or None  # 0: the ranks may start
 
@@ -196,9 +201,9 @@ def failed(error: ChildFailedError) -> int:
     return code if code > 0 else 128 - code if code < 0 else EXIT_FAILURE
 
 
-def leave_after_the_ranks(store: str | None, elastic: bool, nodes: tuple[str, int] | None) -> None:
+def leave_after_the_ranks(store: tuple[str, int] | None, elastic: bool, nodes: tuple[str, int] | None) -> None:
     """Once every rank this agent started has ended, this process leaves (exit 1) with one line when
-    `store` ("host:port": the rendezvous store on another host) does not answer STORE_LOST_S later, or
+    `store` ((host, port): the rendezvous store on another host) does not answer STORE_LOST_S later, or
     GRACE_S later in any case, unless `elastic` and the store answers: the agent may be waiting there for
     its next ranks. The agent ends before that on its own in every other case. Before its ranks start,
     it leaves with the word of a node whose preflight stopped it, if one is left at `nodes` (node_left)."""
@@ -216,11 +221,12 @@ def leave_after_the_ranks(store: str | None, elastic: bool, nodes: tuple[str, in
         waited, host = time.monotonic() - ended_at, socket.gethostname()
         if waited < STORE_LOST_S:
             continue
-        answers = store is not None and _answers(store)
+        answers = store is not None and network.connect_error(*store, 3.0) is None
         if answers and elastic:
             continue  # the agent may be waiting at its store for its next ranks
         if store and not answers:
-            _leave(f"torchrun's agent on {host}: its rendezvous store {store} does not answer {STORE_LOST_S:.0f} s "
+            _leave(f"torchrun's agent on {host}: its rendezvous store {network.host_port(*store)} does not answer "
+                   f"{STORE_LOST_S:.0f} s "
                    f"after its ranks ended (is {host} cut off?)")  # fmt: skip
         if waited > GRACE_S:
             _leave(f"torchrun's agent on {host} still waited {GRACE_S:.0f} s after its ranks ended (for its "
@@ -231,10 +237,18 @@ def fixed_nodes_store(args: Any) -> tuple[str, int] | None:
     """(host, port) of the c10d rendezvous store of a job on a fixed number of machines, where the agents wait for
     every one to begin; None on one machine, or in an elastic job (--nnodes=MIN:MAX: it begins without one)."""
     low, _, high = str(args.nnodes).partition(":")
-    if args.standalone or args.rdzv_backend != "c10d" or high not in ("", low) or low == "1":
+    if args.rdzv_backend != "c10d" or high not in ("", low) or low == "1":
         return None
-    host, _, port = args.rdzv_endpoint.rpartition(":")
-    return (host, int(port)) if port.isdigit() else (args.rdzv_endpoint, 29400)  # torch's c10d default
+    return rendezvous_store(args)
+
+
+def rendezvous_store(args: Any) -> tuple[str, int] | None:
+    """(host, port) of --rdzv_endpoint as torchrun reads it (host:port, [IPv6 address]:port; port 29400 if none is
+    given); None for --standalone, or an endpoint torchrun will refuse."""
+    try:
+        return None if args.standalone else parse_rendezvous_endpoint(args.rdzv_endpoint, 29400)
+    except ValueError:
+        return None
 
 
 def node_left(store: tuple[str, int], asking: dict[str, Any]) -> None:
@@ -259,11 +273,6 @@ def node_left(store: tuple[str, int], asking: dict[str, Any]) -> None:
 def _leave(why: str) -> None:
     print(f"error: {why}: left", file=sys.stderr, flush=True)
     os._exit(EXIT_FAILURE)
-
-
-def _answers(endpoint: str) -> bool:
-    host, _, port = endpoint.rpartition(":")
-    return port.isdigit() and network.connect_error(host, int(port), 3.0) is None
 
 
 def _ranks_running() -> bool:

@@ -22,6 +22,14 @@ machines() {
   (($4 < $2)) || { echo "error: $3=$4 must be 0 to $1-1=$(($2 - 1))" >&2; exit 2; }
 }
 
+# endpoint HOST PORT: HOST:PORT as torchrun's --rdzv_endpoint takes it, an IPv6 address in brackets ([fd00::1]:29400;
+# HOST may have them already). torchrun reads fd00::1:29400 right, and fd00::1 alone as host fd00: port 1.
+endpoint() {
+  local host=${1#[}
+  host=${host%]}
+  if [[ $host == *:* ]]; then echo "[$host]:$2"; else echo "$host:$2"; fi
+}
+
 # gpu_count: the GPUs torch sees here. A machine with no GPU driver (no /dev/nvidia*, /dev/kfd, nvidia-smi
 # or rocm-smi) answers 0 at once instead of paying a torch import (2 s on a laptop CPU) to learn it.
 gpu_count() {

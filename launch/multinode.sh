@@ -2,8 +2,8 @@
 # DDP across machines: run this on every node with the same NNODES, MASTER_ADDR and MASTER_PORT.
 #   node 0:  NNODES=2 NODE_RANK=0 MASTER_ADDR=10.0.0.1 bash launch/multinode.sh --config configs/resnet18.yaml
 #   node 1:  NNODES=2 NODE_RANK=1 MASTER_ADDR=10.0.0.1 bash launch/multinode.sh --config configs/resnet18.yaml
-# c10d rendezvous: node 0 (MASTER_ADDR, reachable from every node) hosts it on MASTER_PORT (default
-# 29400); ranks are numbered node by node as they join. NPROC processes per node (default: its GPUs,
+# c10d rendezvous: node 0 (MASTER_ADDR, reachable from every node: a name, an IPv4 or an IPv6 address) hosts it
+# on MASTER_PORT (default 29400); ranks are numbered node by node as they join. NPROC processes per node (default: its GPUs,
 # or 2 CPU processes). RDZV_ID names the job, so two jobs on one address do not mix. run.out_dir
 # must be on a filesystem every node sees (rank 0 writes, every rank reads to resume).
 # RDZV_CONF adds torchrun --rdzv_conf settings (e.g. last_call_timeout=5). Every argument is passed
@@ -44,5 +44,5 @@ omp_threads "$nproc"
 is_host=$([ "$NODE_RANK" = 0 ] && echo true || echo false)  # node 0 serves the rendezvous store
 exec python "$root/ddp/torchrun.py" --preflight=$((NNODES * nproc)) --nnodes="$nodes" --nproc_per_node="$nproc" \
   --rdzv_backend=c10d --max-restarts="$restarts" \
-  --rdzv_endpoint="$MASTER_ADDR:${MASTER_PORT:-29400}" --rdzv_id="${RDZV_ID:-ddp-cifar}" \
+  --rdzv_endpoint="$(endpoint "$MASTER_ADDR" "${MASTER_PORT:-29400}")" --rdzv_id="${RDZV_ID:-ddp-cifar}" \
   --rdzv_conf="is_host=$is_host${RDZV_CONF:+,$RDZV_CONF}" "$root/ddp/train.py" "$@"

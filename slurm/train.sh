@@ -52,7 +52,7 @@ echo "job $job (restart ${SLURM_RESTART_COUNT:-0}) on ${SLURM_JOB_NUM_NODES} nod
   "$nproc process(es) per node, rendezvous $addr:$port"
 cmd=(srun --ntasks-per-node=1 --kill-on-bad-exit=1
   python ddp/torchrun.py --nnodes="$SLURM_JOB_NUM_NODES" --nproc_per_node="$nproc" --rdzv_backend=c10d
-  --rdzv_endpoint="$addr:$port" --rdzv_id="$job"
+  --rdzv_endpoint="$(endpoint "$addr" "$port")" --rdzv_id="$job"
   ddp/train.py run.out_dir="${OUT_ROOT:-runs}/slurm-$job" "$@")
 echo "+ ${cmd[*]}"
 exec "${cmd[@]}"

@@ -22,6 +22,7 @@ import pytest
 from conftest import require
 
 SUBNET = "10.250.0"  # each set of hosts has a bridge of its own: sets never see each other's addresses
+SUBNET6 = "fd0d:dc::"  # the same, where the hosts have IPv6 addresses only (a unique local prefix: no route out)
 _PREFIX = "ddpc"  # netns names: ddpc<creator pid>x<set>h<n>; a dead creator's are removed as stale
 _sets = itertools.count()
 
@@ -35,6 +36,7 @@ class Host:
     name: str  # its netns name and its hostname
     address: str  # on the bridge
     device: str = "eth0"
+    prefix: int = 24  # the address's network prefix length: /24, or /64 for IPv6
 
     def command(self, cmd: list[str]) -> list[str]:
         """`cmd` run on this host: its network, its /etc/hosts (ip netns exec), its hostname."""
@@ -87,9 +89,10 @@ def _remove_stale() -> None:
 
 
 @contextlib.contextmanager
-def hosts(count: int, loopback_names: tuple[int, ...] = ()) -> Iterator[list[Host]]:
+def hosts(count: int, loopback_names: tuple[int, ...] = (), ipv6: bool = False) -> Iterator[list[Host]]:
     """`count` hosts; the ones in `loopback_names` have their own name on 127.0.1.1 in their
-    /etc/hosts, as Debian and Ubuntu write it. Torn down on the way out, whatever happens inside."""
+    /etc/hosts, as Debian and Ubuntu write it. `ipv6`: each host's address, and its name in every
+    /etc/hosts, IPv6 only (an IPv6-only cluster). Torn down on the way out, whatever happens inside."""
     if os.geteuid() != 0:
         pytest.skip("hosts made of network namespaces need root (ip netns add): run the tests as root")
     require("ip", "apt-get install iproute2")
@@ -97,7 +100,8 @@ def hosts(count: int, loopback_names: tuple[int, ...] = ()) -> Iterator[list[Hos
     _remove_stale()
     prefix = f"{_PREFIX}{os.getpid()}x{next(_sets)}"
     switch = f"{prefix}sw"
-    made = [Host(f"{prefix}h{n}", f"{SUBNET}.{n + 1}") for n in range(count)]
+    made = [Host(f"{prefix}h{n}", f"{SUBNET6}{n + 1}" if ipv6 else f"{SUBNET}.{n + 1}", prefix=64 if ipv6 else 24)
+            for n in range(count)]  # fmt: skip
     try:
         ip("netns", "add", switch)
         ip("-n", switch, "link", "add", "br0", "type", "bridge")
@@ -108,11 +112,13 @@ def hosts(count: int, loopback_names: tuple[int, ...] = ()) -> Iterator[list[Hos
                "netns", switch)  # fmt: skip
             ip("-n", switch, "link", "set", f"p{n}", "master", "br0")
             ip("-n", switch, "link", "set", f"p{n}", "up")
-            ip("-n", host.name, "addr", "add", f"{host.address}/24", "dev", host.device)
+            nodad = ["nodad"] if ipv6 else []  # usable at once, without duplicate address detection's seconds
+            ip("-n", host.name, "addr", "add", f"{host.address}/{host.prefix}", "dev", host.device, *nodad)
             ip("-n", host.name, "link", "set", host.device, "up")
             ip("-n", host.name, "link", "set", "lo", "up")
         for n, host in enumerate(made):
-            lines = ["127.0.0.1 localhost"] + ([f"127.0.1.1 {host.name}"] if n in loopback_names else [])
+            lines = ["127.0.0.1 localhost", *(["::1 localhost"] if ipv6 else [])]
+            lines += [f"127.0.1.1 {host.name}"] if n in loopback_names else []
             lines += [f"{other.address} {other.name}" for other in made if not (other is host and n in loopback_names)]
             Path(f"/etc/netns/{host.name}").mkdir(parents=True, exist_ok=True)
             Path(f"/etc/netns/{host.name}/hosts").write_text("\n".join(lines) + "\n")

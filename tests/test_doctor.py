@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 import torch
 from conftest import BIN, REPO, clean_env, ok, torchrun
+from launch_envs import TORCHRUN
 
 from ddp import doctor as ddp_doctor
-from ddp import launchers, network
+from ddp import launchers, lost_rank, network
 from ddp.errors import UsageError
 
 SYNTHETIC = ("data.dataset=synthetic", "data.synthetic_train=64", "data.synthetic_test=32")
@@ -144,17 +145,38 @@ def test_half_set_launcher_variables_are_a_usage_error():
 @pytest.mark.parametrize(
     "master, said",
     [("127.0.0.1:29500", "MASTER_ADDR=127.0.0.1:29500 holds a port: MASTER_ADDR=127.0.0.1 MASTER_PORT=29500"),
-     ("::1", "MASTER_ADDR=::1 is no IPv4 address or host name (IPv6?): give the master's IPv4 address or name"),
+     ("[::1]:29500", "MASTER_ADDR=[::1]:29500 holds a port: MASTER_ADDR=::1 MASTER_PORT=29500"),
+     ("fd00::zz", "MASTER_ADDR=fd00::zz is no address or host name: give the master's IPv4 or IPv6 address, or its "),
      ("a" * 64, f"MASTER_ADDR={'a' * 64} does not resolve on ")],
 )  # fmt: skip
-def test_a_master_addr_with_a_port_in_it_an_ipv6_one_or_a_label_too_long_is_said_as_such(master, said):
-    """launch/multinode.sh's check and the doctor's said "does not resolve" for the first two and was a UnicodeError
-    traceback for the third (idna's "label too long"); the doctor called the port of each, and of a master that is
+def test_a_master_addr_with_a_port_in_it_no_address_or_a_label_too_long_is_said_as_such(master, said):
+    """launch/multinode.sh's check and the doctor's said "does not resolve" for the first ones and was a UnicodeError
+    traceback for the last (idna's "label too long"); the doctor called the port of each, and of a master that is
     another machine, "IN USE" here (binding that address failed)."""
     with pytest.raises(UsageError, match="^" + re.escape(said)):
         network.check_master(master, 29500, node_rank=0, timeout_s=0)
     assert ddp_doctor.port_free(master, 0) is None and ddp_doctor.port_free("192.0.2.1", 0) is None  # TEST-NET-1
     assert ddp_doctor.port_free("127.0.0.1", 0) is True
+
+
+def test_an_ipv6_master_addr_is_an_address():
+    """An IPv6 address, bare or in brackets, and a name whose only address is IPv6 (an IPv6-only cluster) were
+    refused: "no IPv4 address or host name (IPv6?)", and "does not resolve" for the name. torch's rendezvous takes
+    them (tests/test_hosts.py runs a job on IPv6-only hosts)."""
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+    except OSError as e:
+        pytest.skip(f"this machine has no IPv6 loopback (::1): {e}")
+    assert network.resolve("::1") == network.resolve("[::1]") == "::1" and network.resolve("[]") is None
+    assert network.host_port("::1", 29500) == "[::1]:29500" and network.host_port("h0", 1) == "h0:1"
+    for master in ("::1", "[::1]"):
+        network.check_master(master, 0, node_rank=0, timeout_s=0)  # resolves; port 0: any is free
+        assert ddp_doctor.port_free(master, 0) is True
+    assert network.route_to("::1") == ("lo", "::1") and network.interface_with("::1") == "lo"
+    launch = launchers.detect_launch({**TORCHRUN, "MASTER_ADDR": "fd00::1", "MASTER_PORT": "1"})  # rank 0 serves it
+    assert launch.init_method == "tcp://[fd00::1]:1"
+    assert lost_rank.served_by_rank_0("tcp://[fd00::1]:1", {}) == ("fd00::1", 1, "ddp-cifar")
 
 
 def test_a_busy_rendezvous_port_is_a_problem(tmp_path):

@@ -235,6 +235,25 @@ def test_help_and_print_config_through_a_launch_file_are_answered_once_and_start
     assert proc.returncode == 0 and proc.stdout.count("optim:\n") == 1 and "a rank starts" not in proc.stdout, proc
 
 
+def test_the_rendezvous_store_is_where_torchrun_finds_it_an_ipv6_address_too():
+    """The store a node whose preflight stopped it tells (and an agent watches) is read from --rdzv_endpoint as
+    torchrun reads it. [fd00::1]:29401 was ('[fd00::1]', 29401), which no client can reach; the launch files and
+    slurm/train.sh put an IPv6 MASTER_ADDR in brackets (torchrun read fd00::1 alone as host 'fd00:', port 1)."""
+
+    def store(*flags: str) -> tuple[str, int] | None:
+        return launcher.fixed_nodes_store(launcher.parse_args(["--rdzv_backend=c10d", *flags, str(TRAIN)]))
+
+    assert store("--nnodes=2", "--rdzv_endpoint=[fd00::1]:29401") == ("fd00::1", 29401)
+    assert store("--nnodes=2", "--rdzv_endpoint=[fd00::1]") == ("fd00::1", 29400)  # torch's c10d default port
+    assert store("--nnodes=2", "--rdzv_endpoint=h0:29401") == ("h0", 29401)
+    assert store("--nnodes=2") == ("localhost", 29400)  # as torchrun: was ("", 29400)
+    assert store("--nnodes=2", "--rdzv_endpoint=h0:port") is None  # torchrun refuses it, in its own words
+    assert store("--nnodes=1:2", "--rdzv_endpoint=h0:29401") is None  # elastic: it begins without a node
+    for addr, endpoint in (("fd00::1", "[fd00::1]:29400"), ("[fd00::1]", "[fd00::1]:29400"), ("h0", "h0:29400")):
+        shell = f"root={REPO}; source launch/common.sh; endpoint '{addr}' 29400"
+        assert subprocess.run(["bash", "-c", shell], capture_output=True, text=True).stdout == endpoint + "\n"
+
+
 @pytest.mark.parametrize("mode, flags", [("ddp", ["--multi_gpu"]), ("fsdp", ["--use_fsdp", "--fsdp_version", "2"])])
 def test_accelerate_multi_gpu_runs_2_processes_on_a_machine_without_gpus(tmp_path, mode, flags):
     """--multi_gpu (or --use_fsdp: run.parallel=fsdp) starts torchrun, which needs no GPU and no MPI: the

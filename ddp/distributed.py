@@ -8,6 +8,7 @@ import contextlib
 import gc
 import importlib
 import inspect
+import time
 import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -44,6 +45,11 @@ _NO_FORWARD_BUFFER_SYNC = (
     else {"broadcast_buffers": False}
 )
 
+# torch before 2.8 destroys a gloo group holding the interpreter lock and waits there for its worker threads, which may
+# still need that lock to free the last collective's tensors: a deadlock (2.4.1, 1 in 30 two-rank jobs three at a time:
+# py-spy showed a worker in ~AsyncAllgatherWork waiting for the lock; pytorch/pytorch#154976). A pause lets them first.
+GLOO_PAUSE_S = 0.2 if torch.torch_version.TorchVersion(torch.__version__) < (2, 8) else 0.0
+
 
 @contextmanager
 def setup(world: World, timeout_s: float) -> Iterator[World]:
@@ -78,6 +84,7 @@ def setup(world: World, timeout_s: float) -> Iterator[World]:
     finally:
         if dist.is_initialized():
             gc.collect()  # DDP objects in reference cycles go now, while their group exists
+            time.sleep(GLOO_PAUSE_S)  # (the lock released: gloo's threads free what they hold)
             with lifeline.deadline(timeout_s, "leaving the process group"), lifeline.backstop(timeout_s):
                 dist.destroy_process_group()  # (torch 2.4's gloo hung there holding the GIL: the backstop ends it)
 

@@ -22,7 +22,17 @@ import torch.distributed as dist
 
 from ddp import launchers
 from ddp.devices import World
-from ddp.errors import EXIT_OK, EXIT_USAGE, PeerLost, Stopped, UsageError, ending, first_line, oom_killed
+from ddp.errors import (
+    EXIT_OK,
+    EXIT_USAGE,
+    PeerLost,
+    Stopped,
+    UsageError,
+    ending,
+    first_line,
+    oom_killed,
+    oom_kills_since,
+)
 
 # Failures of a collective that say nothing more specific than their text (gloo and nccl raise
 # RuntimeError or DistError with these words). gloo's "Application timeout caused pair closure" comes
@@ -131,6 +141,7 @@ def register_host(world: World, store: dist.Store) -> None:
 # So a rank that stops before it came leaves its reason at the store, and those waiting there stop with it. After
 # the meeting a rank that stops on an error of its own leaves it there too, for those it leaves to name (say_why).
 WHY = "why-a-rank-left"  # the key of the first such word, under meeting_store's prefix
+OOM = "oom-kills"  # OOM/host: the out-of-memory kills a rank on that host counted when it lost one (explain)
 TELL_S = 5.0  # how long a rank that stops may take to tell (a store that does not answer: it says nothing)
 HEARD = f"{WHY}/heard"  # how many ranks read it or left their own (_word): serve_word waits for them
 HEAR_S = 15.0  # how long rank 0 serves its word for ranks yet to come (their store goes with it)
@@ -226,6 +237,13 @@ def word_left(store: dist.Store, key: str) -> dict[str, Any] | None:
     return json.loads(store.get(key)) if store.check([key]) else None
 
 
+def _oom_told(store: dist.Store, silent: dict[int, str]) -> str | None:
+    """The out-of-memory kills a rank on the host of a silent rank told at `store` (explain), in words; None if none."""
+    hosts = sorted({h for h in silent.values() if h and h != socket.gethostname()})
+    told = {h: int(store.get(f"{OOM}/{h}")) for h in hosts if store.check([f"{OOM}/{h}"])}
+    return "; ".join(filter(None, (oom_killed(h, n) for h, n in told.items()))) or None
+
+
 def say_why(world: World, error: BaseException, store: dist.Store) -> None:
     """After the meeting: why this rank stops, at the store where the ranks met, on an error of its own (out of memory,
     a bug), for a rank that it leaves waiting in a collective to name (explain); not a stop, a Ctrl-C, a lost rank."""
@@ -264,12 +282,17 @@ def explain(world: World, error: BaseException, timeout_s: float, store: dist.St
     first = first_line(error)
     hung = "imed out" in first or "imeout" in first
     what = f"no answer within run.timeout_s={timeout_s:g}: hung" if hung else "its connection closed: it died"
+    kills = 0 if hung or store is None else oom_kills_since()
+    if kills:  # for the ranks of other machines, which see only a closed connection: before the check-in's wait
+        asked(lambda: store.set(f"{OOM}/{socket.gethostname()}", str(kills)), 1.0)
     silent = silent_ranks(world, store)
     word = asked(lambda: word_left(store, WHY), 2.0) if silent and store is not None else None
     if word and str(word["rank"]) in map(str, silent):  # it said why (say_why)
         what = f"it stopped: {word['line']}"
-    elif not hung and silent and socket.gethostname() in silent.values() and (oom := oom_killed()):
-        what += f"; {oom}"  # one of this machine's, killed without a word
+    elif not hung and silent:  # killed without a word: the out-of-memory kills on this machine, and those told
+        here = oom_killed() if socket.gethostname() in silent.values() else None  # by ranks on the others' machines
+        told = asked(lambda: _oom_told(store, silent), 2.0) if store is not None else None
+        what += "".join(f"; {oom}" for oom in (here, told) if oom)
     if silent:
         hosts = sorted({h for h in silent.values() if h and h != socket.gethostname()})  # another machine's
         who = f"rank {', '.join(map(str, silent))}" + (f" on {', '.join(hosts)}" if hosts else "")

@@ -369,3 +369,36 @@ def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     """The least d such that |a - b| <= d * (1 + |a|) for every float value of the two state dicts."""
     assert a.keys() == b.keys()
     return max(((a[k] - b[k]).abs() / (1 + a[k].abs())).max().item() for k in a if a[k].is_floating_point())
+
+
+@contextlib.contextmanager
+def memory_cgroup(limit: int) -> Iterator[Path]:
+    """A memory cgroup of its own (cgroup v2, or v1's memory controller) limited to `limit` bytes, no swap: its
+    cgroup.procs file, for a process to move itself into; its processes killed and the cgroup removed after."""
+    root, v2 = Path("/sys/fs/cgroup"), Path("/sys/fs/cgroup/cgroup.controllers")
+    if os.geteuid() != 0:
+        pytest.skip("a memory cgroup to limit (a real out-of-memory kill) needs root: run the tests as root")
+    if v2.is_file():
+        group, limits = root / f"ddp-cifar-test-{os.getpid()}", {"memory.max": limit, "memory.swap.max": 0}
+    else:  # v1: the swap limit after the memory limit (at least it)
+        group = root / "memory" / f"ddp-cifar-test-{os.getpid()}"
+        limits = {"memory.limit_in_bytes": limit, "memory.memsw.limit_in_bytes": limit}
+    try:
+        group.mkdir()
+    except OSError as e:
+        pytest.skip(f"no memory cgroup could be made at {group} ({e.strerror}): a real out-of-memory kill needs one")
+    try:
+        if not (group / next(iter(limits))).exists():
+            pytest.skip(f"{group} has no memory controller (not in its parent's cgroup.subtree_control)")
+        for name, value in limits.items():
+            if (group / name).exists():  # (memsw: only where swap is accounted)
+                (group / name).write_text(str(value))
+        yield group / "cgroup.procs"
+    finally:
+        deadline = time.monotonic() + 30
+        while (pids := (group / "cgroup.procs").read_text().split()) and time.monotonic() < deadline:
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(pid), signal.SIGKILL)
+            time.sleep(0.1)
+        group.rmdir()

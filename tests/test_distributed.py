@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from launch_envs import SRUN, TORCHRUN
 
-from ddp import checks, devices, launchers, logs, lost_rank
+from ddp import checks, devices, errors, launchers, logs, lost_rank
 from ddp.config import RunConfig
 from ddp.errors import PeerLost, UsageError
 
@@ -325,6 +325,26 @@ def test_a_lost_rank_without_a_store_to_ask_is_the_other_one_in_a_world_of_2_els
                                   60, None)) for n in (2, 3)]  # fmt: skip
     assert said == [f"rank 1 of {n}: lost contact with {who} (its connection closed: it died) [{closed}]"
                     for n, who in ((2, "rank 0"), (3, "another rank"))]  # fmt: skip
+
+
+def test_the_out_of_memory_kills_a_rank_on_another_machine_told_are_said_with_that_machines_name(monkeypatch):
+    """explain: a rank that loses one and whose machine's count of out-of-memory kills rose leaves that count at the
+    store under its host's name; a rank on another machine that lost a rank there says it (tests/test_hosts.py runs
+    it). This machine's own count, and hosts with none told, add nothing."""
+    store = dist.HashStore()
+    store.set(f"{lost_rank.OOM}/h1", "2")
+    assert lost_rank._oom_told(store, {3: "h1", 5: "h2", 6: ""}) == (
+        "the kernel's out-of-memory killer ended 2 processes on h1 meanwhile (dmesg on h1 names them)"
+    )
+    assert lost_rank._oom_told(store, {5: "h2"}) is None
+    monkeypatch.setattr(errors, "OOM_KILLS_AT_START", 5)
+    monkeypatch.setattr(errors, "oom_kills", lambda: 6)  # one since, here
+    monkeypatch.setattr(lost_rank, "silent_ranks", lambda world, store: {1: "h1"})
+    monkeypatch.setattr(socket, "gethostname", lambda: "h0")
+    closed = RuntimeError("Connection closed by peer")
+    said = lost_rank.explain(devices.World(0, 0, 2, torch.device("cpu"), "ddp", "torchrun"), closed, 60, store)
+    assert store.get(f"{lost_rank.OOM}/h0") == b"1"  # told, for the other machines' ranks
+    assert "(its connection closed: it died; the kernel's out-of-memory killer ended 2 processes on h1" in str(said)
 
 
 def test_a_ctrl_c_while_rank_0_serves_its_word_at_exit_ends_that_wait_without_a_traceback(monkeypatch):

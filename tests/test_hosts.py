@@ -5,6 +5,8 @@ The failures of real clusters end with one line, in bounded time, and the run re
 from __future__ import annotations
 
 import contextlib
+import os
+import re
 import subprocess
 import sys
 import time
@@ -25,6 +27,7 @@ from conftest import (
     cmdline,
     kill_orphans,
     max_diff,
+    memory_cgroup,
     metrics,
     require,
     running,
@@ -126,6 +129,35 @@ def test_an_ipv6_only_cluster_by_address_and_by_name(tmp_path):
         assert f"{host.name} resolves to 127.0.1.1: gloo/nccl use eth0 ({host.address})" in stdout
     assert f"--rdzv_endpoint=[{h0.address}]:{PORT}" in results[1][2]
     assert [(m["world_size"], m["test_images"]) for m in metrics(out)] == [(2, 101)]
+
+
+def test_a_rank_the_kernel_kills_for_memory_on_another_host_is_said_to_be_so_there(tmp_path):
+    """Rank 3 on h1 takes memory until the kernel kills it (h1's job in a memory cgroup of 2.5 GB). The ranks on h0
+    said only "its connection closed: it died": the count of out-of-memory kills is h1's. Rank 2, beside it on h1,
+    now leaves that count at the store as it loses it, and the ranks on h0 say it."""
+    args = [*TINY, f"run.out_dir={tmp_path}", "run.timeout_s=20"]
+    with hosts(2) as (h0, h1), memory_cgroup(5 << 29) as procs:
+        node0 = store_up(h0, multinode(h0, 0, h0, *args, nproc=2))
+        env = clean_env(NNODES="2", NODE_RANK="1", MASTER_ADDR=h0.name, MASTER_PORT=PORT, NPROC="2",
+                        DDP_CIFAR_FAULT="memory:3:r3")  # fmt: skip
+        node1 = subprocess.Popen(
+            h1.command(["bash", "launch/multinode.sh", *args]),
+            cwd=REPO,
+            env=env,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+            preexec_fn=lambda: procs.write_text(str(os.getpid())),
+        )  # (netns exec hides /sys/fs/cgroup)
+        (code0, _, err0), (code1, _, err1) = finish(node0, node1, timeout=120)
+    assert code0 != 0 and code1 == 128 + 9, (err0[-3000:], err1[-3000:])
+    assert re.search(r"rank 3 \(pid \d+\) was killed by SIGKILL: out of memory, most likely", err1), err1[-3000:]
+    said = (
+        rf"the kernel's out-of-memory killer ended \d+ process(es)? on {h1.name} meanwhile \(dmesg on {h1.name} names"
+    )
+    lines = [line for line in err0.splitlines() if re.search(rf"lost contact with rank .*3 on {h1.name} ", line)]
+    assert lines and all(re.search(rf"\(its connection closed: it died; (.*; )?{said}", ln) for ln in lines), err0
 
 
 def one_error_line(err: str) -> str:

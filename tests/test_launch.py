@@ -2,7 +2,6 @@
 two "nodes" on loopback, accelerate launch (torchrun and MPI modes). SLURM itself: test_slurm.py."""
 
 import concurrent.futures
-import contextlib
 import json
 import logging
 import os
@@ -12,13 +11,12 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from conftest import BIN, REPO, TINY, TRAIN, clean_env, kill_orphans, metrics, needs_fsdp2, require
+from conftest import BIN, REPO, TINY, TRAIN, clean_env, kill_orphans, memory_cgroup, metrics, needs_fsdp2, require
 
 from ddp import errors, lost_rank
 from ddp import torchrun as launcher
@@ -86,39 +84,6 @@ def test_ctrl_c_on_the_torchrun_script_ends_with_our_lines_and_130_and_a_killed_
     killed = run_script("launch/torchrun.sh", *TINY, f"run.out_dir={tmp_path / 'killed'}", env=fault)
     assert killed.returncode == 128 + signal.SIGKILL and "Traceback" not in killed.stderr, killed.stderr
     assert re.search(r"^error: rank 1 \(pid \d+\) was killed by SIGKILL$", killed.stderr, re.M), killed.stderr
-
-
-@contextlib.contextmanager
-def memory_cgroup(limit: int) -> Iterator[Path]:
-    """A memory cgroup of its own (cgroup v2, or v1's memory controller) limited to `limit` bytes, no swap: its
-    cgroup.procs file, for a process to move itself into; its processes killed and the cgroup removed after."""
-    root, v2 = Path("/sys/fs/cgroup"), Path("/sys/fs/cgroup/cgroup.controllers")
-    if os.geteuid() != 0:
-        pytest.skip("a memory cgroup to limit (a real out-of-memory kill) needs root: run the tests as root")
-    if v2.is_file():
-        group, limits = root / f"ddp-cifar-test-{os.getpid()}", {"memory.max": limit, "memory.swap.max": 0}
-    else:  # v1: the swap limit after the memory limit (at least it)
-        group = root / "memory" / f"ddp-cifar-test-{os.getpid()}"
-        limits = {"memory.limit_in_bytes": limit, "memory.memsw.limit_in_bytes": limit}
-    try:
-        group.mkdir()
-    except OSError as e:
-        pytest.skip(f"no memory cgroup could be made at {group} ({e.strerror}): a real out-of-memory kill needs one")
-    try:
-        if not (group / next(iter(limits))).exists():
-            pytest.skip(f"{group} has no memory controller (not in its parent's cgroup.subtree_control)")
-        for name, value in limits.items():
-            if (group / name).exists():  # (memsw: only where swap is accounted)
-                (group / name).write_text(str(value))
-        yield group / "cgroup.procs"
-    finally:
-        deadline = time.monotonic() + 30
-        while (pids := (group / "cgroup.procs").read_text().split()) and time.monotonic() < deadline:
-            for pid in pids:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(int(pid), signal.SIGKILL)
-            time.sleep(0.1)
-        group.rmdir()
 
 
 def test_a_rank_the_kernels_out_of_memory_killer_ends_is_said_to_be_out_of_memory_by_torchrun_and_its_peer(tmp_path):

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import collections
 import concurrent.futures
-import json
 import os
 import subprocess
 import sys
@@ -24,15 +23,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-PROBES = {
-    "default": [],
-    "torch's reducer": ["ddp.comm_hook=none"],
-    "small buckets": ["ddp.bucket_cap_mb=0.05", "ddp.gradient_as_bucket_view=false", "ddp.broadcast_buffers=false"],
-    "accum 2": ["train.grad_accum_steps=2"],
-    "accum 4": ["train.grad_accum_steps=4"],
-    "fp16": ["ddp.comm_hook=fp16"],
-    "bf16": ["ddp.comm_hook=bf16"],
-}
 HUNG_S = 45.0
 
 
@@ -40,8 +30,8 @@ def one_job(python: Path, folder: Path, index: int) -> tuple[int, int, float]:
     """(index, exit code, seconds) of one torchrun job; native stacks of its ranks in `folder` if it hangs."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR")}
     env.update(PYTHONPATH=str(REPO), CUDA_VISIBLE_DEVICES="", PYTHONUNBUFFERED="1")
-    cmd = [str(python), "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(REPO / "tests" / "knob_worker.py"), str(folder / f"report{index}.json"), json.dumps(PROBES)]  # fmt: skip
+    worker = [str(REPO / "tests" / "knob_worker.py"), str(folder / f"report{index}.json")]  # its own PROBES
+    cmd = [str(python), "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *worker]
     start, dumped = time.monotonic(), False
     with open(folder / f"job{index}.log", "w") as log:
         job = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)

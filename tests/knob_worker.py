@@ -1,7 +1,8 @@
 """What the `ddp:` settings and gradient accumulation make DDP do, seen from inside a real torchrun job.
 
-torchrun --standalone --nproc_per_node=2 tests/knob_worker.py OUT.json PROBES
-    PROBES: a JSON object, {name: [section.key=value, ...]}. For each probe in turn, in the one
+torchrun --standalone --nproc_per_node=2 tests/knob_worker.py OUT.json [PROBES]
+    PROBES: a JSON object, {name: [section.key=value, ...]}, else PROBES below (tests/test_ddp_knobs.py's, and
+    bench/group_exits.py's). For each probe in turn, in the one
     process group: two optimizer steps of a new small net, wrapped by distributed.wrap with that
     probe's ddp: settings and run in its train.grad_accum_steps micro-batches
     (distributed.micro_batches); rank 0 writes what happened (buckets, all-reduces per step,
@@ -20,6 +21,17 @@ import torch
 from torch import nn
 
 from ddp import cli, config, devices, distributed, models, train
+
+# Every probe in one torchrun job: each builds and wraps its own net.
+PROBES = {
+    "default": [],
+    "torch's reducer": ["ddp.comm_hook=none"],
+    "small buckets": ["ddp.bucket_cap_mb=0.05", "ddp.gradient_as_bucket_view=false", "ddp.broadcast_buffers=false"],
+    "accum 2": ["train.grad_accum_steps=2"],
+    "accum 4": ["train.grad_accum_steps=4"],
+    "fp16": ["ddp.comm_hook=fp16"],
+    "bf16": ["ddp.comm_hook=bf16"],
+}
 
 
 def probe(out: str, probes: dict[str, list[str]]) -> None:
@@ -80,5 +92,5 @@ if __name__ == "__main__":
     if sys.argv[1] == "--unused-parameter":
         models.MODELS["tutorial"] = WithUnusedLayer
         cli.leave(train.cli(sys.argv[2:]))
-    probe(sys.argv[1], json.loads(sys.argv[2]))
+    probe(sys.argv[1], json.loads(sys.argv[2]) if len(sys.argv) > 2 else PROBES)
     cli.leave(0)  # as ddp/train.py exits

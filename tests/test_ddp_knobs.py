@@ -8,24 +8,13 @@ import json
 import pytest
 import torch
 from conftest import REPO, REPORT, TINY, TRAIN, clean_env, ok, python, torchrun
+from knob_worker import PROBES
 
 from ddp import checks, config
 from ddp.devices import World
 from ddp.errors import UsageError
 
 WORKER = str(REPO / "tests" / "knob_worker.py")
-
-
-# Every probe in one torchrun job (tests/knob_worker.py): each builds and wraps its own net.
-PROBES = {
-    "default": [],
-    "torch's reducer": ["ddp.comm_hook=none"],
-    "small buckets": ["ddp.bucket_cap_mb=0.05", "ddp.gradient_as_bucket_view=false", "ddp.broadcast_buffers=false"],
-    "accum 2": ["train.grad_accum_steps=2"],
-    "accum 4": ["train.grad_accum_steps=4"],
-    "fp16": ["ddp.comm_hook=fp16"],
-    "bf16": ["ddp.comm_hook=bf16"],
-}
 
 
 @pytest.fixture(scope="module")

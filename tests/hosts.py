@@ -43,9 +43,11 @@ class Host:
         name = f'hostname {self.name} && exec "$@"'
         return ["ip", "netns", "exec", self.name, "unshare", "--uts", "sh", "-c", name, "sh", *cmd]
 
-    def popen(self, cmd: list[str], cwd: Path, env: dict[str, str]) -> subprocess.Popen:
-        """`cmd` on this host, in a session of its own (a kill of it cannot reach pytest), output captured."""
-        return subprocess.Popen(self.command(cmd), cwd=cwd, env=env, start_new_session=True,
+    def popen(self, cmd: list[str], cwd: Path, env: dict[str, str], cgroup: Path | None = None) -> subprocess.Popen:
+        """`cmd` on this host, in a session of its own (a kill of it cannot reach pytest), output captured; in the
+        cgroup whose cgroup.procs file `cgroup` is, joined before (`ip netns exec` hides /sys/fs/cgroup)."""
+        join = (lambda: cgroup.write_text(str(os.getpid()))) if cgroup else None
+        return subprocess.Popen(self.command(cmd), cwd=cwd, env=env, start_new_session=True, preexec_fn=join,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
 
     def run(self, cmd: list[str], cwd: Path, env: dict[str, str], timeout: float = 120) -> subprocess.CompletedProcess:

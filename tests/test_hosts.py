@@ -5,7 +5,6 @@ The failures of real clusters end with one line, in bounded time, and the run re
 from __future__ import annotations
 
 import contextlib
-import os
 import re
 import subprocess
 import sys
@@ -140,16 +139,7 @@ def test_a_rank_the_kernel_kills_for_memory_on_another_host_is_said_to_be_so_the
         node0 = store_up(h0, multinode(h0, 0, h0, *args, nproc=2))
         env = clean_env(NNODES="2", NODE_RANK="1", MASTER_ADDR=h0.name, MASTER_PORT=PORT, NPROC="2",
                         DDP_CIFAR_FAULT="memory:3:r3")  # fmt: skip
-        node1 = subprocess.Popen(
-            h1.command(["bash", "launch/multinode.sh", *args]),
-            cwd=REPO,
-            env=env,
-            text=True,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            start_new_session=True,
-            preexec_fn=lambda: procs.write_text(str(os.getpid())),
-        )  # (netns exec hides /sys/fs/cgroup)
+        node1 = h1.popen(["bash", "launch/multinode.sh", *args], REPO, env, cgroup=procs)
         (code0, _, err0), (code1, _, err1) = finish(node0, node1, timeout=120)
     assert code0 != 0 and code1 == 128 + 9, (err0[-3000:], err1[-3000:])
     assert re.search(r"rank 3 \(pid \d+\) was killed by SIGKILL: out of memory, most likely", err1), err1[-3000:]

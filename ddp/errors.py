@@ -211,23 +211,23 @@ def _cgroup_counters(listed: str) -> list[str]:
 OOM_KILLS_AT_START = oom_kills()  # of this process: more since, and a process killed by SIGKILL was most likely one
 
 
-def oom_killed(host: str | None = None, kills: int | None = None) -> str | None:
-    """What the kernel's out-of-memory killer did on this machine since this process began, if anything: the
-    words for a SIGKILL (a rank's, a DataLoader worker's) that has no word of its own. On another `host`: the
-    `kills` its rank counted there (lost_rank tells them)."""
-    now, then = (oom_kills(), OOM_KILLS_AT_START) if host is None else (kills, 0)
-    if now is None or then is None or now <= then:
-        return None
-    many, there = now - then > 1, f" on {host}" if host else ""
-    return (f"the kernel's out-of-memory killer ended {now - then} process{'es' if many else ''} on "
-            f"{host or 'this machine'} meanwhile (dmesg{there} names {'them' if many else 'it'})")  # fmt: skip
-
-
 def oom_kills_since() -> int:
     """How many processes the kernel's out-of-memory killer ended here since this process began (0: none, or no
     count)."""
     now, then = oom_kills(), OOM_KILLS_AT_START
     return max(0, now - then) if now is not None and then is not None else 0
+
+
+def oom_killed(kills: int | None = None, host: str | None = None) -> str | None:
+    """What the kernel's out-of-memory killer did on this machine since this process began, if anything: the
+    words for a SIGKILL (a rank's, a DataLoader worker's) that has no word of its own. `kills` and `host`: the
+    count a rank on another host told (lost_rank)."""
+    kills = oom_kills_since() if kills is None else kills
+    if kills <= 0:
+        return None
+    many, there = kills > 1, f" on {host}" if host else ""
+    return (f"the kernel's out-of-memory killer ended {kills} process{'es' if many else ''} on "
+            f"{host or 'this machine'} meanwhile (dmesg{there} names {'them' if many else 'it'})")  # fmt: skip
 
 
 MACHINE_MEMORY_FIX = "give it more memory, or use less: fewer ranks on this machine, data.workers or train.batch_size"

@@ -241,7 +241,7 @@ def _oom_told(store: dist.Store, silent: dict[int, str]) -> str | None:
     """The out-of-memory kills a rank on the host of a silent rank told at `store` (explain), in words; None if none."""
     hosts = sorted({h for h in silent.values() if h and h != socket.gethostname()})
     told = {h: int(store.get(f"{OOM}/{h}")) for h in hosts if store.check([f"{OOM}/{h}"])}
-    return "; ".join(filter(None, (oom_killed(h, n) for h, n in told.items()))) or None
+    return "; ".join(filter(None, (oom_killed(n, h) for h, n in told.items()))) or None
 
 
 def say_why(world: World, error: BaseException, store: dist.Store) -> None:
@@ -289,8 +289,8 @@ def explain(world: World, error: BaseException, timeout_s: float, store: dist.St
     word = asked(lambda: word_left(store, WHY), 2.0) if silent and store is not None else None
     if word and str(word["rank"]) in map(str, silent):  # it said why (say_why)
         what = f"it stopped: {word['line']}"
-    elif not hung and silent:  # killed without a word: the out-of-memory kills on this machine, and those told
-        here = oom_killed() if socket.gethostname() in silent.values() else None  # by ranks on the others' machines
+    elif not hung and silent:  # killed without a word: this machine's out-of-memory kills (counted above), and
+        here = oom_killed(kills) if socket.gethostname() in silent.values() else None  # those told from others
         told = asked(lambda: _oom_told(store, silent), 2.0) if store is not None else None
         what += "".join(f"; {oom}" for oom in (here, told) if oom)
     if silent:

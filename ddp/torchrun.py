@@ -226,8 +226,7 @@ def leave_after_the_ranks(store: tuple[str, int] | None, elastic: bool, nodes: t
             continue  # the agent may be waiting at its store for its next ranks
         if store and not answers:
             _leave(f"torchrun's agent on {host}: its rendezvous store {network.host_port(*store)} does not answer "
-                   f"{STORE_LOST_S:.0f} s "
-                   f"after its ranks ended (is {host} cut off?)")  # fmt: skip
+                   f"{STORE_LOST_S:.0f} s after its ranks ended (is {host} cut off?)")  # fmt: skip
         if waited > GRACE_S:
             _leave(f"torchrun's agent on {host} still waited {GRACE_S:.0f} s after its ranks ended (for its "
                    "rendezvous store on another host?)")  # fmt: skip

@@ -77,7 +77,7 @@ def setup(world: World, timeout_s: float) -> Iterator[World]:
     except BaseException as e:
         traceback.clear_frames(e.__traceback__)  # frames keep their names and lines, not their locals (DDP)
         if world.grouped and lost_rank.is_comm_failure(e):
-            raise lost_rank.explain(world, e, timeout_s, store) from e
+            raise lost_rank.explain(world, e, timeout_s, store, lifeline.stopped_lately(timeout_s)) from e
         if store is not None:  # its own error (out of memory, say): why, for a rank it leaves (explain names it)
             lost_rank.say_why(world, e, store)
         raise
@@ -124,7 +124,7 @@ def _rendezvous(world: World, timeout_s: float, where: str) -> tuple[dict[str, A
         else dist.TCPStore(addr, port, is_master=False, timeout=timeout)  # fmt: skip
     store = dist.PrefixStore(prefix, served)
     lost_rank.register_host(world, store)
-    lost_rank.wait_for_everyone(world, store, timeout_s, where)
+    lost_rank.wait_for_everyone(world, store, timeout_s, where, clock=lifeline.awake)
     group = {"store": store, "rank": world.rank, "world_size": world.world_size}
     return group, store  # (lost_rank.explain asks it which ranks are lost; one rank 0 serves goes with rank 0)
 

@@ -14,7 +14,9 @@ deadline. One watcher thread does the three, because the main thread may be bloc
   end by itself: the launcher stops the others as one rank dies, before they have said that they lost it.
 - Deadlines: a wait that torch would let run past run.timeout_s (the store and the rendezvous) is
   ended by the watcher with one line that names what it waited for (exit 1); one inside torch that holds the
-  interpreter's lock, where the watcher cannot run, by faulthandler's thread (backstop).
+  interpreter's lock, where the watcher cannot run, by faulthandler's thread (backstop). They count time on
+  `awake()`, which stands still while the process is stopped (SIGSTOP: SLURM's `scontrol suspend`):
+  a job stopped whole and continued goes on waiting, where it left at once past its deadline.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ GRACE_S = 5.0  # after a stop is asked for: how long past the slowest step the l
 SLACK_S = 5.0  # how long a wait with a deadline of run.timeout_s may overrun it, torch's own timeout first
 _POLL_S = 0.25  # how often the watcher looks at the parent, the deadlines and the grace
 BACKSTOP_S = 10.0  # past a deadline and its slack: where the watcher could not end the wait (backstop)
+LATE_S = 1.0  # a watcher that looks again later than this was stopped (or starved): the time past it does not count
 
 
 class LoopStop(Protocol):
@@ -62,6 +65,23 @@ class _Watcher:
         self.wakeup_read, self.wakeup_write = os.pipe()
         os.set_blocking(self.wakeup_write, False)
         self.done = threading.Event()
+        self.clock = (time.monotonic(), 0.0)  # (when the watcher last looked, the seconds stopped before), as one
+        self.last_stop = (0.0, 0.0)  # (when the last stop the watcher saw ended, on time.monotonic(); its seconds)
+
+    def awake(self) -> float:
+        """time.monotonic() less the time this process was stopped: the watcher's looks more than LATE_S apart.
+        Past LATE_S since its last look (it has not run since the process was continued) the clock stands there."""
+        looked, stopped = self.clock
+        return min(time.monotonic(), looked + LATE_S) - stopped
+
+    def looking(self) -> float:
+        """A look: the clock moved on (a gap over LATE_S counts as LATE_S), and its time."""
+        looked, stopped = self.clock
+        now = time.monotonic()
+        self.clock = (now, stopped + max(0.0, now - looked - LATE_S))
+        if now - looked > LATE_S:
+            self.last_stop = (now, now - looked)
+        return self.awake()
 
     def run(self) -> None:
         while not self.done.is_set():
@@ -77,7 +97,7 @@ class _Watcher:
                 else:
                     self.ask_to_stop(why, tell_the_loop=True)
                 self.launchers = []
-            now = time.monotonic()
+            now = self.looking()
             for until, line in list(self.waits.values()):
                 if now > until:
                     _leave(f"error: {self.who}: {line}", every_rank=True)
@@ -107,7 +127,7 @@ class _Watcher:
     def leaving(self, why: str) -> None:
         """A stop after training: the process is on its way out, and has the grace to end by itself; past it (a
         hang in the process group's end: torch 2.4's gloo, once in a suite), the watcher ends it."""
-        self.stop_asked = self.stop_asked or (time.monotonic(), why)
+        self.stop_asked = self.stop_asked or (self.awake(), why)
 
     def ask_to_stop(self, why: str, tell_the_loop: bool) -> None:
         """A stop the loop takes at its next step boundary; before or after training, leave now."""
@@ -116,7 +136,7 @@ class _Watcher:
             _leave(f"error: {self.who}: stopped on {why} outside the training loop: nothing to save")
         elif tell_the_loop:
             stop.request(why)
-        self.stop_asked = self.stop_asked or (time.monotonic(), why)
+        self.stop_asked = self.stop_asked or (self.awake(), why)
 
     def leave_by(self) -> float:
         """When a stop asked for in training is late: the grace past the slowest step so far."""
@@ -129,6 +149,23 @@ class _Watcher:
 _watcher: _Watcher | None = None
 _loop_stop: LoopStop | None = None  # the training loop's, while it runs: a stop is taken at its next step
 _loop_ended = False  # the training loop has run: what is left is leaving
+
+
+def awake() -> float:
+    """The clock deadlines count on: time.monotonic() less the time this process was stopped (SIGSTOP:
+    SLURM's suspend), as the watcher saw it. Without a watcher (a plain process, a test), time.monotonic()."""
+    watcher = _watcher
+    return watcher.awake() if watcher is not None else time.monotonic()
+
+
+def stopped_lately(within_s: float) -> float:
+    """How long this process was last stopped, if that stop ended within `within_s` (+ SLACK_S); else 0."""
+    watcher = _watcher
+    if watcher is None:
+        return 0.0
+    watcher.looking()  # (the watcher may not have looked since the process was continued)
+    ended, seconds = watcher.last_stop
+    return seconds if time.monotonic() - ended <= within_s + SLACK_S else 0.0
 
 
 def set_loop_stop(stop: LoopStop | None) -> None:
@@ -191,7 +228,7 @@ def deadline(seconds: float, what: str) -> Iterator[None]:
     watcher, key = _watcher, object()
     if watcher is not None:
         line = f"{what}: no answer within run.timeout_s={seconds:g} s (+{SLACK_S:g})"
-        watcher.waits[id(key)] = (time.monotonic() + seconds + SLACK_S, line)
+        watcher.waits[id(key)] = (watcher.awake() + seconds + SLACK_S, line)
     try:
         yield
     finally:

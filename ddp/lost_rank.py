@@ -253,12 +253,15 @@ def say_why(world: World, error: BaseException, store: dist.Store) -> None:
     asked(lambda: _word(store, WHY, {"rank": world.rank, "code": code, "line": line}), TELL_S)
 
 
-def wait_for_everyone(world: World, store: dist.Store, timeout_s: float, where: str) -> None:
+def wait_for_everyone(
+    world: World, store: dist.Store, timeout_s: float, where: str, clock: Callable[[], float] = time.monotonic
+) -> None:
     """After register_host, until every rank has come (then distributed.setup makes the group at once). A rank that
     stopped before it came and told why (tell): its line, a UsageError where it was one, else PeerLost. None
-    within `timeout_s`: PeerLost naming the ranks that did not come."""
+    within `timeout_s` on `clock` (lifeline.awake: not the time the job was stopped): PeerLost naming the ranks
+    that did not come."""
     keys = [f"host/{r}" for r in range(world.world_size)]
-    deadline, pause = time.monotonic() + timeout_s, 0.005
+    deadline, pause = clock() + timeout_s, 0.005
     while not store.check(keys):
         if left := word_left(store, WHY):
             store.add(HEARD, 1)
@@ -267,7 +270,7 @@ def wait_for_everyone(world: World, store: dist.Store, timeout_s: float, where: 
                 raise UsageError(f"{who} stopped before the ranks met: {left['line']}")
             raise PeerLost(f"rank {world.rank} of {world.world_size}: {who} ended before the ranks met "
                            f"(exit {left['code']}): {left['line']}")  # fmt: skip
-        if time.monotonic() > deadline:
+        if clock() > deadline:
             missing = ", ".join(str(r) for r, key in enumerate(keys) if not store.check([key]))
             raise PeerLost(f"rank {world.rank} of {world.world_size}: rank {missing} did not come to {where} within "
                            f"run.timeout_s={timeout_s:g} s, and did not say why (killed, or hung? its machine's log "
@@ -276,9 +279,11 @@ def wait_for_everyone(world: World, store: dist.Store, timeout_s: float, where: 
         pause = min(0.2, 2 * pause)
 
 
-def explain(world: World, error: BaseException, timeout_s: float, store: dist.Store | None) -> PeerLost:
+def explain(
+    world: World, error: BaseException, timeout_s: float, store: dist.Store | None, stopped_s: float = 0.0
+) -> PeerLost:
     """The one line for a failed collective: this rank, the rank(s) it lost and their hosts, and the
-    first line of torch's error."""
+    first line of torch's error; `stopped_s`, how long this process was stopped just before (lifeline), if it was."""
     first = first_line(error)
     hung = "imed out" in first or "imeout" in first
     what = f"no answer within run.timeout_s={timeout_s:g}: hung" if hung else "its connection closed: it died"
@@ -293,6 +298,9 @@ def explain(world: World, error: BaseException, timeout_s: float, store: dist.St
         here = oom_killed(kills) if socket.gethostname() in silent.values() else None  # those told from others
         told = asked(lambda: _oom_told(store, silent), 2.0) if store is not None else None
         what += "".join(f"; {oom}" for oom in (here, told) if oom)
+    if stopped_s:  # a wait in a collective outlived its deadline on torch's clocks, which ran on while it was stopped
+        what += (f"; this process was stopped for {stopped_s:.0f} s just before (SLURM's suspend? a SIGSTOP?), "
+                 "and torch's timeouts count that time: a longer run.timeout_s outlasts such stops")  # fmt: skip
     if silent:
         hosts = sorted({h for h in silent.values() if h and h != socket.gethostname()})  # another machine's
         who = f"rank {', '.join(map(str, silent))}" + (f" on {', '.join(hosts)}" if hosts else "")

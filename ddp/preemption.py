@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import signal
 import subprocess
-import time
 from pathlib import Path
 from types import FrameType, TracebackType
 
@@ -68,7 +67,7 @@ class StopRequest:
 
     def __init__(self, signals: list[signal.Signals] | tuple[signal.Signals, ...]) -> None:
         self.signals, self.received, self._previous = signals, None, {}
-        self.last_boundary = time.monotonic()
+        self.last_boundary = lifeline.awake()
         self.longest_step_s = 0.0  # the longest time between two step boundaries: what a stop may take
 
     @property
@@ -77,7 +76,7 @@ class StopRequest:
 
     def at_step_boundary(self) -> bool:
         """Whether a stop was requested, asked at a step boundary (which this also times)."""
-        now = time.monotonic()
+        now = lifeline.awake()
         self.longest_step_s = max(self.longest_step_s, now - self.last_boundary)
         self.last_boundary = now
         return self.requested
@@ -94,7 +93,7 @@ class StopRequest:
     def __enter__(self) -> StopRequest:
         for sig in self.signals:
             self._previous[sig] = signal.signal(sig, self._handle)
-        self.last_boundary = time.monotonic()
+        self.last_boundary = lifeline.awake()
         lifeline.set_loop_stop(self)
         return self
 

@@ -95,6 +95,14 @@ def unresolved(master: str, host: str) -> str:
     return f"MASTER_ADDR={master} does not resolve on {host}: check the name, or this host's /etc/hosts"
 
 
+def scoped(what: str) -> str:
+    """Why an IPv6 address with its interface (fe80::1%eth0, link-local) in `what` will not do, with the fix."""
+    zone = what.partition("%")[2].partition("]")[0]
+    return (f"{what} is an IPv6 address with its interface (%{zone}), a link-local one, which torch's rendezvous "
+            "does not take: give the master's global or unique-local address (ip -6 addr show scope global), its "
+            "IPv4 address or its name")  # fmt: skip
+
+
 def own_interfaces() -> dict[str, str]:
     """{interface: address} of this host (its IPv4 address, else its IPv6 one), loopback left out."""
     found = {name: interface_address(name) for _, name in socket.if_nameindex()}
@@ -139,6 +147,8 @@ def check_master(master: str, port: int, node_rank: int, timeout_s: float) -> No
     may start later). A name that does not resolve or a port taken is a UsageError; no answer, PeerLost.
     torchrun itself waits without end on both, or fails with two tracebacks."""
     host = socket.gethostname()
+    if "%" in master:
+        raise UsageError(scoped(f"MASTER_ADDR={master}"))
     to = resolve(master)
     if to is None:
         raise UsageError(unresolved(master, host))

@@ -112,7 +112,7 @@ ECHOES = ("failed (exitcode: ", "Sending process %s closing signal", "no error f
 
 def main(argv: list[str]) -> int:
     lost_interrupt()  # a Ctrl-C in torch's import that torch lost (2.4): as if it had ended the import
-    if argv and argv[0].startswith("--preflight="):
+    if argv and argv[0].startswith("--preflight="):  # (MASTER_ADDR's mistakes of the launch files: said there)
         code = preflight(argv[0].partition("=")[2], argv[1:])
         if code is not None:
             return code
@@ -124,6 +124,9 @@ def main(argv: list[str]) -> int:
     for name in ECHO_LOGGERS:
         logging.getLogger(name).addFilter(not_an_echo)
     args = parse_args(argv)
+    if refused := endpoint_refused(args):
+        print(f"error: {refused}", file=sys.stderr)
+        return EXIT_USAGE
     store = rendezvous_store(args) if ":" in args.rdzv_endpoint else None  # (its port given: on another host)
     elastic = args.max_restarts > 0
     if store or not elastic:  # (an elastic job without an endpoint of its own: not watched)
@@ -239,6 +242,19 @@ def fixed_nodes_store(args: Any) -> tuple[str, int] | None:
     if args.rdzv_backend != "c10d" or high not in ("", low) or low == "1":
         return None
     return rendezvous_store(args)
+
+
+def endpoint_refused(args: Any) -> str | None:
+    """Why torchrun will refuse --rdzv_endpoint, which it said only after the ranks' preflight, in a ValueError's
+    traceback: that line; None where it takes it."""
+    if args.standalone or args.rdzv_backend != "c10d" or not args.rdzv_endpoint:
+        return None
+    try:
+        parse_rendezvous_endpoint(args.rdzv_endpoint, 29400)
+    except ValueError as e:
+        endpoint = f"--rdzv_endpoint={args.rdzv_endpoint}"
+        return network.scoped(endpoint) if "%" in args.rdzv_endpoint else f"{endpoint}: {e}"
+    return None
 
 
 def rendezvous_store(args: Any) -> tuple[str, int] | None:

@@ -162,7 +162,10 @@ def test_a_master_addr_with_a_port_in_it_no_address_or_a_label_too_long_is_said_
 def test_an_ipv6_master_addr_is_an_address():
     """An IPv6 address, bare or in brackets, and a name whose only address is IPv6 (an IPv6-only cluster) were
     refused: "no IPv4 address or host name (IPv6?)", and "does not resolve" for the name. torch's rendezvous takes
-    them (tests/test_hosts.py runs a job on IPv6-only hosts)."""
+    them (tests/test_hosts.py runs a job on IPv6-only hosts). A link-local one with its interface is not taken."""
+    with pytest.raises(UsageError, match=r"^MASTER_ADDR=fe80::1%lo is an IPv6 address with its interface \(%lo\), a "
+                                         r"link-local one, which torch's rendezvous does not take: give"):  # fmt: skip
+        network.check_master("fe80::1%lo", 0, node_rank=1, timeout_s=0)
     try:
         with socket.socket(socket.AF_INET6) as s:
             s.bind(("::1", 0))

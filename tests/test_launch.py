@@ -219,6 +219,24 @@ def test_the_rendezvous_store_is_where_torchrun_finds_it_an_ipv6_address_too():
         assert subprocess.run(["bash", "-c", shell], capture_output=True, text=True).stdout == endpoint + "\n"
 
 
+def test_an_endpoint_torchrun_refuses_is_one_line_before_it_starts(capsys):
+    """torchrun refused a link-local address with its interface ([fe80::1%eth0]:29400) and a port that is no number
+    after the ranks' preflight, with a ValueError's traceback; now one line, exit 2. MASTER_ADDR=fe80::1%eth0 of
+    the launch files is said by their preflight, in those words (tests/test_doctor.py)."""
+    flags = ["--nnodes=2", "--rdzv_backend=c10d", "--nproc_per_node=1"]
+    for endpoint, line in (
+        ("[fe80::1%eth0]:29400", r"--rdzv_endpoint=\[fe80::1%eth0\]:29400 is an IPv6 address with its interface "
+                                 r"\(%eth0\), a link-local one, .*: give the master's global or unique-local address"),
+        ("h0:port", r"--rdzv_endpoint=h0:port: The port number of the rendezvous endpoint 'h0:port' must be an "
+                    r"integer"),
+    ):  # fmt: skip
+        assert launcher.main([*flags, f"--rdzv_endpoint={endpoint}", str(TRAIN)]) == 2
+        assert re.fullmatch(f"error: {line}.*\n", capsys.readouterr().err)
+    for endpoint in ("[fd00::1]:29400", "h0:29400", "h0"):  # taken: torchrun would go on with them
+        args = launcher.parse_args([*flags, f"--rdzv_endpoint={endpoint}", str(TRAIN)])
+        assert launcher.endpoint_refused(args) is None
+
+
 @pytest.mark.parametrize("mode, flags", [("ddp", ["--multi_gpu"]), ("fsdp", ["--use_fsdp", "--fsdp_version", "2"])])
 def test_accelerate_multi_gpu_runs_2_processes_on_a_machine_without_gpus(tmp_path, mode, flags):
     """--multi_gpu (or --use_fsdp: run.parallel=fsdp) starts torchrun, which needs no GPU and no MPI: the

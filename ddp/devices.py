@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from ddp import launchers
+from ddp import cpus, launchers
 from ddp.config import RunConfig
 from ddp.errors import UsageError
 from ddp.launchers import Env, Launch
@@ -157,6 +157,16 @@ def resolve(run: RunConfig, env: Env = os.environ, cuda_count: int | None = None
         launch.rank, launch.local_rank, launch.world_size, device, parallel, launch.launcher, launch.init_method,
         backend=run.backend,
     )  # fmt: skip
+
+
+def share_cpus(run: RunConfig, env: Env = os.environ) -> int:
+    """torch's threads in this process: unless OMP_NUM_THREADS says how many, its share of the CPUs it may use
+    (cpus.usable: its affinity and its cgroup's quota, a container's --cpus, which torch's default does not see) among
+    the processes on this machine, never more than torch's default. Returns the threads."""
+    if "OMP_NUM_THREADS" not in env:
+        share = cpus.threads(launchers.detect_launch(env, run.launcher).local_world_size)
+        torch.set_num_threads(min(share, torch.get_num_threads()))
+    return torch.get_num_threads()
 
 
 def planned(run: RunConfig, processes: int, node: int | None) -> World:

@@ -83,6 +83,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     if args.preflight:
         return preflight(cfg, args.preflight)
     world = devices.resolve(cfg.run)  # rank, local_rank, world_size from the launcher; device cuda:<local_rank>
+    devices.share_cpus(cfg.run)  # its threads: its share of the CPUs it may use (a container's quota too)
     with checked(cfg, world) as (data, plan):  # every mistake found before a rank can wait for another
         with lifeline.watched(world, plan.stop_signals, PARENT):  # the launcher's end, signals, deadlines
             with distributed.setup(world, cfg.run.timeout_s) as world, graphed.stream(plan.recorded, world.device):

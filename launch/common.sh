@@ -1,12 +1,14 @@
 # Sourced by the launch scripts in launch/ and slurm/: what they share. Needs $root (the repository).
 
 # omp_threads N [CORES]: OMP_NUM_THREADS for N processes on this machine (NPROC, checked here), unless
-# it is set: its cores (or CORES) / N, at least 1. Gives CPU runs the right thread count, and silences
-# torchrun's warning that it set it to 1.
+# it is set: the CPUs this shell may use (or CORES) / N, at least 1: its affinity, and its cgroup's CPU quota (a
+# container's --cpus, Kubernetes' limits.cpu: ddp/cpus.py), which getconf does not see. Gives CPU runs the right
+# thread count, and silences torchrun's warning that it set it to 1.
 omp_threads() {
   [[ $1 =~ ^[1-9][0-9]*$ ]] ||
     { echo "error: NPROC=$1 must be a whole number, 1 or more (processes on this machine)" >&2; exit 2; }
-  local cores=${2:-$(getconf _NPROCESSORS_ONLN 2>/dev/null || echo 1)}
+  local cores=${2:-$(python -c 'import sys; sys.path.insert(0, sys.argv[1]); from ddp import cpus; print(cpus.usable())' \
+    "$root" 2>/dev/null || getconf _NPROCESSORS_ONLN 2>/dev/null || echo 1)}
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$((cores / $1 > 0 ? cores / $1 : 1))}
 }
 

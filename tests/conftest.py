@@ -372,24 +372,23 @@ def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 
 
 @contextlib.contextmanager
-def memory_cgroup(limit: int) -> Iterator[Path]:
-    """A memory cgroup of its own (cgroup v2, or v1's memory controller) limited to `limit` bytes, no swap: its
-    cgroup.procs file, for a process to move itself into; its processes killed and the cgroup removed after."""
-    root, v2 = Path("/sys/fs/cgroup"), Path("/sys/fs/cgroup/cgroup.controllers")
+def cgroup(controller: str, v2: dict[str, int | str], v1: dict[str, int | str], needs: str) -> Iterator[Path]:
+    """A cgroup of its own with `controller`'s limits (cgroup v2's files `v2`, or `v1`'s in v1's hierarchy of that
+    controller), each written in order where its file exists: its cgroup.procs file, for a process to move itself
+    into; its processes killed and the cgroup removed after. Skipped where none can be made (`needs` one)."""
+    root = Path("/sys/fs/cgroup")
     if os.geteuid() != 0:
-        pytest.skip("a memory cgroup to limit (a real out-of-memory kill) needs root: run the tests as root")
-    if v2.is_file():
-        group, limits = root / f"ddp-cifar-test-{os.getpid()}", {"memory.max": limit, "memory.swap.max": 0}
-    else:  # v1: the swap limit after the memory limit (at least it)
-        group = root / "memory" / f"ddp-cifar-test-{os.getpid()}"
-        limits = {"memory.limit_in_bytes": limit, "memory.memsw.limit_in_bytes": limit}
+        pytest.skip(f"a {controller} cgroup ({needs}) needs root: run the tests as root")
+    on_v2 = (root / "cgroup.controllers").is_file()
+    group = (root if on_v2 else root / controller) / f"ddp-cifar-test-{controller}-{os.getpid()}"
+    limits = v2 if on_v2 else v1
     try:
         group.mkdir()
     except OSError as e:
-        pytest.skip(f"no memory cgroup could be made at {group} ({e.strerror}): a real out-of-memory kill needs one")
+        pytest.skip(f"no {controller} cgroup could be made at {group} ({e.strerror}): {needs} needs one")
     try:
         if not (group / next(iter(limits))).exists():
-            pytest.skip(f"{group} has no memory controller (not in its parent's cgroup.subtree_control)")
+            pytest.skip(f"{group} has no {controller} controller (not in its parent's cgroup.subtree_control)")
         for name, value in limits.items():
             if (group / name).exists():  # (memsw: only where swap is accounted)
                 (group / name).write_text(str(value))
@@ -402,3 +401,21 @@ def memory_cgroup(limit: int) -> Iterator[Path]:
                     os.kill(int(pid), signal.SIGKILL)
             time.sleep(0.1)
         group.rmdir()
+
+
+def memory_cgroup(limit: int) -> contextlib.AbstractContextManager[Path]:
+    """A memory cgroup limited to `limit` bytes, no swap (v1: the swap limit after the memory limit, at least it)."""
+    return cgroup(
+        "memory",
+        {"memory.max": limit, "memory.swap.max": 0},
+        {"memory.limit_in_bytes": limit, "memory.memsw.limit_in_bytes": limit},
+        "a real out-of-memory kill",
+    )
+
+
+def cpu_cgroup(cpus: float) -> contextlib.AbstractContextManager[Path]:
+    """A cgroup whose CPU quota is `cpus` CPUs' time a second (a container's --cpus)."""
+    quota, period = int(cpus * 100_000), 100_000
+    return cgroup(
+        "cpu", {"cpu.max": f"{quota} {period}"}, {"cpu.cfs_period_us": period, "cpu.cfs_quota_us": quota}, "a CPU quota"
+    )

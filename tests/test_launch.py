@@ -16,9 +16,21 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import BIN, REPO, TINY, TRAIN, clean_env, kill_orphans, memory_cgroup, metrics, needs_fsdp2, require
+from conftest import (
+    BIN,
+    REPO,
+    TINY,
+    TRAIN,
+    clean_env,
+    cpu_cgroup,
+    kill_orphans,
+    memory_cgroup,
+    metrics,
+    needs_fsdp2,
+    require,
+)
 
-from ddp import errors, lost_rank
+from ddp import cpus, errors, lost_rank
 from ddp import torchrun as launcher
 
 SCRIPTS = sorted([*(REPO / "launch").glob("*.sh"), *(REPO / "slurm").glob("*.sh")])
@@ -60,7 +72,24 @@ def test_torchrun_launcher_defaults_to_2_cpu_processes_each_with_its_share_of_th
     assert "ddp/torchrun.py --standalone --nproc_per_node=2" in proc.stderr
     assert metrics(tmp_path)[0]["world_size"] == 2
     assert "Setting OMP_NUM_THREADS" not in proc.stderr
-    assert f"threads={max(1, (os.cpu_count() or 1) // 2)}" in proc.stdout
+    assert f"threads={cpus.threads(2)}" in proc.stdout  # (the CPUs this process may use: a quota's too)
+
+
+def test_a_cpu_quota_below_the_machines_cores_is_the_threads_a_process_takes(tmp_path):
+    """In a cgroup of 1 CPU's time a second (Docker's --cpus=1) on a machine of 2 or more: the launch files' share
+    (omp_threads) was the machine's cores / processes, and a plain `python ddp/train.py` took torch's default, a
+    thread per core; the threads beyond the quota are throttled and wait for each other (bench figures: README). Now
+    both take 1, as the quota allows."""
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("this machine has 1 CPU: a quota of 1 is no fewer than its cores")
+    shell = (f'echo $$ > "$1" && root={REPO} && source launch/common.sh && omp_threads 1 && '
+             f'echo "omp_threads: $OMP_NUM_THREADS" && unset OMP_NUM_THREADS && shift && exec {sys.executable} '
+             'ddp/train.py "$@"')  # fmt: skip
+    with cpu_cgroup(1) as procs:
+        proc = subprocess.run(["bash", "-c", shell, "bash", str(procs), *ONE_EPOCH, f"run.out_dir={tmp_path}"],
+                              cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("omp_threads: 1\n") and " threads=1 " in proc.stdout, proc.stdout
 
 
 def test_ctrl_c_on_the_torchrun_script_ends_with_our_lines_and_130_and_a_killed_rank_is_named(tmp_path):

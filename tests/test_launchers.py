@@ -1,12 +1,14 @@
 """Launcher detection (ddp/launchers.py), as pure functions of an environment: torchrun, accelerate
 (torchrun and MPI), SLURM (srun and the batch script), a single process, and forced launchers."""
 
+import os
 import re
+from pathlib import Path
 
 import pytest
 from launch_envs import OPEN_MPI, SRUN, TORCHRUN
 
-from ddp import launchers
+from ddp import cpus, devices, launchers
 from ddp.config import RunConfig
 from ddp.errors import UsageError
 
@@ -132,3 +134,68 @@ def test_a_rank_has_peers_under_each_launcher_and_a_single_process_or_nonsense_h
     one_rank = {**TORCHRUN, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}
     assert not launchers.has_peers({}) and not launchers.has_peers(one_rank)
     assert not launchers.has_peers({**TORCHRUN, "RANK": "x"})  # unknown (a usage error of its own): no
+
+
+def test_the_cpus_a_process_may_use_are_its_cgroups_quota_at_most(tmp_path, monkeypatch):
+    """cpus.cgroup_quota from /proc/self/cgroup and mountinfo (here written by hand): cgroup v2's cpu.max and v1's
+    cpu.cfs_quota_us, the least of the process's cgroup and those above it; a container that sees its own cgroup at
+    the mount's root (no cgroup namespace: /proc/self/cgroup names the host's path); none set, or none readable."""
+    proc, fs = tmp_path / "proc", tmp_path / "fs"
+    proc.mkdir()
+
+    def write(path: Path, text: str) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+
+    def mounts(*lines: str) -> None:
+        write(proc / "mountinfo", "".join(f"{n} 1 0:{n} {line}\n" for n, line in enumerate(lines, 30)))
+
+    write(proc / "cgroup", "0::/kubepods/pod1/ctr\n")  # cgroup v2: the pod's limit above the container's none
+    mounts(f"/ {tmp_path}/elsewhere rw - ext4 /dev/sda rw", f"/ {fs} rw,nosuid - cgroup2 cgroup2 rw")
+    write(fs / "kubepods/pod1/ctr/cpu.max", "max 100000\n")
+    write(fs / "kubepods/pod1/cpu.max", "150000 100000\n")
+    write(fs / "cpu.max", "max 100000\n")
+    assert cpus.cgroup_quota(proc) == 1.5
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    assert cpus.usable(proc) == 2 and cpus.threads(2, proc) == 1 and cpus.threads(4, proc) == 1  # 1.5 rounded up
+    write(fs / "kubepods/pod1/ctr/cpu.max", "50000 100000\n")
+    assert cpus.cgroup_quota(proc) == 0.5 and cpus.usable(proc) == 1
+    write(fs / "kubepods/pod1/cpu.max", "max 100000\n")
+    write(fs / "kubepods/pod1/ctr/cpu.max", "max 100000\n")
+    assert cpus.cgroup_quota(proc) is None and cpus.usable(proc) == 8  # no quota: the affinity's
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    write(fs / "kubepods/pod1/ctr/cpu.max", "400000 100000\n")
+    assert cpus.usable(proc) == 2  # a quota above the affinity: the affinity's
+
+    v1 = tmp_path / "v1"  # cgroup v1, the container's own cgroup mounted at the root, its host path in /proc
+    write(proc / "cgroup", "4:cpu,cpuacct:/docker/abc\n3:memory:/docker/abc\n0::/\n")
+    memory = tmp_path / "memory"
+    mounts(f"/docker/abc {v1} rw - cgroup cgroup rw,cpu,cpuacct", f"/docker/abc {memory} rw - cgroup cgroup rw,memory")
+    write(v1 / "cpu.cfs_quota_us", "200000\n")
+    write(v1 / "cpu.cfs_period_us", "100000\n")
+    assert cpus.cgroup_quota(proc) == 2.0
+    write(v1 / "cpu.cfs_quota_us", "-1\n")
+    assert cpus.cgroup_quota(proc) is None
+    for quota, period in (("abc", "100000"), ("100000", "0"), ("", "")):  # a file that lies: no quota is known
+        write(v1 / "cpu.cfs_quota_us", quota)
+        write(v1 / "cpu.cfs_period_us", period)
+        assert cpus.cgroup_quota(proc) is None
+    (proc / "cgroup").unlink()
+    assert cpus.cgroup_quota(proc) is None  # no /proc: no quota
+
+
+def test_a_process_takes_its_share_of_the_cpus_unless_omp_num_threads_says(monkeypatch):
+    """devices.share_cpus: the CPUs it may use over the processes on this machine, never more than torch's default
+    and never with OMP_NUM_THREADS set (torchrun sets 1 for its ranks, the launch files their share)."""
+    import torch
+
+    before = torch.get_num_threads()
+    monkeypatch.setattr(cpus, "usable", lambda proc=None: 3)
+    try:
+        torch.set_num_threads(2)
+        assert devices.share_cpus(RunConfig(), {}) == 2  # 3 CPUs, 1 process: torch's 2
+        assert devices.share_cpus(RunConfig(), {**TORCHRUN, "LOCAL_WORLD_SIZE": "2"}) == 1  # 3 // 2
+        torch.set_num_threads(2)
+        assert devices.share_cpus(RunConfig(), {"OMP_NUM_THREADS": "2"}) == 2  # said: as it is
+    finally:
+        torch.set_num_threads(before)

@@ -39,6 +39,7 @@ from ddp import (
     alike,
     cifar,
     config,
+    cpus,
     datasets,
     devices,
     distributed,
@@ -185,6 +186,12 @@ def report(world: World, out_dir: str, mine: dict[str, Any] | None = None) -> di
         },
         "out_dir": str(Path(out_dir).resolve()),
         "shm_mib": shared_memory_mib(),
+        "cpus": {
+            "affinity": len(os.sched_getaffinity(0)),
+            "quota": cpus.cgroup_quota(),
+            "usable": cpus.usable(),
+            "threads": torch.get_num_threads(),
+        },  # fmt: skip
     }
 
 
@@ -205,6 +212,9 @@ def print_report(r: dict[str, Any]) -> None:
         show("  GPUs: none visible")
     show("  TF32: " + "  ".join(f"{k} {v}" for k, v in r["tf32"].items()))
     show("  /dev/shm: " + ("none" if r["shm_mib"] is None else f"{r['shm_mib']:,.1f} MiB"))
+    c = r["cpus"]
+    quota = f"its cgroup's quota {c['quota']:g}" if c["quota"] else "no cgroup quota"
+    show(f"  CPUs: {c['usable']} to use ({c['affinity']} in its affinity, {quota}); torch threads {c['threads']}")
 
 
 def machine_problems(reports: list[tuple[Any, ...]], mismatch: str | None) -> list[str]:
@@ -251,6 +261,7 @@ def one_process(run: config.RunConfig, data: DataConfig, world: World) -> list[s
 def diagnose(run: config.RunConfig, data: DataConfig, mine: dict[str, Any]) -> list[str]:
     """Problems on this rank and, under a launcher, across ranks (`mine`: alike.described's); prints the reports."""
     world = devices.resolve(run)
+    devices.share_cpus(run)  # the threads a run here would take
     problems = []
     if mismatch := launchers.slurm_gpu_problem(torch.cuda.device_count()):
         problems.append(mismatch)

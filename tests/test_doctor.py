@@ -1,5 +1,6 @@
 """python -m ddp.doctor: the report, and each broken setup it must catch with a non-zero exit."""
 
+import os
 import re
 import shutil
 import socket
@@ -12,8 +13,8 @@ import torch
 from conftest import BIN, REPO, clean_env, ok, torchrun
 from launch_envs import TORCHRUN
 
+from ddp import cpus, launchers, lost_rank, network
 from ddp import doctor as ddp_doctor
-from ddp import launchers, lost_rank, network
 from ddp.errors import UsageError
 
 SYNTHETIC = ("data.dataset=synthetic", "data.synthetic_train=64", "data.synthetic_test=32")
@@ -34,6 +35,10 @@ def test_a_single_process_setup_is_reported_and_ok(tmp_path):
     assert "versions:  python" in proc.stdout and "torch " in proc.stdout and "nccl" in proc.stdout
     assert "GPUs: none visible" in proc.stdout and "TF32: matmul" in proc.stdout and "cudnn.benchmark" in proc.stdout
     assert f"/dev/shm: {shutil.disk_usage('/dev/shm').total / 2**20:,.1f} MiB" in proc.stdout
+    usable, affinity = cpus.usable(), len(os.sched_getaffinity(0))  # (the cgroup quota: a real one in test_launch.py)
+    said = re.search(rf"  CPUs: {usable} to use \({affinity} in its affinity, (no cgroup quota|its cgroup's quota "
+                     r"[\d.]+)\); torch threads (\d+)\n", proc.stdout)  # fmt: skip
+    assert said and 1 <= int(said[2]) <= usable, proc.stdout  # its share: never more than it may use
     assert "rendezvous port 29500 (torchrun's default): " in proc.stdout
     assert f"run.out_dir {tmp_path / 'run'}: writable" in proc.stdout
     assert proc.stdout.rstrip().endswith("doctor: OK")

@@ -40,7 +40,8 @@ GRACE_S = 5.0  # after a stop is asked for: how long past the slowest step the l
 SLACK_S = 5.0  # how long a wait with a deadline of run.timeout_s may overrun it, torch's own timeout first
 _POLL_S = 0.25  # how often the watcher looks at the parent, the deadlines and the grace
 BACKSTOP_S = 10.0  # past a deadline and its slack: where the watcher could not end the wait (backstop)
-LATE_S = 1.0  # a watcher that looks again later than this was stopped (or starved): the time past it does not count
+LATE_S = 1.0  # a watcher that looks again later than this after a SIGCONT was stopped: the time past it does not count
+CONTINUED_S = 0.5  # how long the watcher waits for the SIGCONT of a stop after it looked late
 
 
 class LoopStop(Protocol):
@@ -67,27 +68,40 @@ class _Watcher:
         self.done = threading.Event()
         self.clock = (time.monotonic(), 0.0)  # (when the watcher last looked, the seconds stopped before), as one
         self.last_stop = (0.0, 0.0)  # (when the last stop the watcher saw ended, on time.monotonic(); its seconds)
+        self.continued = False  # a SIGCONT came since the last look: the process was stopped (not only slow to look)
+        self.late: float | None = None  # when the watcher looked after a gap over LATE_S, before its SIGCONT came
+        self.looks = threading.Lock()
 
     def awake(self) -> float:
-        """time.monotonic() less the time this process was stopped: the watcher's looks more than LATE_S apart.
-        Past LATE_S since its last look (it has not run since the process was continued) the clock stands there."""
+        """time.monotonic() less the time this process was stopped: the watcher's looks more than LATE_S apart with a
+        SIGCONT between them. Past LATE_S since its last look (it has not looked since) the clock stands there."""
         looked, stopped = self.clock
         return min(time.monotonic(), looked + LATE_S) - stopped
 
     def looking(self) -> float:
-        """A look: the clock moved on (a gap over LATE_S counts as LATE_S), and its time."""
-        looked, stopped = self.clock
-        now = time.monotonic()
-        self.clock = (now, stopped + max(0.0, now - looked - LATE_S))
-        if now - looked > LATE_S:
-            self.last_stop = (now, now - looked)
-        return self.awake()
+        """A look: the clock moved on, and its time. A gap over LATE_S since the last look is a stop where a SIGCONT
+        came (it counts as LATE_S), waited for up to CONTINUED_S: the process may run before its signal is handled.
+        Without one (the watcher kept from the interpreter's lock by a long call) it counts whole."""
+        with self.looks:  # (the watcher's, and the main thread's in stopped_lately)
+            looked, stopped = self.clock
+            now = time.monotonic()
+            seen = self.late or now  # the first look after the gap
+            if seen - looked > LATE_S:
+                if not self.continued and now - seen < CONTINUED_S:
+                    self.late = seen  # the clock stands meanwhile (awake)
+                    return self.awake()
+                if self.continued:
+                    stopped += seen - looked - LATE_S
+                    self.last_stop = (seen, seen - looked)
+            self.clock, self.late, self.continued = (now, stopped), None, False
+            return self.awake()
 
     def run(self) -> None:
         while not self.done.is_set():
             ready, _, _ = select.select([self.wakeup_read], [], [], _POLL_S)
             if ready:
                 for signum in os.read(self.wakeup_read, 64):
+                    self.continued = self.continued or signum == signal.SIGCONT
                     if signum in self.stop_signals:
                         self.signalled(signal.Signals(signum).name)
             if self.launchers and (gone := self.launcher_gone()):
@@ -184,7 +198,11 @@ def _leave(line: str, every_rank: bool = False, code: int = EXIT_FAILURE) -> Non
 
 
 def _noted(signum: int, frame: object) -> None:
-    """Before and after training: the watcher, woken by the same signal, decides."""
+    """Before and after training: the watcher, woken by the same signal, decides. A SIGCONT (the process was
+    stopped) is noted here too, before the main thread goes on (and asks stopped_lately)."""
+    watcher = _watcher
+    if signum == signal.SIGCONT and watcher is not None:
+        watcher.continued = True
 
 
 @contextmanager
@@ -194,7 +212,7 @@ def watched(world: World, stop_signals: tuple[signal.Signals, ...], parent: int)
     global _watcher, _loop_ended
     watcher, _loop_ended = _Watcher(world, parent, stop_signals), False
     previous_fd = signal.set_wakeup_fd(watcher.wakeup_write, warn_on_full_buffer=False)
-    previous = {sig: signal.signal(sig, _noted) for sig in stop_signals}
+    previous = {sig: signal.signal(sig, _noted) for sig in (*stop_signals, signal.SIGCONT)}
     _watcher = watcher
     threading.Thread(target=watcher.run, name="ddp-lifeline", daemon=True).start()
     try:

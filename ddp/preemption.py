@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import signal
 import subprocess
+import time
 from pathlib import Path
 from types import FrameType, TracebackType
 
@@ -67,7 +68,7 @@ class StopRequest:
 
     def __init__(self, signals: list[signal.Signals] | tuple[signal.Signals, ...]) -> None:
         self.signals, self.received, self._previous = signals, None, {}
-        self.last_boundary = lifeline.awake()
+        self.last_boundary = time.monotonic()
         self.longest_step_s = 0.0  # the longest time between two step boundaries: what a stop may take
 
     @property
@@ -76,7 +77,7 @@ class StopRequest:
 
     def at_step_boundary(self) -> bool:
         """Whether a stop was requested, asked at a step boundary (which this also times)."""
-        now = lifeline.awake()
+        now = time.monotonic()
         self.longest_step_s = max(self.longest_step_s, now - self.last_boundary)
         self.last_boundary = now
         return self.requested
@@ -93,7 +94,7 @@ class StopRequest:
     def __enter__(self) -> StopRequest:
         for sig in self.signals:
             self._previous[sig] = signal.signal(sig, self._handle)
-        self.last_boundary = lifeline.awake()
+        self.last_boundary = time.monotonic()
         lifeline.set_loop_stop(self)
         return self
 

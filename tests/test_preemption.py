@@ -266,18 +266,27 @@ with lifeline.watched(world, (signal.SIGTERM,), os.getppid()), distributed.setup
 
 
 def test_the_clock_of_deadlines_stands_still_while_the_process_is_stopped(monkeypatch):
-    """lifeline.awake(): a watcher whose last look was 5 s ago (the process stopped meanwhile) counts LATE_S of
-    them, before its next look and after it alike; stopped_lately says how long the stop was, while it is recent."""
+    """lifeline.awake(): a watcher whose last look was 5 s ago, a SIGCONT since (the process was stopped), counts
+    LATE_S of them, before its next look and after it alike; stopped_lately says how long the stop was, while it is
+    recent. Without a SIGCONT (the watcher kept from the interpreter's lock by a long call) the 5 s count whole."""
     watcher = lifeline._Watcher(World(0, 0, 2, torch.device("cpu"), "ddp", "torchrun"), os.getppid(), ())
     monkeypatch.setattr(lifeline, "_watcher", watcher)
     looked = time.monotonic() - 5
     watcher.clock = (looked, 0.0)
     assert lifeline.awake() == pytest.approx(looked + lifeline.LATE_S)  # stands where the look was late
+    lifeline._noted(signal.SIGCONT, None)  # the main thread's handler, as the process goes on
     assert lifeline.stopped_lately(3) == pytest.approx(5, abs=0.5)  # (it looks: the stop is counted now)
     assert lifeline.awake() == pytest.approx(time.monotonic() - 5 + lifeline.LATE_S, abs=0.1)
     assert lifeline.stopped_lately(3) == pytest.approx(5, abs=0.5)  # a stop seen once, said again
     watcher.last_stop = (time.monotonic() - 10, 5.0)
     assert lifeline.stopped_lately(3) == 0  # one that ended longer ago than the deadline and its slack
+    stopped = watcher.clock[1]
+    watcher.clock = (time.monotonic() - 5, stopped)  # late to look, no SIGCONT yet: it waits a while for one
+    assert lifeline.stopped_lately(3) == 0 and watcher.late is not None
+    assert lifeline.awake() == pytest.approx(time.monotonic() - 4 - stopped, abs=0.1)  # standing meanwhile
+    monkeypatch.setattr(lifeline, "CONTINUED_S", 0.0)  # none came: it was not stopped, the 5 s count whole
+    assert lifeline.stopped_lately(3) == 0 and watcher.clock[1] == stopped and watcher.late is None
+    assert lifeline.awake() == pytest.approx(time.monotonic() - stopped, abs=0.1)
     monkeypatch.setattr(lifeline, "_watcher", None)
     assert lifeline.awake() == pytest.approx(time.monotonic()) and lifeline.stopped_lately(3) == 0  # no watcher
 
@@ -289,7 +298,7 @@ def test_a_job_stopped_whole_goes_on_from_its_rendezvous_and_says_so_where_torch
     which stands still while the process is stopped: they meet, and an all-reduce goes through. (2) Stopped in
     training with an all-reduce under way: torch's own timeout (gloo's, NCCL's watchdog) counts the stop and ends
     it as it is continued, which no code here can change; each rank's line now says that it was stopped, and that
-    a longer run.timeout_s outlasts such stops (it said only "no answer within run.timeout_s=3: hung")."""
+    a longer run.timeout_s outlasts such stops (it said only "no answer within run.timeout_s=4: hung")."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
@@ -307,7 +316,7 @@ while rank == 1 and not os.path.exists({str(go)!r}):  # rank 1 still loading
 world = World(rank, rank, 2, torch.device("cpu"), "ddp", "bench", "tcp://127.0.0.1:{port}")
 with lifeline.watched(world, (signal.SIGTERM,), os.getppid()):
     try:
-        with distributed.setup(world, 3) as world:
+        with distributed.setup(world, 4) as world:
             total = torch.ones(1)
             dist.all_reduce(total)
             print("sum", int(total.item()), flush=True)
@@ -333,15 +342,15 @@ with lifeline.watched(world, (signal.SIGTERM,), os.getppid()):
         while subprocess.run(["ss", "-Htln", f"sport = :{port}"], capture_output=True, text=True).stdout == "":
             assert time.monotonic() < deadline and ranks[0].poll() is None, ranks[0].communicate()
             time.sleep(0.05)  # rank 0 serves the store: it waits at the rendezvous
-        stopped(6)  # past run.timeout_s=3 and the watcher's deadline (+0.5)
+        stopped(5)  # past run.timeout_s=4 and the watcher's deadline (+0.5)
         assert [rank.stdout.readline() for rank in ranks] == ["sum 2\n", "sum 2\n"], [r.communicate() for r in ranks]
-        stopped(4, skew_s=0.3)  # rank 1 waits in an all-reduce for rank 0, stopped first: past its deadline
+        stopped(5, skew_s=0.3)  # rank 1 waits in an all-reduce for rank 0, stopped first: past its deadline
         outs = [rank.communicate(timeout=60) for rank in ranks]
     finally:
         for rank in ranks:
             rank.kill()
     assert [rank.returncode for rank in ranks] == [1, 1], outs
     for r, (_, err) in enumerate(outs):
-        assert re.search(rf"^rank {r} of 2: lost contact with rank {1 - r} \(.*; this process was stopped for [45] s "
+        assert re.search(rf"^rank {r} of 2: lost contact with rank {1 - r} \(.*; this process was stopped for [56] s "
                          r"just before \(SLURM's suspend\? a SIGSTOP\?\), and torch's timeouts count that time: "
                          r"a longer run.timeout_s outlasts such stops\) \[", err, re.M), err  # fmt: skip

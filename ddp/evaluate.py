@@ -37,9 +37,10 @@ def measure(path: str, device: str, batch_size: int, overrides: list[str], raw: 
         raise UsageError(f"{', '.join(bad)}: only data.* settings can change for evaluation (e.g. data.path=FILE)")
     config.override(cfg, overrides)
     try:
-        world = devices.resolve(RunConfig(device=device, parallel="none", launcher="none"))
+        world = devices.resolve(run := RunConfig(device=device, parallel="none", launcher="none"))
     except UsageError as e:  # what the user typed here is --device
         raise UsageError(str(e).replace("run.device", "--device")) from None
+    devices.share_cpus(run)  # its threads: as a run's, within a container's quota
     classes = state["classes"]
     try:
         test = datasets.read_test(cfg.data, world, classes)  # no training set needed

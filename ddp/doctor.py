@@ -191,7 +191,7 @@ def report(world: World, out_dir: str, mine: dict[str, Any] | None = None) -> di
             "quota": cpus.cgroup_quota(),
             "usable": cpus.usable(),
             "threads": torch.get_num_threads(),
-        },  # fmt: skip
+        },
     }
 
 

@@ -279,41 +279,41 @@ def _alone(world: World) -> bool:
     return not world.grouped or world.world_size == 1
 
 
-def _send_flag(flag: bool, world: World, async_op: bool) -> tuple[torch.Tensor, dist.Work | None]:
-    """The all-reduce (max) of `flag` over the control group, in place in the tensor returned."""
+def _send_flag(flag: int, world: World, async_op: bool) -> tuple[torch.Tensor, dist.Work | None]:
+    """The all-reduce (max) of `flag` (a bool, or a level) over the control group, in place in the tensor returned."""
     t = torch.tensor([int(flag)])
     return t, dist.all_reduce(t, op=dist.ReduceOp.MAX, group=world.control, async_op=async_op)
 
 
 class StopAgreement:
-    """any_rank of each step's stop flag, without waiting for it: after step n, the flags of step n - 1,
-    whose all-reduce (started after that step, asynchronous) has long arrived, and this step's sent on.
-    Every rank stops after the same step, one after the flag's. A blocking all-reduce would cost the
-    control group's round trip every step, a network's between hosts, and hold every rank to the slowest
-    each step (bench/stop_agreement.py). At an epoch's end wait() takes the last step's (the epoch's stop
-    check repeats it)."""
+    """The highest of each step's flags over the ranks (0: go on; preemption's levels: pause, stop), without waiting
+    for it: after step n, the flags of step n - 1, whose all-reduce (started after that step, asynchronous) has
+    long arrived, and this step's sent on. Every rank stops (or pauses) after the same step, one after the flag's.
+    A blocking all-reduce would cost the control group's round trip every step, a network's between hosts, and
+    hold every rank to the slowest each step (bench/stop_agreement.py). At an epoch's end wait() takes the last
+    step's (the epoch's stop check repeats it)."""
 
     def __init__(self, world: World) -> None:
         self.world = world
         self.pending: tuple[torch.Tensor, dist.Work | None] | None = None
 
-    def after_step(self, flag: bool) -> bool:
-        """Whether every rank stops now: a flag of the step before, on any rank (this one's, in a group of one)."""
+    def after_step(self, flag: int) -> int:
+        """What every rank does now: the step before's highest flag over the ranks (this one's, in a group of one)."""
         if _alone(self.world):
-            return flag
+            return int(flag)
         agreed = self.wait()
-        if not agreed:  # a stop sends nothing on: no all-reduce is left unread
+        if not agreed:  # a stop or a pause sends nothing on: no all-reduce is left unread (or under way)
             self.pending = _send_flag(flag, self.world, async_op=True)
         return agreed
 
-    def wait(self) -> bool:
-        """The flags sent last, agreed (False when none are on their way)."""
+    def wait(self) -> int:
+        """The flags sent last, agreed (0 when none are on their way)."""
         if self.pending is None:
-            return False
+            return 0
         t, work = self.pending
         self.pending = None
         work.wait()
-        return bool(t.item())
+        return int(t.item())
 
 
 def same_on_all_ranks(value: int, world: World) -> bool:

@@ -13,7 +13,6 @@ With more than 20 classes (CIFAR-100) the table lists the 10 best and the 10 wor
 from __future__ import annotations
 
 import json
-import time
 from typing import Any
 
 from ddp.launchers import quiet_startup
@@ -55,7 +54,7 @@ def measure(path: str, device: str, batch_size: int, overrides: list[str], raw: 
     norm = state["normalize"]  # the training split's statistics, as the model saw them
     to_input = loaders.input_fn(norm["mean"], norm["std"], world.device, channels_last=False)
     metrics.synchronize(world.device)
-    start = time.perf_counter()
+    start = metrics.clock()
     confusion = metrics.confusion_matrix(model, loader, to_input, len(classes), world, None, cfg.train.tta_flip,
                                          cfg.train.tta_translate)  # fmt: skip
     seconds = metrics.elapsed(start, world.device)

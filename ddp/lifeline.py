@@ -17,6 +17,10 @@ deadline. One watcher thread does the three, because the main thread may be bloc
   interpreter's lock, where the watcher cannot run, by faulthandler's thread (backstop). They count time on
   `awake()`, which stands still while the process is stopped (SIGSTOP: SLURM's `scontrol suspend`):
   a job stopped whole and continued goes on waiting, where it left at once past its deadline.
+- A pause (SIGTSTP: Ctrl-Z of ddp/torchrun.py, which sends it on to its ranks; a job on one machine): the process
+  stops itself where no collective is under way (safe_point: a step boundary every rank agreed on, between two
+  evaluation batches), so that the pause may outlast run.timeout_s; the watcher stops it outside training at once,
+  and where no safe point came within two steps (a checkpoint's save). The agent continues it (SIGCONT).
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ class LoopStop(Protocol):
     and how long a step has taken at most."""
 
     longest_step_s: float
+    last_step_s: float
 
     def request(self, why: str) -> None: ...
 
@@ -71,6 +76,11 @@ class _Watcher:
         self.continued = False  # a SIGCONT came since the last look: the process was stopped (not only slow to look)
         self.late: float | None = None  # when the watcher looked after a gap over LATE_S, before its SIGCONT came
         self.looks = threading.Lock()
+        # A pause asked for (SIGTSTP) and not yet taken, and when the watcher takes it where no safe point came.
+        # Asked and cancelled (a SIGCONT: the agent continued the process) here, in the order the signals came.
+        self.pause_asked, self.pause_by, self.pauses = False, None, threading.Lock()
+        self.progressed = 0.0  # on awake(): the last evaluation batch (training's progress between step boundaries)
+        self.stopped_s = 0.0  # the stops' seconds, each from half a _POLL_S after the look before it (awake's: LATE_S)
 
     def awake(self) -> float:
         """time.monotonic() less the time this process was stopped: the watcher's looks more than LATE_S apart with a
@@ -93,6 +103,7 @@ class _Watcher:
                 if self.continued:
                     stopped += seen - looked - LATE_S
                     self.last_stop = (seen, seen - looked)
+                    self.stopped_s += seen - looked - _POLL_S / 2  # (it began within a _POLL_S of that look)
             self.clock, self.late, self.continued = (now, stopped), None, False
             return self.awake()
 
@@ -100,7 +111,10 @@ class _Watcher:
         while not self.done.is_set():
             ready, _, _ = select.select([self.wakeup_read], [], [], _POLL_S)
             if ready:
-                for signum in os.read(self.wakeup_read, 64):
+                signums = os.read(self.wakeup_read, 64)
+                if pausing := [s for s in signums if s in (signal.SIGTSTP, signal.SIGCONT)]:
+                    self.asked_to_pause(pausing[-1] == signal.SIGTSTP)  # (a SIGTSTP then a SIGCONT: over)
+                for signum in signums:
                     self.continued = self.continued or signum == signal.SIGCONT
                     if signum in self.stop_signals:
                         self.signalled(signal.Signals(signum).name)
@@ -112,6 +126,7 @@ class _Watcher:
                     self.ask_to_stop(why, tell_the_loop=True)
                 self.launchers = []
             now = self.looking()
+            self.pause_if_late(now)
             for until, line in list(self.waits.values()):
                 if now > until:
                     _leave(f"error: {self.who}: {line}", every_rank=True)
@@ -121,6 +136,29 @@ class _Watcher:
                 _leave(f"error: {self.who}: stopping on {why} after training, but it had not ended {waited}: left"
                        if _loop_ended else f"error: {self.who}: stopping on {why}, but no step boundary came "
                        f"{waited}: left without a checkpoint")  # fmt: skip
+
+    def asked_to_pause(self, asked: bool) -> None:
+        """SIGTSTP (`asked`): outside training this process stops at once, until continued; in training at its next
+        safe point, or here within two steps. A SIGCONT cancels a pause not yet taken (continued: it is over)."""
+        with self.pauses:
+            stop = _loop_stop
+            self.pause_asked = asked
+            self.pause_by = self.awake() + 2 * stop.last_step_s + 1.0 if asked and stop else None
+        if asked and not stop:
+            self.pause()
+
+    def pause_if_late(self, now: float) -> None:
+        """Takes a pause asked for in training where no safe point came by its time (`now`: awake())."""
+        if self.pause_by is not None and now > self.pause_by:
+            self.pause()
+
+    def pause(self) -> None:
+        """A pause asked for and not yet taken: this process stops here (once: the main thread's safe_point, or the
+        watcher's), until continued."""
+        with self.pauses:
+            asked, self.pause_asked, self.pause_by = self.pause_asked, False, None
+        if asked:
+            os.kill(os.getpid(), signal.SIGSTOP)
 
     def launcher_gone(self) -> int | None:
         """The first of the launcher's processes that has ended, or None while they all run."""
@@ -155,7 +193,7 @@ class _Watcher:
     def leave_by(self) -> float:
         """When a stop asked for in training is late: the grace past the slowest step so far."""
         stop = _loop_stop
-        asked_at = self.stop_asked[0]
+        asked_at = max(self.stop_asked[0], self.progressed)  # (an evaluation is no wait for a lost rank)
         slowest = stop.longest_step_s if stop else 0.0
         return asked_at + GRACE_S + 3 * slowest  # the step it came in, the one its agreement takes, one spare
 
@@ -182,6 +220,32 @@ def stopped_lately(within_s: float) -> float:
     return seconds if time.monotonic() - ended <= within_s + SLACK_S else 0.0
 
 
+def stopped_s() -> float:
+    """The seconds this process has been stopped (SIGSTOP, a pause, SLURM's suspend) as the watcher saw them, to
+    within _POLL_S / 2 each; 0 without a watcher (a plain process, a test)."""
+    watcher = _watcher
+    if watcher is None:
+        return 0.0
+    watcher.looking()  # (the watcher may not have looked since the process was continued)
+    return watcher.stopped_s
+
+
+def pause_asked() -> bool:
+    """Whether a pause was asked for (SIGTSTP) and not yet taken: the training loop's flag (preemption.PAUSE)."""
+    watcher = _watcher
+    return watcher is not None and watcher.pause_asked
+
+
+def safe_point() -> None:
+    """From the main thread where no collective of this process is under way and none of another waits on it (a
+    step boundary every rank agreed to pause at, between evaluation batches): a pause asked for is taken here.
+    Also the progress that a stop's grace counts from."""
+    watcher = _watcher
+    if watcher is not None:
+        watcher.progressed = watcher.awake()
+        watcher.pause()
+
+
 def set_loop_stop(stop: LoopStop | None) -> None:
     """The training loop's stop as it starts (None as it ends), from preemption.StopRequest."""
     global _loop_stop, _loop_ended
@@ -195,6 +259,10 @@ def _leave(line: str, every_rank: bool = False, code: int = EXIT_FAILURE) -> Non
         print(line, file=sys.stderr, flush=True)
     launchers.record_error(line)  # torchrun's report shows it
     os._exit(code)
+
+
+def _default(sig: signal.Signals) -> bool:
+    return signal.getsignal(sig) == signal.SIG_DFL
 
 
 def _noted(signum: int, frame: object) -> None:
@@ -212,7 +280,10 @@ def watched(world: World, stop_signals: tuple[signal.Signals, ...], parent: int)
     global _watcher, _loop_ended
     watcher, _loop_ended = _Watcher(world, parent, stop_signals), False
     previous_fd = signal.set_wakeup_fd(watcher.wakeup_write, warn_on_full_buffer=False)
-    previous = {sig: signal.signal(sig, _noted) for sig in (*stop_signals, signal.SIGCONT)}
+    # SIGTSTP: torchrun's agent (ddp/torchrun.py) pauses the ranks of a job on one machine with it. The default
+    # action does nothing in a rank (its process group is orphaned); a plain process stops at once, as it should.
+    pause = world.launcher != "none" and not launchers.spans_machines() and _default(signal.SIGTSTP)
+    previous = {sig: signal.signal(sig, _noted) for sig in (*stop_signals, signal.SIGCONT, *[signal.SIGTSTP] * pause)}
     _watcher = watcher
     threading.Thread(target=watcher.run, name="ddp-lifeline", daemon=True).start()
     try:

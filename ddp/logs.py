@@ -7,14 +7,13 @@ from __future__ import annotations
 import contextlib
 import json
 import sys
-import time
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
 from tqdm import tqdm
 
-from ddp import cli, files, rundir
+from ddp import cli, files, metrics, rundir
 from ddp.errors import UsageError
 
 if TYPE_CHECKING:
@@ -150,7 +149,7 @@ class Progress:
             self.bar = tqdm(batches, desc=desc, leave=False, dynamic_ncols=True, mininterval=0.25, file=sys.stdout)
         self.batches = self.bar if self.bar is not None else batches
         self.world_size = world_size
-        self.started = self.last_shown = time.perf_counter()
+        self.started = self.last_shown = metrics.clock()  # (a pause does not count)
         self.images = 0  # over all ranks
 
     def __iter__(self) -> Iterator:
@@ -159,7 +158,7 @@ class Progress:
     def update(self, loss: torch.Tensor, lr: float, images: int) -> None:
         """After a step that took `images` on this rank."""
         self.images += images * self.world_size
-        now = time.perf_counter()
+        now = metrics.clock() if self.bar is not None else 0.0
         if self.bar is not None and now - self.last_shown > 0.25:
             self.last_shown = now
             rate = self.images / (now - self.started)

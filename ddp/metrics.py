@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ddp import distributed
+from ddp import distributed, lifeline
 from ddp.devices import World
 
 
@@ -158,12 +158,10 @@ def confusion_matrix(
     tta_flip: bool = False,
     tta_translate: bool = False,
 ) -> torch.Tensor:
-    """The confusion matrix (true class x predicted class, counts) over the whole test set, summed
-    over ranks: each image once. Its diagonal is the correct count per class, its row sums the
-    images per class. Test-time augmentation (the prediction from averaged logits): tta_flip, each
-    image and its mirror; tta_translate, also the image shifted by 1 px up-left and down-right
-    (reflect padding, each with its mirror if tta_flip), the two shifted views together weighing as
-    much as the image itself: airbench's level 2."""
+    """The confusion matrix (true class x predicted class, counts) over the whole test set, summed over ranks: each
+    image once; its diagonal the correct count per class, its row sums the images per class. Test-time augmentation
+    (the prediction from averaged logits): tta_flip, each image and its mirror; tta_translate, also the image shifted
+    by 1 px up-left and down-right (reflect padding, each with its mirror if tta_flip), the two weighing as one."""
     module.eval()
     confusion = torch.zeros(num_classes * num_classes, dtype=torch.int64, device=world.device)
     for images, labels in loader:
@@ -178,6 +176,8 @@ def confusion_matrix(
                 logits = logits + 0.5 * sum(_logits(module, view, tta_flip) for view in shifted)
             predicted = logits.argmax(dim=1)
         confusion.index_add_(0, y * num_classes + predicted, torch.ones_like(y))  # no sync per batch
+        if world.parallel != "fsdp":  # (FSDP's forward gathers: another rank may wait on this one)
+            lifeline.safe_point()  # a pause (Ctrl-Z) is taken here
     if world.grouped:  # each rank counted its own images: the sum counts every test image once
         dist.all_reduce(confusion, op=dist.ReduceOp.SUM)
     return confusion.view(num_classes, num_classes).cpu()
@@ -231,12 +231,18 @@ def epoch_record(
     return record
 
 
+def clock() -> float:
+    """Seconds on time.perf_counter() less those this process was stopped (a pause, Ctrl-Z; SLURM's suspend): a
+    paused epoch's images a second count the time it ran."""
+    return time.perf_counter() - lifeline.stopped_s()
+
+
 def epoch_start(device: torch.device) -> float:
-    """The clock (time.perf_counter()) at an epoch's start; on a GPU the peak-memory count starts
+    """The clock() at an epoch's start; on a GPU the peak-memory count starts
     again too, so that each epoch reports its own peak."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    return time.perf_counter()
+    return clock()
 
 
 def synchronize(device: torch.device) -> None:
@@ -246,9 +252,9 @@ def synchronize(device: torch.device) -> None:
 
 
 def elapsed(since: float, device: torch.device) -> float:
-    """Seconds from `since` (time.perf_counter()) to the end of the work queued on `device`."""
+    """Seconds from `since` (clock()) to the end of the work queued on `device`."""
     synchronize(device)
-    return time.perf_counter() - since
+    return clock() - since
 
 
 def gpu_memory_mb(device: torch.device | int) -> dict[str, float]:

@@ -1,6 +1,9 @@
 """Stopping on request: a stop signal (SLURM's warning before a time limit or preemption, `kill`, Ctrl-C,
 a terminal's hang-up) only sets a flag, which the loop reads at its next step boundary; after the stop
 checkpoint every rank leaves with Stopped (exit 75), and the same command resumes. A second Ctrl-C stops at once.
+
+A pause (SIGTSTP from ddp/torchrun.py's Ctrl-Z: lifeline) is agreed the same way, and every rank stops its process
+after the same step, with no collective under way: a pause outlasts run.timeout_s.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ from types import FrameType, TracebackType
 from ddp import distributed, launchers, lifeline, logs
 from ddp.devices import World
 from ddp.errors import Stopped, UsageError
+
+PAUSE, STOP = 1, 2  # the flags of StopAgreement: the highest any rank sends wins
 
 # Signals the system sends for ordinary events: as a stop signal, each would stop a run that nobody stopped.
 ORDINARY = {
@@ -70,6 +75,7 @@ class StopRequest:
         self.signals, self.received, self._previous = signals, None, {}
         self.last_boundary = time.monotonic()
         self.longest_step_s = 0.0  # the longest time between two step boundaries: what a stop may take
+        self.last_step_s = 0.0  # the last one: what a pause may take (lifeline)
 
     @property
     def requested(self) -> bool:
@@ -78,9 +84,25 @@ class StopRequest:
     def at_step_boundary(self) -> bool:
         """Whether a stop was requested, asked at a step boundary (which this also times)."""
         now = time.monotonic()
-        self.longest_step_s = max(self.longest_step_s, now - self.last_boundary)
+        self.last_step_s = now - self.last_boundary
+        self.longest_step_s = max(self.longest_step_s, self.last_step_s)
         self.last_boundary = now
         return self.requested
+
+    def agreed(self, agreement: distributed.StopAgreement) -> bool:
+        """At a step boundary: this rank's flag sent on, and whether every rank stops now. An agreed pause is taken
+        here (pause()). A step late: the flags of the step before, on any rank."""
+        asked = self.at_step_boundary()
+        flag = STOP if asked else PAUSE if lifeline.pause_asked() else 0
+        return self.take(agreement.after_step(flag))
+
+    def take(self, agreed: int) -> bool:
+        """An agreed pause taken (a rank that asked for none goes on: no one would continue it); whether the
+        agreement (StopAgreement's, or its wait() at an epoch's end) says stop."""
+        if agreed == PAUSE:
+            lifeline.safe_point()  # stopped here until continued (fg, bg: ddp/torchrun.py continues the ranks)
+            self.last_boundary = time.monotonic()  # the pause is no step's time
+        return agreed == STOP
 
     def request(self, why: str) -> None:
         """A stop for another reason than a signal (from another thread)."""

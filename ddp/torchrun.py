@@ -65,7 +65,7 @@ from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 from torch.distributed.run import main as torchrun  # noqa: E402
 from torch.distributed.run import parse_args  # noqa: E402
 
-from ddp import lost_rank, network  # noqa: E402
+from ddp import lost_rank, network, pausing  # noqa: E402
 from ddp.errors import EXIT_FAILURE, EXIT_USAGE, MACHINE_MEMORY_FIX, lost_interrupt, oom_killed  # noqa: E402
 
 GRACE_S = 20.0  # how long the agent may outlive its ranks (its own exit barrier waits on the other hosts)
@@ -129,6 +129,8 @@ def main(argv: list[str]) -> int:
         return EXIT_USAGE
     store = rendezvous_store(args) if ":" in args.rdzv_endpoint else None  # (its port given: on another host)
     elastic = args.max_restarts > 0
+    if signal.getsignal(signal.SIGTSTP) == signal.SIG_DFL:  # (one ignored where this started stays ignored)
+        signal.signal(signal.SIGTSTP, pausing.Pause(one_machine=args.standalone or str(args.nnodes) in ("1", "1:1")))
     if store or not elastic:  # (an elastic job without an endpoint of its own: not watched)
         watched = (store, elastic, fixed_nodes_store(args))
         watch = threading.Thread(target=leave_after_the_ranks, args=watched, name="ddp-agent-watch", daemon=True)
@@ -292,15 +294,7 @@ def _leave(why: str) -> None:
 
 def _ranks_running() -> bool:
     """Whether a child of this process runs (not a zombie): the ranks, started by the agent."""
-    me = str(os.getpid())
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()  # after "pid (command)": state, ppid, ...
-        except OSError:
-            continue
-        if fields[1] == me and fields[0] != "Z":
-            return True
-    return False
+    return bool(pausing.children())
 
 
 if __name__ == "__main__":

@@ -273,7 +273,7 @@ def train_epoch(
         job.stats.add(loss, len(labels), position.global_step)
         job.startup_s = job.startup_s or metrics.seconds_since_process_start()
         with record_function("stop agreement"):  # CPU flags on the control group, a step late: no wait
-            stopping = agreement.after_step(stop.at_step_boundary())  # the step before's: all stop together
+            stopping = stop.agreed(agreement)  # the step before's flags: all stop (or pause) together
         if job.checkpoints.due(position, job.plan.steps_per_epoch, stopping):
             stop_if_diverged(job, position)  # a checkpoint is never written with NaN weights
             if job.trained.ema:  # the average's BatchNorm statistics, as at an epoch's end (exact resume)
@@ -282,7 +282,7 @@ def train_epoch(
             if stopping:
                 preemption.finish_stop(stop.received, saved, world)
         progress.update(loss, job.trained.scheduler.get_last_lr()[0], len(labels))
-    agreement.wait()  # the last step's: the epoch's end asks again
+    stop.take(agreement.wait())  # the last step's (a pause taken here): the epoch's end asks for a stop again
     return position
 
 

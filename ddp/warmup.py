@@ -5,7 +5,6 @@ airbench warms up); all they change is put back: the run then trains as one with
 from __future__ import annotations
 
 import copy
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -34,7 +33,7 @@ def throwaway_steps(
     if checkpoints.world.is_main:  # compiles and autotuning can take a minute: say what the wait is
         logs.say(f"warm-up: {steps} throwaway step{'s' * (steps != 1)} and an evaluation before epoch 1, then put back")
     metrics.synchronize(device)
-    started = time.perf_counter()
+    started = metrics.clock()
     for _ in range(steps):
         step()
     evaluate()

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from launch_envs import SRUN, TORCHRUN
 
-from ddp import checks, devices, errors, launchers, logs, lost_rank
+from ddp import checks, devices, errors, launchers, logs, lost_rank, preemption
 from ddp.config import RunConfig
 from ddp.errors import PeerLost, UsageError
 
@@ -203,11 +203,13 @@ def test_the_stop_agreement_of_a_group_of_one_calls_no_collective(monkeypatch):
     assert world.grouped and distributed.any_rank(True, world) and not distributed.any_rank(False, world)
     agreement = distributed.StopAgreement(world)  # the training loop's: at once, not a step late
     assert [agreement.after_step(flag) for flag in (False, True)] == [False, True] and not agreement.wait()
+    assert agreement.after_step(preemption.PAUSE) == preemption.PAUSE  # (a level: the highest of the ranks' wins)
 
 
 def test_the_stop_agreement_takes_a_flag_of_any_rank_one_step_late_on_every_rank_and_leaves_nothing_unread():
     """Two gloo ranks (threads, each its own group object over one store). Rank 1's flag after step 3:
-    both stop after step 4, and send nothing on. Rank 0's after an epoch's last step (2): wait() has it."""
+    both stop after step 4, and send nothing on. Rank 0's after an epoch's last step (2): wait() has it.
+    A pause (Ctrl-Z: preemption.PAUSE) and a stop in the same step: the stop wins."""
     from ddp import distributed
 
     store, seen = dist.HashStore(), {}
@@ -220,14 +222,16 @@ def test_the_stop_agreement_takes_a_flag_of_any_rank_one_step_late_on_every_rank
         unread = agreement.pending
         epoch = distributed.StopAgreement(world)
         late = [epoch.after_step(step == 2 and r == 0) for step in (1, 2)]
-        seen[r] = stops, unread, late, epoch.wait(), epoch.pending
+        levels = distributed.StopAgreement(world)
+        both = [levels.after_step((preemption.PAUSE, preemption.STOP)[r] if step == 1 else 0) for step in (1, 2)]
+        seen[r] = stops, unread, late, epoch.wait(), epoch.pending, both
 
     threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=60)
-    assert seen == {r: ([False, False, False, True], None, [False, False], True, None) for r in (0, 1)}
+    assert seen == {r: ([False, False, False, True], None, [False, False], True, None, [0, 2]) for r in (0, 1)}
 
 
 def test_a_rank_that_stops_before_the_ranks_meet_is_heard_there_the_first_one_only_and_a_silent_one_named(monkeypatch):

@@ -1,14 +1,19 @@
 """Stop signals (ddp/preemption.py) in one process; the real ones through torchrun and SLURM are in
 test_resume.py and test_slurm.py."""
 
+import contextlib
+import json
 import os
+import pty
 import re
+import select
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -268,7 +273,8 @@ with lifeline.watched(world, (signal.SIGTERM,), os.getppid()), distributed.setup
 def test_the_clock_of_deadlines_stands_still_while_the_process_is_stopped(monkeypatch):
     """lifeline.awake(): a watcher whose last look was 5 s ago, a SIGCONT since (the process was stopped), counts
     LATE_S of them, before its next look and after it alike; stopped_lately says how long the stop was, while it is
-    recent. Without a SIGCONT (the watcher kept from the interpreter's lock by a long call) the 5 s count whole."""
+    recent; stopped_s (an epoch's time leaves it out) the 5 s to within half a look. Without a SIGCONT (the watcher kept
+    from the interpreter's lock by a long call) the 5 s count whole."""
     watcher = lifeline._Watcher(World(0, 0, 2, torch.device("cpu"), "ddp", "torchrun"), os.getppid(), ())
     monkeypatch.setattr(lifeline, "_watcher", watcher)
     looked = time.monotonic() - 5
@@ -278,6 +284,7 @@ def test_the_clock_of_deadlines_stands_still_while_the_process_is_stopped(monkey
     assert lifeline.stopped_lately(3) == pytest.approx(5, abs=0.5)  # (it looks: the stop is counted now)
     assert lifeline.awake() == pytest.approx(time.monotonic() - 5 + lifeline.LATE_S, abs=0.1)
     assert lifeline.stopped_lately(3) == pytest.approx(5, abs=0.5)  # a stop seen once, said again
+    assert lifeline.stopped_s() == pytest.approx(5 - lifeline._POLL_S / 2, abs=0.05)
     watcher.last_stop = (time.monotonic() - 10, 5.0)
     assert lifeline.stopped_lately(3) == 0  # one that ended longer ago than the deadline and its slack
     stopped = watcher.clock[1]
@@ -289,6 +296,42 @@ def test_the_clock_of_deadlines_stands_still_while_the_process_is_stopped(monkey
     assert lifeline.awake() == pytest.approx(time.monotonic() - stopped, abs=0.1)
     monkeypatch.setattr(lifeline, "_watcher", None)
     assert lifeline.awake() == pytest.approx(time.monotonic()) and lifeline.stopped_lately(3) == 0  # no watcher
+    assert lifeline.stopped_s() == 0
+
+
+def test_a_pause_is_taken_once_at_a_safe_point_or_by_the_watcher_in_time_and_a_sigcont_first_ends_it(monkeypatch):
+    """The watcher reads SIGTSTP (a pause: Ctrl-Z of ddp/torchrun.py) and SIGCONT in the order they came. In training
+    the pause waits for a safe point (lifeline.safe_point: the main thread, where no collective is under way), or the
+    watcher takes it two steps and a second later; outside training at once. Taken once: a process stopped twice is
+    never continued. A SIGCONT before it is taken ends it (the agent continued the process: it stopped it itself)."""
+    watcher = lifeline._Watcher(World(0, 0, 2, torch.device("cpu"), "ddp", "torchrun"), os.getppid(), ())
+    stops = []
+    monkeypatch.setattr(lifeline, "_watcher", watcher)
+    monkeypatch.setattr(os, "kill", lambda pid, sig: stops.append((pid, sig)))
+    loop = preemption.StopRequest(())
+    loop.last_step_s = 0.5
+    monkeypatch.setattr(lifeline, "_loop_stop", loop)
+    watcher.asked_to_pause(True)
+    assert lifeline.pause_asked() and watcher.pause_by == pytest.approx(lifeline.awake() + 2, abs=0.1) and not stops
+    lifeline.safe_point()
+    lifeline.safe_point()
+    assert stops == [(os.getpid(), signal.SIGSTOP)] and not lifeline.pause_asked() and watcher.pause_by is None
+    watcher.asked_to_pause(True)
+    watcher.pause_if_late(lifeline.awake())  # (a look: not yet)
+    assert len(stops) == 1 and lifeline.pause_asked()
+    watcher.pause_if_late(lifeline.awake() + 2.5)  # no safe point came in time: the watcher's look takes it
+    lifeline.safe_point()
+    assert len(stops) == 2 and not lifeline.pause_asked()
+    watcher.asked_to_pause(True)
+    watcher.asked_to_pause(False)  # a SIGCONT came after it, before a safe point
+    lifeline.safe_point()
+    assert len(stops) == 2 and not lifeline.pause_asked() and watcher.pause_by is None
+    monkeypatch.setattr(lifeline, "_loop_stop", None)
+    watcher.asked_to_pause(True)  # outside training: at once
+    assert len(stops) == 3 and not lifeline.pause_asked()
+    monkeypatch.setattr(lifeline, "_watcher", None)
+    lifeline.safe_point()
+    assert len(stops) == 3 and not lifeline.pause_asked()  # a plain process, a test: nothing
 
 
 def test_a_job_stopped_whole_goes_on_from_its_rendezvous_and_says_so_where_torch_ends_it(tmp_path):
@@ -363,3 +406,158 @@ with lifeline.watched(world, (signal.SIGTERM,), os.getppid()):
         assert re.search(rf"^rank {r} of 2: lost contact with rank {1 - r} \(.*; this process was stopped for [5-9] s "
                          r"just before \(SLURM's suspend\? a SIGSTOP\?\), and torch's timeouts count that time: "
                          r"a longer run.timeout_s outlasts such stops\) \[", err, re.M), err  # fmt: skip
+
+
+class Terminal:
+    """An interactive bash in a pseudo-terminal, with job control: what a user types Ctrl-Z, fg and bg into."""
+
+    def __init__(self, cwd: Path) -> None:
+        self.pid, self.fd = pty.fork()
+        if self.pid == 0:  # the child: bash, the terminal's session leader
+            os.chdir(cwd)
+            os.execvpe("bash", ["bash", "--norc", "--noprofile", "-i"], clean_env(PS1="$ ", TERM="dumb"))
+        self.out = self.seen = b""
+
+    def type(self, keys: bytes) -> None:
+        os.write(self.fd, keys)
+
+    def wait_for(self, pattern: bytes, timeout_s: float = 60) -> re.Match:
+        """Reads the terminal until `pattern` shows in what came since the last match."""
+        deadline = time.monotonic() + timeout_s
+        while not (found := re.search(pattern, self.out)):
+            ready, _, _ = select.select([self.fd], [], [], max(0.0, deadline - time.monotonic()))
+            assert ready, f"no {pattern!r} within {timeout_s} s in:\n{self.out.decode(errors='replace')}"
+            try:
+                self.out += os.read(self.fd, 65536)
+            except OSError:  # the shell has gone
+                raise AssertionError(f"no {pattern!r} in:\n{self.out.decode(errors='replace')}") from None
+        self.seen += self.out[: found.end()]
+        self.out = self.out[found.end() :]
+        return found
+
+    def close(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.pid, signal.SIGKILL)
+        os.close(self.fd)
+        os.waitpid(self.pid, 0)
+
+
+def test_ctrl_z_pauses_a_torchrun_job_at_a_step_boundary_past_run_timeout_s_and_fg_goes_on_with_the_same_numbers(
+    tmp_path,
+):
+    """Ctrl-Z of `bash launch/torchrun.sh` in a terminal. torchrun's ranks run in sessions of their own: the Ctrl-Z
+    stopped torchrun alone; its ranks trained on, and failed past run.timeout_s without its store. Now each rank
+    pauses at its next step boundary, where no collective is under way, then torchrun stops ("Stopped"): a pause
+    twice run.timeout_s long, then fg, and the run ends as one never paused does, to the last digit of every loss;
+    the paused epoch's train_s counts the time it ran. (The reference: the same command without a terminal.)"""
+    args = ["--config", "configs/smoke.yaml", "train.epochs=2", "data.synthetic_train=2048", "run.timeout_s=3"]
+    torchrun = [sys.executable, "ddp/torchrun.py", "--standalone", "--nproc_per_node=2", "ddp/train.py", *args]
+    reference = subprocess.run([*torchrun, f"run.out_dir={tmp_path / 'reference'}"], cwd=REPO, env=clean_env(),
+                               capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert reference.returncode == 0, reference.stderr
+    terminal = Terminal(REPO)
+    try:
+        terminal.wait_for(rb"\$ ")
+        terminal.type(f"NPROC=2 bash launch/torchrun.sh {' '.join(args)} run.out_dir={tmp_path / 'paused'}\n".encode())
+        terminal.wait_for(rb"epoch 1/2 ")  # epoch 2's steps begin (1.5 s of them)
+        time.sleep(0.2)
+        terminal.type(b"\x1a")  # Ctrl-Z
+        terminal.wait_for(rb"Stopped")
+        agent = next(p for p in Path("/proc").glob("[0-9]*") if re.search(rb"torchrun\.py.*/paused", _cmdline(p)))
+        ranks = [int(p.name) for p in Path("/proc").glob("[0-9]*") if _stat(p)[1:2] == [agent.name]]
+        assert len(ranks) == 2 and all(_stat(Path(f"/proc/{r}"))[0] == "T" for r in ranks), ranks
+        time.sleep(6)  # twice run.timeout_s
+        assert all(_stat(Path(f"/proc/{r}"))[0] == "T" for r in ranks)
+        terminal.type(b"fg\n")
+        terminal.wait_for(rb"epoch 2/2 .*\n(.|\n)*\$ ")
+        terminal.type(b"echo rc=$?\n")
+        terminal.wait_for(rb"rc=\d+")
+        said = terminal.seen.decode(errors="replace")
+    finally:
+        terminal.close()
+    assert "rc=0" in said and "note: paused" not in said, said
+    epochs = [[json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+              for run in ("reference", "paused")]  # fmt: skip
+    for key in ("train_loss", "grad_norm_mean", "grad_norm_max", "test_acc", "confusion"):
+        assert [e[key] for e in epochs[1]] == [e[key] for e in epochs[0]], key
+    assert epochs[1][1]["train_s"] < epochs[0][1]["train_s"] + 2, epochs  # not the pause's 6 s
+
+
+def _cmdline(proc: Path) -> bytes:
+    try:
+        return (proc / "cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def _stat(proc: Path) -> list[str]:
+    """/proc/PID/stat's state and parent ([] for a process gone)."""
+    try:
+        return (proc / "stat").read_text().rsplit(")", 1)[1].split()[:2]
+    except (OSError, IndexError):
+        return []
+
+
+def test_a_stop_signal_in_a_long_evaluation_waits_for_it_and_saves_the_epoch(tmp_path):
+    """SIGTERM (SLURM's warning) while the first epoch evaluates: the stop's grace counted from the signal alone, and
+    past GRACE_S + 3 steps the watcher left without a checkpoint ("no step boundary came"): the epoch's training was
+    lost. Each evaluation batch is progress now: the evaluation ends, the epoch is recorded and saved, exit 75. (The
+    grace 0.5 s, each batch 50 ms slower: an evaluation of 3 s.)"""
+    script = """
+import sys, time
+from ddp import lifeline, metrics, train
+lifeline.GRACE_S = 0.5
+logits = metrics._logits
+def slowly(*args, **kwargs):
+    if slowly.first:
+        print("evaluating", flush=True)
+    slowly.first = False
+    time.sleep(0.05)
+    return logits(*args, **kwargs)
+slowly.first = True
+metrics._logits = slowly
+sys.exit(train.cli(sys.argv[1:]))
+"""
+    args = ["--config", "configs/smoke.yaml", "train.epochs=2", "data.synthetic_train=256", "data.synthetic_test=512",
+            "train.eval_batch_size=8", f"run.out_dir={tmp_path}"]  # fmt: skip
+    run = subprocess.Popen([sys.executable, "-c", script, *args], cwd=REPO, env=clean_env(), text=True,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    try:
+        while (line := run.stdout.readline()) and line != "evaluating\n":  # (the run's first line before)
+            pass
+        assert line, run.communicate()
+        run.send_signal(signal.SIGTERM)
+        out, err = run.communicate(timeout=60)
+    finally:
+        run.kill()
+    assert run.returncode == 75, err
+    assert "stopped on SIGTERM" in err and (tmp_path / "checkpoints" / "last.pt").exists(), err
+    assert [json.loads(line)["epoch"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1]
+
+
+def test_ctrl_z_of_one_machine_of_a_job_on_several_says_so_and_the_job_goes_on(tmp_path):
+    """Node 0 of a job on two machines, its agent waiting for the other at the rendezvous: Ctrl-Z (SIGTSTP) would
+    stop its agent, whose store the other machine's ranks use, and a pause of its ranks alone would hold the others
+    in their collectives past run.timeout_s. It says so and goes on (not stopped); Ctrl-C stops the job."""
+    from ddp import pausing
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    agent = subprocess.Popen(
+        [sys.executable, "ddp/torchrun.py", "--nnodes=2", "--node_rank=0", "--nproc_per_node=1", "--rdzv_backend=c10d",
+         f"--rdzv_endpoint=127.0.0.1:{port}", "ddp/train.py", "--config=configs/smoke.yaml", f"run.out_dir={tmp_path}"],
+        cwd=REPO, env=clean_env(), text=True, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while not pausing._handles_sigtstp(agent.pid) and time.monotonic() < deadline and agent.poll() is None:
+            time.sleep(0.05)
+        agent.send_signal(signal.SIGTSTP)
+        while (line := agent.stderr.readline()) and not line.startswith("note: Ctrl-Z"):
+            pass
+        assert line.startswith("note: Ctrl-Z does not pause a job on several machines"), agent.communicate()
+        assert pausing._state(agent.pid) not in "TtZX"
+    finally:
+        agent.terminate()
+        agent.communicate(timeout=30)

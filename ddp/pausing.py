@@ -1,0 +1,123 @@
+"""Ctrl-Z of ddp/torchrun.py (SIGTSTP), torchrun's agent: it pauses the ranks, then itself, and fg or bg continues
+them all. The ranks' side: lifeline (outside training) and preemption.StopRequest (at a step boundary)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+PAUSE_S = 30.0  # how long Ctrl-Z waits for a rank to pause before it stops it where it is (its watcher: 2 steps)
+
+
+class Pause:
+    """Ctrl-Z (SIGTSTP): torchrun's ranks run in sessions of their own, which the terminal's Ctrl-Z does not reach:
+    they trained on, and past run.timeout_s without the stopped agent's store they failed. Here the ranks of a job on
+    one machine pause first, each where no collective is under way (lifeline.safe_point: a step boundary they agreed
+    on, between evaluation batches), so that the pause may last; then this process stops, as any job does. fg or bg
+    continues it, and it continues them. A rank that has not paused within PAUSE_S, or at a second Ctrl-Z, is
+    stopped where it is. A job on several machines goes on: a pause of this one would stop them all."""
+
+    def __init__(self, one_machine: bool) -> None:
+        self.one_machine, self.pausing, self.now = one_machine, False, False
+
+    def __call__(self, signum: int, frame: object) -> None:
+        if self.pausing:  # Ctrl-Z again while the ranks reach their step boundary: now
+            self.now = True
+            return
+        if not self.one_machine:
+            _say(
+                "note: Ctrl-Z does not pause a job on several machines (the others' ranks would wait for this one's "
+                "past run.timeout_s): it goes on; Ctrl-C stops it with a checkpoint"
+            )
+            return
+        self.pausing, ranks = True, children()
+        try:
+            for pid in ranks:
+                _signal(pid, signal.SIGTSTP, group=False)
+            self.wait_for(ranks)
+            signal.signal(signal.SIGTSTP, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTSTP)  # stopped here until continued (fg, bg; kill %1 too, with SIGCONT)
+        finally:  # (also where a stop signal's handler raised: the ranks then take it)
+            signal.signal(signal.SIGTSTP, self)
+            for pid in ranks:
+                _signal(pid, signal.SIGCONT, group=True)  # (its DataLoader workers too, where they were stopped)
+            self.pausing = self.now = False
+
+    def wait_for(self, ranks: list[int]) -> None:
+        """Until each of `ranks` is stopped (or has ended). One without a handler of SIGTSTP (starting, or ending: its
+        lifeline does not watch) is stopped at once; one not stopped within PAUSE_S, or at a second Ctrl-Z, then."""
+        start, said = time.monotonic(), False
+        while late := [pid for pid in ranks if _state(pid) not in "TtZX"]:
+            for pid in late:
+                if not _handles_sigtstp(pid):
+                    _signal(pid, signal.SIGSTOP, group=True)
+            if self.now or time.monotonic() - start > PAUSE_S:
+                break
+            if time.monotonic() - start > 2 and not said:
+                _say(f"(pausing: each rank where no collective is under way, up to {PAUSE_S:.0f} s; Ctrl-Z again: now)")
+                said = True
+            time.sleep(0.02)
+        for pid in late:
+            _signal(pid, signal.SIGSTOP, group=True)
+        if late:
+            _say(
+                f"note: paused {', '.join(_rank_name(pid) for pid in late)} where it was: a pause longer than "
+                "run.timeout_s may end the run when it goes on"
+            )
+
+
+def children() -> list[int]:
+    """The processes this one started that run (not zombies): the ranks, started by the agent."""
+    me = str(os.getpid())
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # after "pid (command)": state, ppid, ...
+        except OSError:
+            continue
+        if fields[1] == me and fields[0] != "Z":
+            pids.append(int(stat.parent.name))
+    return pids
+
+
+def _state(pid: int) -> str:
+    """/proc's state of `pid` (R, S, T: stopped, Z, ...); X for none."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "X"
+
+
+def _handles_sigtstp(pid: int) -> bool:
+    """Whether `pid` has a handler for SIGTSTP (a rank's lifeline installs one): /proc's SigCgt mask."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text().splitlines()
+        caught = int(next(line for line in status if line.startswith("SigCgt:")).split()[1], 16)
+    except (OSError, StopIteration, IndexError, ValueError):
+        return False
+    return bool(caught >> (signal.SIGTSTP - 1) & 1)
+
+
+def _rank_name(pid: int) -> str:
+    try:
+        rank = next(v for v in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if v.startswith(b"RANK="))
+        return f"rank {rank[5:].decode()}"
+    except (OSError, StopIteration):
+        return f"process {pid}"
+
+
+def _signal(pid: int, sig: signal.Signals, group: bool) -> None:
+    """`sig` to `pid`, or to its process group where it leads one of its own (a rank: its DataLoader workers too)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        if group and os.getpgid(pid) == pid:
+            os.killpg(pid, sig)
+        else:
+            os.kill(pid, sig)
+
+
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)

@@ -280,9 +280,10 @@ def watched(world: World, stop_signals: tuple[signal.Signals, ...], parent: int)
     global _watcher, _loop_ended
     watcher, _loop_ended = _Watcher(world, parent, stop_signals), False
     previous_fd = signal.set_wakeup_fd(watcher.wakeup_write, warn_on_full_buffer=False)
-    # SIGTSTP: torchrun's agent (ddp/torchrun.py) pauses the ranks of a job on one machine with it. The default
-    # action does nothing in a rank (its process group is orphaned); a plain process stops at once, as it should.
-    pause = world.launcher != "none" and not launchers.spans_machines() and _default(signal.SIGTSTP)
+    # SIGTSTP: torchrun's agent (ddp/torchrun.py) pauses the ranks of a job on one machine with it, and continues
+    # them. Its default action does nothing in a torchrun rank (its process group is orphaned). Others keep it: a
+    # plain process stops at once, as it should; srun's and mpirun's ranks as their launcher has them.
+    pause = world.launcher == "torchrun" and not launchers.spans_machines() and _default(signal.SIGTSTP)
     previous = {sig: signal.signal(sig, _noted) for sig in (*stop_signals, signal.SIGCONT, *[signal.SIGTSTP] * pause)}
     _watcher = watcher
     threading.Thread(target=watcher.run, name="ddp-lifeline", daemon=True).start()

@@ -435,7 +435,13 @@ class Terminal:
         self.out = self.out[found.end() :]
         return found
 
-    def close(self) -> None:
+    def close(self, marker: str) -> None:
+        """The shell, and every process whose command line holds `marker` (its jobs: their ranks run in sessions of
+        their own, which the shell's end does not reach)."""
+        for proc in Path("/proc").glob("[0-9]*"):
+            if marker.encode() in _cmdline(proc):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(proc.name), signal.SIGKILL)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.pid, signal.SIGKILL)
         os.close(self.fd)
@@ -474,7 +480,7 @@ def test_ctrl_z_pauses_a_torchrun_job_at_a_step_boundary_past_run_timeout_s_and_
         terminal.wait_for(rb"rc=\d+")
         said = terminal.seen.decode(errors="replace")
     finally:
-        terminal.close()
+        terminal.close(str(tmp_path / "paused"))
     assert "rc=0" in said and "note: paused" not in said, said
     epochs = [[json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
               for run in ("reference", "paused")]  # fmt: skip
@@ -561,3 +567,36 @@ def test_ctrl_z_of_one_machine_of_a_job_on_several_says_so_and_the_job_goes_on(t
     finally:
         agent.terminate()
         agent.communicate(timeout=30)
+
+
+def test_the_agent_stops_a_rank_without_a_pause_handler_at_once_and_one_late_to_pause_after_its_wait(
+    monkeypatch, capsys
+):
+    """ddp/pausing.py's wait for the ranks to pause: a process with no SIGTSTP handler (a rank still starting: its
+    lifeline does not watch yet) is stopped at once; one with a handler that does not stop (a step longer than
+    PAUSE_S, 0.5 s here) after the wait, with a line naming it; each process group, then continued."""
+    from ddp import pausing
+
+    handler = "import signal, time; signal.signal(signal.SIGTSTP, lambda *a: None); print('ready', flush=True)"
+    starting = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    stepping = subprocess.Popen([sys.executable, "-c", f"{handler}; time.sleep(60)"], start_new_session=True,
+                                stdout=subprocess.PIPE, env={**clean_env(), "RANK": "1"}, text=True)  # fmt: skip
+    try:
+        assert stepping.stdout.readline() == "ready\n"
+        monkeypatch.setattr(pausing, "PAUSE_S", 0.5)
+        pause = pausing.Pause(one_machine=True)
+        waited = []
+        for ranks in ([starting.pid], [starting.pid, stepping.pid]):  # (the one that starts does not hurry the other)
+            os.kill(starting.pid, signal.SIGCONT)
+            started = time.monotonic()
+            pause.wait_for(ranks)
+            waited.append(time.monotonic() - started)
+        assert [pausing._state(p.pid) for p in (starting, stepping)] == ["T", "T"]
+        assert waited[0] < 0.4 and 0.5 <= waited[1] < 5, waited
+        assert capsys.readouterr().err.splitlines() == [
+            "note: paused rank 1 where it was: a pause longer than run.timeout_s may end the run when it goes on"
+        ]
+    finally:
+        for process in (starting, stepping):
+            process.kill()
+            process.wait()

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from ddp import __version__ as ddp_version
-from ddp import cli, config, distributed, files, optim, rng, rundir, schema, weights
+from ddp import cli, config, distributed, files, lifeline, optim, rng, rundir, schema, weights
 from ddp.config import RunConfig
 from ddp.devices import World
 from ddp.ema import EMA, Lookahead
@@ -208,6 +208,7 @@ class Checkpoints:
         periodic = every > 0 and position.global_step % every == 0
         return position.step_in_epoch < steps_per_epoch and (stopping or periodic)
 
+    @lifeline.busy()  # a stop's grace waits for it (a large file on a slow disk)
     def save(self, position: Position, stats: StepStats, metrics: dict[str, Any] | None) -> Path | None:
         """Every rank calls this at the same step boundary: it gathers every rank's RNG states (and an
         unfinished epoch's sums); rank 0 writes step-<global_step>.pt, points last.pt at it and keeps

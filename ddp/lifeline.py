@@ -26,6 +26,7 @@ deadline. One watcher thread does the three, because the main thread may be bloc
 from __future__ import annotations
 
 import faulthandler
+import math
 import os
 import select
 import signal
@@ -79,7 +80,8 @@ class _Watcher:
         # A pause asked for (SIGTSTP) and not yet taken, and when the watcher takes it where no safe point came.
         # Asked and cancelled (a SIGCONT: the agent continued the process) here, in the order the signals came.
         self.pause_asked, self.pause_by, self.pauses = False, None, threading.Lock()
-        self.progressed = 0.0  # on awake(): the last evaluation batch (training's progress between step boundaries)
+        self.progressed = 0.0  # on awake(): the last safe point or busy() work (progress between step boundaries)
+        self.busy = 0  # busy() work under way: a stop's grace waits for it
         self.stopped_s = 0.0  # the stops' seconds, each from half a _POLL_S after the look before it (awake's: LATE_S)
 
     def awake(self) -> float:
@@ -191,7 +193,9 @@ class _Watcher:
         self.stop_asked = self.stop_asked or (self.awake(), why)
 
     def leave_by(self) -> float:
-        """When a stop asked for in training is late: the grace past the slowest step so far."""
+        """When a stop asked for in training is late: the grace past the slowest step so far (none while busy())."""
+        if self.busy:
+            return math.inf
         stop = _loop_stop
         asked_at = max(self.stop_asked[0], self.progressed)  # (an evaluation is no wait for a lost rank)
         slowest = stop.longest_step_s if stop else 0.0
@@ -296,6 +300,21 @@ def watched(world: World, stop_signals: tuple[signal.Signals, ...], parent: int)
             if signal.getsignal(sig) is _noted:  # not one the stop's exit has set to SIG_IGN
                 signal.signal(sig, handler)
         signal.set_wakeup_fd(previous_fd)
+
+
+@contextmanager
+def busy() -> Iterator[None]:
+    """Around work that may outlast a stop's grace and is no wait for a lost rank (a checkpoint's save: a large one
+    on a slow disk, where a SIGTERM before it left without a checkpoint): the grace counts from its end."""
+    watcher = _watcher
+    if watcher is not None:
+        watcher.busy += 1
+    try:
+        yield
+    finally:
+        if watcher is not None:
+            watcher.busy -= 1
+            watcher.progressed = watcher.awake()
 
 
 @contextmanager

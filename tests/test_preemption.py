@@ -504,24 +504,33 @@ def _stat(proc: Path) -> list[str]:
         return []
 
 
-def test_a_stop_signal_in_a_long_evaluation_waits_for_it_and_saves_the_epoch(tmp_path):
-    """SIGTERM (SLURM's warning) while the first epoch evaluates: the stop's grace counted from the signal alone, and
-    past GRACE_S + 3 steps the watcher left without a checkpoint ("no step boundary came"): the epoch's training was
-    lost. Each evaluation batch is progress now: the evaluation ends, the epoch is recorded and saved, exit 75. (The
-    grace 0.5 s, each batch 50 ms slower: an evaluation of 3 s.)"""
-    script = """
-import sys, time
+SLOWLY = {  # the first call of each: it says so, or signals its own process, then it takes its time
+    "evaluation": ("metrics", "_logits", 'print("evaluating", flush=True)', 0.05),
+    "save": ("torch", "save", "os.kill(os.getpid(), signal.SIGTERM)", 2.0),
+}
+
+
+@pytest.mark.parametrize("slow", SLOWLY)
+def test_a_stop_signal_in_a_long_evaluation_or_save_waits_for_it_and_saves_the_epoch(tmp_path, slow):
+    """SIGTERM (SLURM's warning) while the first epoch evaluates, or just before a checkpoint's save (a large one on a
+    slow disk): the stop's grace counted from the signal alone, and past GRACE_S + 3 steps the watcher left without a
+    checkpoint ("no step boundary came"): the epoch's training was lost. Each evaluation batch is progress now, and a
+    save is busy (lifeline.busy): the grace counts from its end. The epoch is recorded and saved, exit 75. (The grace
+    0.5 s; each evaluation batch 50 ms slower, 3 s in all; or the save 2 s slower.)"""
+    module, name, first, seconds = SLOWLY[slow]
+    script = f"""
+import os, signal, sys, time, torch
 from ddp import lifeline, metrics, train
 lifeline.GRACE_S = 0.5
-logits = metrics._logits
+original = {module}.{name}
 def slowly(*args, **kwargs):
     if slowly.first:
-        print("evaluating", flush=True)
+        {first}
     slowly.first = False
-    time.sleep(0.05)
-    return logits(*args, **kwargs)
+    time.sleep({seconds})
+    return original(*args, **kwargs)
 slowly.first = True
-metrics._logits = slowly
+{module}.{name} = slowly
 sys.exit(train.cli(sys.argv[1:]))
 """
     args = ["--config", "configs/smoke.yaml", "train.epochs=2", "data.synthetic_train=256", "data.synthetic_test=512",
@@ -529,10 +538,11 @@ sys.exit(train.cli(sys.argv[1:]))
     run = subprocess.Popen([sys.executable, "-c", script, *args], cwd=REPO, env=clean_env(), text=True,
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
     try:
-        while (line := run.stdout.readline()) and line != "evaluating\n":  # (the run's first line before)
-            pass
-        assert line, run.communicate()
-        run.send_signal(signal.SIGTERM)
+        if slow == "evaluation":
+            while (line := run.stdout.readline()) and line != "evaluating\n":  # (the run's first line before)
+                pass
+            assert line, run.communicate()
+            run.send_signal(signal.SIGTERM)
         out, err = run.communicate(timeout=60)
     finally:
         run.kill()

@@ -19,8 +19,8 @@ deadline. One watcher thread does the three, because the main thread may be bloc
   a job stopped whole and continued goes on waiting, where it left at once past its deadline.
 - A pause (SIGTSTP: Ctrl-Z of ddp/torchrun.py, which sends it on to its ranks; a job on one machine): the process
   stops itself where no collective is under way (safe_point: a step boundary every rank agreed on, between two
-  evaluation batches), so that the pause may outlast run.timeout_s; the watcher stops it outside training at once,
-  and where no safe point came within two steps (a checkpoint's save). The agent continues it (SIGCONT).
+  evaluation batches), so that the pause may outlast run.timeout_s; the watcher stops it before training at once,
+  and where no safe point came within two steps (a checkpoint's save); after training it ends. The agent continues it.
 """
 
 from __future__ import annotations
@@ -140,13 +140,14 @@ class _Watcher:
                        f"{waited}: left without a checkpoint")  # fmt: skip
 
     def asked_to_pause(self, asked: bool) -> None:
-        """SIGTSTP (`asked`): outside training this process stops at once, until continued; in training at its next
-        safe point, or here within two steps. A SIGCONT cancels a pause not yet taken (continued: it is over)."""
+        """SIGTSTP (`asked`): before training this process stops at once, until continued; in training at its next
+        safe point, or here within two steps; after it not (it is on its way out: a stop in the group's end would
+        outlast faulthandler's backstop). A SIGCONT cancels a pause not yet taken (continued: it is over)."""
         with self.pauses:
             stop = _loop_stop
-            self.pause_asked = asked
-            self.pause_by = self.awake() + 2 * stop.last_step_s + 1.0 if asked and stop else None
-        if asked and not stop:
+            self.pause_asked = asked and not _loop_ended
+            self.pause_by = self.awake() + 2 * stop.last_step_s + 1.0 if self.pause_asked and stop else None
+        if self.pause_asked and not stop:
             self.pause()
 
     def pause_if_late(self, now: float) -> None:

@@ -48,8 +48,9 @@ class Pause:
             self.pausing = self.now = False
 
     def wait_for(self, ranks: list[int]) -> None:
-        """Until each of `ranks` is stopped (or has ended). One without a handler of SIGTSTP (starting, or ending: its
-        lifeline does not watch) is stopped at once; one not stopped within PAUSE_S, or at a second Ctrl-Z, then."""
+        """Until each of `ranks` is stopped or has ended (after training a rank does not pause: it ends). One without a
+        handler of SIGTSTP (starting: its lifeline does not watch yet) is stopped at once; one not stopped within
+        PAUSE_S, or at a second Ctrl-Z, then."""
         start, said = time.monotonic(), False
         while late := [pid for pid in ranks if _state(pid) not in "TtZX"]:
             for pid in late:

@@ -302,8 +302,9 @@ def test_the_clock_of_deadlines_stands_still_while_the_process_is_stopped(monkey
 def test_a_pause_is_taken_once_at_a_safe_point_or_by_the_watcher_in_time_and_a_sigcont_first_ends_it(monkeypatch):
     """The watcher reads SIGTSTP (a pause: Ctrl-Z of ddp/torchrun.py) and SIGCONT in the order they came. In training
     the pause waits for a safe point (lifeline.safe_point: the main thread, where no collective is under way), or the
-    watcher takes it two steps and a second later; outside training at once. Taken once: a process stopped twice is
-    never continued. A SIGCONT before it is taken ends it (the agent continued the process: it stopped it itself)."""
+    watcher takes it two steps and a second later; before training at once; after it not (the process ends). Taken
+    once: a process stopped twice is never continued. A SIGCONT before it is taken ends it (the agent continued the
+    process: it stopped it itself)."""
     watcher = lifeline._Watcher(World(0, 0, 2, torch.device("cpu"), "ddp", "torchrun"), os.getppid(), ())
     stops = []
     monkeypatch.setattr(lifeline, "_watcher", watcher)
@@ -327,7 +328,11 @@ def test_a_pause_is_taken_once_at_a_safe_point_or_by_the_watcher_in_time_and_a_s
     lifeline.safe_point()
     assert len(stops) == 2 and not lifeline.pause_asked() and watcher.pause_by is None
     monkeypatch.setattr(lifeline, "_loop_stop", None)
-    watcher.asked_to_pause(True)  # outside training: at once
+    watcher.asked_to_pause(True)  # before training: at once
+    assert len(stops) == 3 and not lifeline.pause_asked()
+    monkeypatch.setattr(lifeline, "_loop_ended", True)
+    watcher.asked_to_pause(True)  # after it: on its way out, not at all
+    lifeline.safe_point()
     assert len(stops) == 3 and not lifeline.pause_asked()
     monkeypatch.setattr(lifeline, "_watcher", None)
     lifeline.safe_point()

@@ -238,8 +238,8 @@ def clock() -> float:
 
 
 def epoch_start(device: torch.device) -> float:
-    """The clock() at an epoch's start; on a GPU the peak-memory count starts
-    again too, so that each epoch reports its own peak."""
+    """The clock() at an epoch's start; on a GPU the peak-memory count starts again too, so that each epoch reports
+    its own peak."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     return clock()

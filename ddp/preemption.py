@@ -90,8 +90,8 @@ class StopRequest:
         return self.requested
 
     def agreed(self, agreement: distributed.StopAgreement) -> bool:
-        """At a step boundary: this rank's flag sent on, and whether every rank stops now. An agreed pause is taken
-        here (pause()). A step late: the flags of the step before, on any rank."""
+        """At a step boundary: this rank's flag (stop, pause, neither) sent on, and whether every rank stops now; an
+        agreed pause is taken here (take). A step late: the flags of the step before, on any rank."""
         asked = self.at_step_boundary()
         flag = STOP if asked else PAUSE if lifeline.pause_asked() else 0
         return self.take(agreement.after_step(flag))

@@ -312,6 +312,7 @@ def test_a_pause_is_taken_once_at_a_safe_point_or_by_the_watcher_in_time_and_a_s
     loop = preemption.StopRequest(())
     loop.last_step_s = 0.5
     monkeypatch.setattr(lifeline, "_loop_stop", loop)
+    monkeypatch.setattr(lifeline, "_loop_ended", False)  # (an earlier test's loop may have ended in this process)
     watcher.asked_to_pause(True)
     assert lifeline.pause_asked() and watcher.pause_by == pytest.approx(lifeline.awake() + 2, abs=0.1) and not stops
     lifeline.safe_point()

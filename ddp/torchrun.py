@@ -174,15 +174,19 @@ def preflight(processes: str, argv: list[str]) -> int | None:
             if "is_host=true" in args.rdzv_conf.lower().split(","):  # its store is not up: it serves one to tell
                 lost_rank.serve_word(*store, NODE_LEFT, word, int(str(args.nnodes).partition(":")[0]), "machines")
             else:  # a mistake of this node's: node 0's store may not be up yet (started later), it waits a while
-                later = code == EXIT_USAGE and network.connect_error(*store, 1.0)  # nothing listens there yet
-                if later:  # (a port that listens and does not answer, its check's error: 5 s, as before)
+                refused = network.connect_error(*store, 1.0)  # nothing listens there (yet), or nothing answers
+                later = code == EXIT_USAGE and refused
+                if later:
                     print(
                         f"(waiting up to {lost_rank.HEAR_S:g} s for the rendezvous store at "
                         f"{network.host_port(*store)} to tell the other machines)",
                         file=sys.stderr,
                         flush=True,
                     )
-                lost_rank.leave_word(*store, NODE_LEFT, word, lost_rank.HEAR_S if later else lost_rank.TELL_S)
+                # A store that refuses after this node's check waited for it: no one to tell, and torch's client
+                # would outlast TELL_S in its thread (13 s), aborting this process as it exits (1 in 8 here).
+                if later or not refused:
+                    lost_rank.leave_word(*store, NODE_LEFT, word, lost_rank.HEAR_S if later else lost_rank.TELL_S)
     return code or None  # 0: the ranks may start
 
 

@@ -279,7 +279,7 @@ _LAUNCHER_WORDS = ("torchrun", "torch.distributed.run", "torch.distributed.launc
                    "mpiexec", "orterun", "prterun")  # fmt: skip
 
 
-def _proc_stat(pid: int) -> list[str] | None:
+def proc_stat(pid: int) -> list[str] | None:
     """/proc/PID/stat's fields after the command name ([state, ppid, ...]), None for no such process."""
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -289,7 +289,7 @@ def _proc_stat(pid: int) -> list[str] | None:
 
 def alive(pid: int) -> bool:
     """Whether process `pid` runs (a zombie, dead but not yet reaped, does not)."""
-    stat = _proc_stat(pid)
+    stat = proc_stat(pid)
     return stat is not None and stat[0] not in ("Z", "X")
 
 
@@ -298,7 +298,7 @@ def launcher_processes(parent: int) -> list[int]:
     ancestor above it that is a launcher too (accelerate above the mpirun that started this process),
     nearest first. Linux /proc; elsewhere the parent alone."""
     chain, pid = [parent], parent
-    while (stat := _proc_stat(pid)) is not None and (pid := int(stat[1])) > 1:
+    while (stat := proc_stat(pid)) is not None and (pid := int(stat[1])) > 1:
         try:
             words = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except OSError:

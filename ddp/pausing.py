@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+from ddp import launchers
+
 PAUSE_S = 30.0  # how long Ctrl-Z waits for a rank to pause before it stops it where it is (its watcher: 2 steps)
 
 
@@ -73,24 +75,13 @@ class Pause:
 
 def children() -> list[int]:
     """The processes this one started that run (not zombies): the ranks, started by the agent."""
-    me = str(os.getpid())
-    pids = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()  # after "pid (command)": state, ppid, ...
-        except OSError:
-            continue
-        if fields[1] == me and fields[0] != "Z":
-            pids.append(int(stat.parent.name))
-    return pids
+    me, pids = str(os.getpid()), [int(name) for name in os.listdir("/proc") if name.isdigit()]
+    return [pid for pid in pids if (stat := launchers.proc_stat(pid)) and stat[1] == me and stat[0] != "Z"]
 
 
 def _state(pid: int) -> str:
     """/proc's state of `pid` (R, S, T: stopped, Z, ...); X for none."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return "X"
+    return (launchers.proc_stat(pid) or ["X"])[0]
 
 
 def _handles_sigtstp(pid: int) -> bool:

@@ -12,6 +12,7 @@ import os
 import re
 import stat
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -271,6 +272,17 @@ def command(main: Callable[[list[str]], Any], argv: list[str] | None = None, pro
     return code if isinstance(code, int) else EXIT_OK
 
 
+_given_up: list[threading.Thread] = []
+
+
+def given_up(thread: threading.Thread) -> None:
+    """`thread` was left inside a call that has not returned (a torch store's client to a host that refuses or
+    does not answer: lost_rank.asked). Where it is still inside it at the exit, leave() skips the interpreter's
+    teardown, which would end the thread and abort the process as torch's C++ unwinds ('terminate called without
+    an active exception', exit 134: 1 run in 8 of a rank that told a refusing store why it failed)."""
+    _given_up.append(thread)
+
+
 def leave(code: int) -> NoReturn:
     """Exit with `code` once a command is done: Python's exit handlers run and the output is flushed,
     then the process ends without the interpreter's teardown. With a CUDA build of torch that teardown
@@ -281,8 +293,9 @@ def leave(code: int) -> NoReturn:
     A rank of several that failed exits the usual way, as every rank did before: a launcher stops the
     other ranks as soon as it sees one fail, and a rank that left early would get the rank that prints
     the one line stopped before it has, or stopped with SIGTERM while its error is the report's root
-    cause (tests/test_cli_errors.py, 3 torchrun ranks: 1 run in 3 failed so)."""
-    if code != EXIT_OK and launchers.has_peers():
+    cause (tests/test_cli_errors.py, 3 torchrun ranks: 1 run in 3 failed so). Not where a thread given_up is
+    still in its call."""
+    if code != EXIT_OK and launchers.has_peers() and not any(thread.is_alive() for thread in _given_up):
         sys.exit(code)
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):

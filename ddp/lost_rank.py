@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 
 import torch.distributed as dist
 
-from ddp import launchers
+from ddp import cli, launchers, network
 from ddp.devices import World
 from ddp.errors import (
     EXIT_OK,
@@ -101,6 +101,8 @@ def asked(question: Callable[[], Any], seconds: float) -> Any:
     asking = threading.Thread(target=ask, daemon=True)
     asking.start()
     asking.join(seconds)
+    if asking.is_alive():
+        cli.given_up(asking)
     return found[0] if found else None
 
 
@@ -183,9 +185,23 @@ def tell(code: int, line: str, env: launchers.Env = os.environ) -> None:
 
 
 def leave_word(addr: str, port: int, key: str, said: dict[str, Any], wait_s: float = TELL_S) -> None:
-    """`said` at the TCPStore at addr:port under `key` (_word); nothing if it does not take it within `wait_s`."""
-    asked(lambda: _word(dist.TCPStore(addr, port, is_master=False, timeout=timedelta(seconds=wait_s)), key, said),
-          wait_s + 1)  # fmt: skip
+    """`said` at the TCPStore at addr:port under `key` (_word); nothing if it does not take it within `wait_s`.
+    torch's client is asked only once something takes connections there (a store not up yet refuses them): its
+    own retries log a stack trace each, and outlast the time given in C++ (12.7 s for 5; cli.given_up)."""
+    deadline = time.monotonic() + wait_s
+    if _answering(addr, port, deadline):
+        wait_s = max(deadline - time.monotonic(), 1.0)
+        asked(lambda: _word(dist.TCPStore(addr, port, is_master=False, timeout=timedelta(seconds=wait_s)), key, said),
+              wait_s + 1)  # fmt: skip
+
+
+def _answering(addr: str, port: int, deadline: float) -> bool:
+    """Whether something takes a connection at addr:port before `deadline` (time.monotonic), asked every 0.1 s."""
+    while network.connect_error(addr, port, max(deadline - time.monotonic(), 0.1)):  # refused, timed out, no name
+        if (left := deadline - time.monotonic()) <= 0:
+            return False
+        time.sleep(min(left, 0.1))
+    return True
 
 
 def _word(store: dist.Store, key: str, said: dict[str, Any]) -> None:

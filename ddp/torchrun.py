@@ -183,8 +183,7 @@ def preflight(processes: str, argv: list[str]) -> int | None:
                         file=sys.stderr,
                         flush=True,
                     )
-                # A store that refuses after this node's check waited for it: no one to tell, and torch's client
-                # would outlast TELL_S in its thread (13 s), aborting this process as it exits (1 in 8 here).
+                # A store that refuses after this node's check waited for it: no one to tell, no TELL_S spent.
                 if later or not refused:
                     lost_rank.leave_word(*store, NODE_LEFT, word, lost_rank.HEAR_S if later else lost_rank.TELL_S)
     return code or None  # 0: the ranks may start

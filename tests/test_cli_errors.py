@@ -22,6 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from conftest import REPO, TINY, TRAIN, clean_env, forks, metrics, piped, python, torchrun
+from launch_envs import TORCHRUN
 
 from ddp import cli, errors, lost_rank, rundir, train
 
@@ -342,6 +343,19 @@ def test_a_command_leaves_with_its_code_after_its_exit_handlers_and_all_its_outp
     )
     proc = python("-c", code, env=clean_env(PYTHONUNBUFFERED=""))  # a pipe: stdout is block-buffered
     assert (proc.returncode, proc.stdout, proc.stderr) == (3, "buffered, no newline", "handler ran\n")
+
+
+def test_a_failed_rank_with_a_thread_given_up_inside_a_call_leaves_without_the_teardown_that_would_end_it():
+    """A rank of several that failed exits the usual way, unless a thread given up on (lost_rank.asked: torch's
+    store client) is still inside its call: the teardown would end it, and torch's C++ would abort the process
+    (exit 134, 1 run in 8). Here that thread sleeps 60 s and is not a daemon, so the usual way would wait for it."""
+    code = (
+        "import threading, time; from ddp import cli; thread = threading.Thread(target=time.sleep, args=(60,)); "
+        "thread.start(); cli.given_up(thread); print('failed'); cli.leave(2)"
+    )
+    start = time.monotonic()
+    proc = python("-c", code, env=clean_env(**TORCHRUN), timeout=30)
+    assert (proc.returncode, proc.stdout, time.monotonic() - start < 20) == (2, "failed\n", True), proc.stderr
 
 
 # Each command as a user starts it; each installs launchers.quiet_startup before its imports.

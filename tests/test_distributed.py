@@ -280,6 +280,29 @@ def test_a_rank_that_stops_before_the_ranks_meet_is_heard_there_the_first_one_on
     lost_rank.wait_for_everyone(ranks[2], store, 0.3, "the rendezvous")  # all came: it returns
 
 
+def test_a_word_left_at_a_store_not_up_yet_arrives_and_at_none_costs_its_time_and_nothing_printed(capfd):
+    """leave_word (a rank of srun or mpirun that stops before the ranks met, telling rank 0's store): a store that
+    comes up 0.5 s later gets the word. Where none ever comes, it gives up after its wait, with nothing printed:
+    before, torch's client retried the refused port itself, logged a stack trace each time, and stayed in C++ past
+    the wait (12.7 s for 5), which aborted the process as it exited 1 run in 8."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    late = concurrent.futures.ThreadPoolExecutor(1).submit(
+        lambda: time.sleep(0.5) or dist.TCPStore("127.0.0.1", port, 2, True, timedelta(seconds=5),
+                                                 wait_for_workers=False))  # fmt: skip
+    said = {"rank": 1, "code": 2, "line": "data.path=/d.npz: no such file"}
+    lost_rank.leave_word("127.0.0.1", port, "ddp-cifar/why", said, wait_s=3)
+    assert lost_rank.word_left(late.result(), "ddp-cifar/why") == {**said, "host": socket.gethostname()}
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    capfd.readouterr()
+    assert 0.5 <= timed(lambda: lost_rank.leave_word("127.0.0.1", port, "ddp-cifar/why", said, wait_s=0.5)) < 1.0
+    time.sleep(1.0)  # (torch's client, where one was asked, logs when its own wait ends)
+    assert capfd.readouterr() == ("", "")
+
+
 def test_rank_0_that_stops_before_the_ranks_meet_serves_its_word_until_the_others_heard_or_told(monkeypatch):
     """srun, 3 tasks: rank 0, which would serve the ranks' store, stops on a usage error before it came. It goes on
     at once (to say its error), serving that store with its line; at its exit (until_heard) it waits until rank 1

@@ -557,6 +557,50 @@ sys.exit(train.cli(sys.argv[1:]))
     assert [json.loads(line)["epoch"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1]
 
 
+AGENT = """
+import os, signal, subprocess, sys, time
+from ddp import pausing
+rank = subprocess.Popen([sys.executable, "-c", sys.argv[1]], start_new_session=True, env={**os.environ, "RANK": "1"},
+                        stdout=subprocess.PIPE, text=True)
+assert rank.stdout.readline() == "ready\\n"
+signal.signal(signal.SIGTSTP, pausing.Pause(one_machine=True))
+print(rank.pid, flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_second_ctrl_z_stops_a_rank_late_to_pause_at_once_and_the_agent_with_it_and_fg_continues_them():
+    """The agent (ddp/torchrun.py's Pause as its SIGTSTP handler, PAUSE_S 30 s) and a rank whose step does not end:
+    at Ctrl-Z the agent waits for the rank to pause; a second Ctrl-Z, in that wait, stops the rank where it is and
+    then the agent, at once, with a line naming the rank. A SIGCONT (fg) of the agent continues the rank."""
+    from ddp import pausing
+
+    rank = "import signal, time; signal.signal(signal.SIGTSTP, lambda *a: None); print('ready', flush=True); " \
+           "time.sleep(60)"  # fmt: skip
+    agent = subprocess.Popen([sys.executable, "-c", AGENT, rank], cwd=REPO, env=clean_env(), text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    rank_pid = int(agent.stdout.readline())
+    try:
+        agent.send_signal(signal.SIGTSTP)
+        time.sleep(0.5)
+        waiting = [pausing._state(pid) for pid in (agent.pid, rank_pid)]
+        agent.send_signal(signal.SIGTSTP)
+        deadline = time.monotonic() + 5
+        while {pausing._state(pid) for pid in (agent.pid, rank_pid)} != {"T"} and time.monotonic() < deadline:
+            time.sleep(0.01)
+        stopped = [pausing._state(pid) for pid in (agent.pid, rank_pid)]
+        agent.send_signal(signal.SIGCONT)
+        while pausing._state(rank_pid) == "T" and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert (waiting, stopped, pausing._state(rank_pid)) == (["S", "S"], ["T", "T"], "S")
+    finally:
+        os.kill(rank_pid, signal.SIGKILL)
+        agent.kill()
+    assert agent.communicate(timeout=30)[1].splitlines() == [
+        "note: paused rank 1 where it was: a pause longer than run.timeout_s may end the run when it goes on"
+    ]
+
+
 def test_ctrl_z_of_one_machine_of_a_job_on_several_says_so_and_the_job_goes_on(tmp_path):
     """Node 0 of a job on two machines, its agent waiting for the other at the rendezvous: Ctrl-Z (SIGTSTP) would
     stop its agent, whose store the other machine's ranks use, and a pause of its ranks alone would hold the others

@@ -1,3 +1,4 @@
+import dataclasses
 import re
 from pathlib import Path
 
@@ -95,6 +96,45 @@ def test_bad_values_are_usage_errors(override, message):
 def test_numbers_out_of_their_range_are_usage_errors(override, message):
     with pytest.raises(UsageError, match=re.escape(message)):
         config.load(None, [override])
+
+
+KEYS = {
+    f"{s.name}.{f.name}": f for s in dataclasses.fields(config.Config) for f in dataclasses.fields(s.default_factory())
+}
+
+
+def mistypes(f: dataclasses.Field) -> tuple[list[str], list[tuple[str, str]]]:
+    """What its declaration says of a key: the values at its range's closed ends (valid), and values a user could
+    mistype with the words of each one's error: of another type, just outside its range, not one of its choices."""
+    kind, valid, choices = type(f.default), f.metadata["valid"], f.metadata["choices"]
+    bad = {bool: [("maybe", "expected bool"), ("2", "expected bool")], int: [("1.5", "expected int"),
+           ("many", "expected int")], float: [("x", "expected float"), ("nan", "expected a finite float"),
+           ("-inf", "expected a finite float")]}.get(kind, [])  # fmt: skip
+    bad += [(f"not-{choices[0]}", "is not one of")] if choices else []
+    ends, show = [], int if kind is int else float
+    for end, is_open, step in ((valid.low, valid.low_open, -1), (valid.high, valid.high_open, 1)) if valid else ():
+        if end is not None:
+            bad.append((str(show(end if is_open else end + step)), "is out of range: it must be"))
+            ends += [] if is_open else [str(show(end))]
+    return ends, bad
+
+
+@pytest.mark.parametrize("key", sorted(KEYS))
+def test_every_key_takes_the_ends_of_its_range_and_refuses_what_its_declaration_does_not_allow_in_one_line(
+    key, tmp_path
+):
+    """From each key's declaration (its type, Range, choices), so a key added later is covered: a value of another
+    type, one just outside its range, one not among its choices are each a UsageError naming the key, on the
+    command line and in a YAML file (where 1.5 and 2 are numbers already); the closed ends of its range are valid."""
+    ends, bad = mistypes(KEYS[key])
+    section, name = key.split(".")
+    for value in ends:
+        assert config.load(None, [f"{key}={value}"]) == config.load(write(tmp_path, f"{section}:\n  {name}: {value}\n"))
+    for value, words in bad:
+        for given in (None, [f"{key}={value}"]), (write(tmp_path, f"{section}:\n  {name}: {value}\n"), []):
+            with pytest.raises(UsageError) as said:
+                config.load(*given)
+            assert key in str(said.value) and words in str(said.value), (given, str(said.value))
 
 
 def test_the_range_ends_are_valid_and_shown_in_help():

@@ -306,6 +306,10 @@ class StopAgreement:
             self.pending = _send_flag(flag, self.world, async_op=True)
         return agreed
 
+    def now(self, flag: int) -> int:
+        """The highest flag over the ranks now, waited for (after an agreed flag: none are on their way)."""
+        return int(flag) if _alone(self.world) else int(_send_flag(flag, self.world, async_op=False)[0].item())
+
     def wait(self) -> int:
         """The flags sent last, agreed (0 when none are on their way)."""
         if self.pending is None:

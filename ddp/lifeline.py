@@ -21,6 +21,8 @@ deadline. One watcher thread does the three, because the main thread may be bloc
   stops itself where no collective is under way (safe_point: a step boundary every rank agreed on, between two
   evaluation batches), so that the pause may outlast run.timeout_s; the watcher stops it before training at once,
   and where no safe point came within two steps (a checkpoint's save); after training it ends. The agent continues it.
+  A launcher that does not pass Ctrl-Z on (plain torchrun, accelerate launch) seen stopped: the loop holds
+  (launcher_held, preemption) until it goes on.
 """
 
 from __future__ import annotations
@@ -83,6 +85,7 @@ class _Watcher:
         self.progressed = 0.0  # on awake(): the last safe point or busy() work (progress between step boundaries)
         self.busy = 0  # busy() work under way: a stop's grace waits for it
         self.stopped_s = 0.0  # the stops' seconds, each from half a _POLL_S after the look before it (awake's: LATE_S)
+        self.held, self.held_seen = False, False  # a launcher stopped (Ctrl-Z of a plain torchrun): watch_launchers
 
     def awake(self) -> float:
         """time.monotonic() less the time this process was stopped: the watcher's looks more than LATE_S apart with a
@@ -120,13 +123,7 @@ class _Watcher:
                     self.continued = self.continued or signum == signal.SIGCONT
                     if signum in self.stop_signals:
                         self.signalled(signal.Signals(signum).name)
-            if self.launchers and (gone := self.launcher_gone()):
-                why = f"the launcher's end (its process {gone} is gone)"
-                if _loop_ended:
-                    self.leaving(why)
-                else:
-                    self.ask_to_stop(why, tell_the_loop=True)
-                self.launchers = []
+            self.watch_launchers()
             now = self.looking()
             self.pause_if_late(now)
             for until, line in list(self.waits.values()):
@@ -138,6 +135,19 @@ class _Watcher:
                 _leave(f"error: {self.who}: stopping on {why} after training, but it had not ended {waited}: left"
                        if _loop_ended else f"error: {self.who}: stopping on {why}, but no step boundary came "
                        f"{waited}: left without a checkpoint")  # fmt: skip
+
+    def watch_launchers(self) -> None:
+        """A launcher's end asks for a stop. A launcher stopped in training, at this look and the one before (a job
+        stopped whole, SLURM's suspend, may continue its ranks a moment before their launcher), holds the loop."""
+        if self.launchers and (gone := self.launcher_gone()):
+            why = f"the launcher's end (its process {gone} is gone)"
+            if _loop_ended:
+                self.leaving(why)
+            else:
+                self.ask_to_stop(why, tell_the_loop=True)
+            self.launchers = []
+        seen = _loop_stop is not None and any((launchers.proc_stat(pid) or [""])[0] == "T" for pid in self.launchers)
+        self.held, self.held_seen = seen and self.held_seen, seen
 
     def asked_to_pause(self, asked: bool) -> None:
         """SIGTSTP (`asked`): before training this process stops at once, until continued; in training at its next
@@ -239,6 +249,26 @@ def pause_asked() -> bool:
     """Whether a pause was asked for (SIGTSTP) and not yet taken: the training loop's flag (preemption.PAUSE)."""
     watcher = _watcher
     return watcher is not None and watcher.pause_asked
+
+
+def launcher_held() -> bool:
+    """Whether a launcher of this process is stopped (Ctrl-Z of a plain torchrun or accelerate launch, which do not
+    pass it on to their ranks; a SIGSTOP), as the watcher last saw in training: the loop's flag (preemption.HOLD)."""
+    watcher = _watcher
+    return watcher is not None and watcher.held
+
+
+@contextmanager
+def holding() -> Iterator[None]:
+    """Around the training loop's hold while its launcher is stopped (preemption): its time counts as stopped time
+    (stopped_s: no epoch's time), and as progress for a stop's grace."""
+    start, before = time.monotonic(), stopped_s()
+    try:
+        yield
+    finally:
+        if (watcher := _watcher) is not None:
+            watcher.stopped_s += time.monotonic() - start - (stopped_s() - before)  # (stopped itself meanwhile)
+            watcher.progressed = watcher.awake()
 
 
 def safe_point() -> None:

@@ -3,7 +3,8 @@ a terminal's hang-up) only sets a flag, which the loop reads at its next step bo
 checkpoint every rank leaves with Stopped (exit 75), and the same command resumes. A second Ctrl-C stops at once.
 
 A pause (SIGTSTP from ddp/torchrun.py's Ctrl-Z: lifeline) is agreed the same way, and every rank stops its process
-after the same step, with no collective under way: a pause outlasts run.timeout_s.
+after the same step, with no collective under way: a pause outlasts run.timeout_s. Where a launcher that does not pass
+Ctrl-Z on is stopped (plain torchrun, accelerate launch), every rank holds after the same step until it goes on.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from ddp import distributed, launchers, lifeline, logs
 from ddp.devices import World
 from ddp.errors import Stopped, UsageError
 
-PAUSE, STOP = 1, 2  # the flags of StopAgreement: the highest any rank sends wins
+HOLD, PAUSE, STOP = 1, 2, 3  # the flags of StopAgreement: the highest any rank sends wins
+HOLD_S = 0.25  # how often held ranks agree again whether to go on
 
 # Signals the system sends for ordinary events: as a stop signal, each would stop a run that nobody stopped.
 ORDINARY = {
@@ -89,19 +91,32 @@ class StopRequest:
         self.last_boundary = now
         return self.requested
 
-    def agreed(self, agreement: distributed.StopAgreement) -> bool:
-        """At a step boundary: this rank's flag (stop, pause, neither) sent on, and whether every rank stops now; an
-        agreed pause is taken here (take). A step late: the flags of the step before, on any rank."""
-        asked = self.at_step_boundary()
-        flag = STOP if asked else PAUSE if lifeline.pause_asked() else 0
-        return self.take(agreement.after_step(flag))
+    def flag(self) -> int:
+        """This rank's flag: stop, pause, hold (its launcher is stopped) or 0."""
+        return STOP if self.requested else PAUSE if lifeline.pause_asked() else HOLD if lifeline.launcher_held() else 0
 
-    def take(self, agreed: int) -> bool:
-        """An agreed pause taken (a rank that asked for none goes on: no one would continue it); whether the
-        agreement (StopAgreement's, or its wait() at an epoch's end) says stop."""
+    def agreed(self, agreement: distributed.StopAgreement) -> bool:
+        """At a step boundary: this rank's flag sent on, and whether every rank stops now; an agreed hold or pause
+        is taken here (take). A step late: the flags of the step before, on any rank."""
+        self.at_step_boundary()
+        return self.take(agreement.after_step(self.flag()), agreement)
+
+    def take(self, agreed: int, agreement: distributed.StopAgreement) -> bool:
+        """An agreed hold or pause taken; whether the agreement (StopAgreement's, or its wait() at an epoch's end) says
+        stop. A hold: every rank agrees again every HOLD_S, until no launcher is stopped (or a rank asks to stop or
+        pause). A pause: a rank that asked for none goes on (no one would continue it)."""
+        if agreed == HOLD:
+            if agreement.world.is_main:
+                logs.say("note: holding: a launcher of this job is stopped (Ctrl-Z of torchrun or accelerate launch; "
+                         "fg continues it). Every rank waits after the same step with no collective under way, so "
+                         "the hold may outlast run.timeout_s")  # fmt: skip
+            with lifeline.holding():
+                while (agreed := agreement.now(self.flag())) == HOLD:
+                    time.sleep(HOLD_S)
         if agreed == PAUSE:
             lifeline.safe_point()  # stopped here until continued (fg, bg: ddp/torchrun.py continues the ranks)
-            self.last_boundary = time.monotonic()  # the pause is no step's time
+        if agreed in (HOLD, PAUSE):
+            self.last_boundary = time.monotonic()  # the hold or pause is no step's time
         return agreed == STOP
 
     def request(self, why: str) -> None:

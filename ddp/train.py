@@ -282,7 +282,7 @@ def train_epoch(
             if stopping:
                 preemption.finish_stop(stop.received, saved, world)
         progress.update(loss, job.trained.scheduler.get_last_lr()[0], len(labels))
-    stop.take(agreement.wait())  # the last step's (a pause taken here): the epoch's end asks for a stop again
+    stop.take(agreement.wait(), agreement)  # the last step's (a hold or pause taken here): the epoch's end asks again
     return position
 
 

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from launch_envs import SRUN, TORCHRUN
 
-from ddp import checks, devices, errors, launchers, logs, lost_rank, preemption
+from ddp import checks, devices, errors, launchers, lifeline, logs, lost_rank, preemption
 from ddp.config import RunConfig
 from ddp.errors import PeerLost, UsageError
 
@@ -231,7 +231,46 @@ def test_the_stop_agreement_takes_a_flag_of_any_rank_one_step_late_on_every_rank
         t.start()
     for t in threads:
         t.join(timeout=60)
-    assert seen == {r: ([False, False, False, True], None, [False, False], True, None, [0, 2]) for r in (0, 1)}
+    assert seen == {
+        r: ([False, False, False, True], None, [False, False], True, None, [0, preemption.STOP]) for r in (0, 1)
+    }
+
+
+def test_held_ranks_agree_every_hold_s_until_no_launcher_is_stopped_and_a_stop_asked_meanwhile_ends_it_everywhere(
+    monkeypatch, capsys
+):
+    """An agreed hold (preemption.HOLD: a rank's launcher is stopped, plain torchrun's Ctrl-Z) on 2 gloo ranks
+    (threads): rank 1's launcher is stopped for its first 3 looks. Both agree again every HOLD_S and go on together
+    after the 4th look (no stop); rank 0 says so at each hold. In a second hold rank 0 is asked to stop: both leave
+    it with the stop, at once."""
+    from ddp import distributed
+
+    store, seen, looks = dist.HashStore(), {}, {0: 0, 1: 0}
+
+    def launcher_held() -> bool:
+        r = int(threading.current_thread().name)
+        looks[r] += 1
+        return r == 1 and looks[r] <= 3
+
+    monkeypatch.setattr(lifeline, "launcher_held", launcher_held)
+    monkeypatch.setattr(preemption, "HOLD_S", 0.01)
+
+    def rank(r: int) -> None:
+        group = dist.ProcessGroupGloo(dist.PrefixStore("hold", store), r, 2, timedelta(seconds=30))
+        world = replace(devices.World(r, r, 2, torch.device("cpu"), "ddp"), control=group)
+        agreement, stop = distributed.StopAgreement(world), preemption.StopRequest([])
+        first = stop.take(preemption.HOLD, agreement), looks[r]
+        if r == 0:
+            stop.request("SIGTERM")
+        seen[r] = first, stop.take(preemption.HOLD, agreement), looks[r]
+
+    threads = [threading.Thread(target=rank, args=(r,), name=str(r)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert seen == {0: ((False, 4), True, 4), 1: ((False, 4), True, 5)}
+    assert capsys.readouterr().out.count("note: holding: a launcher of this job is stopped") == 2  # (rank 0, twice)
 
 
 def test_a_rank_that_stops_before_the_ranks_meet_is_heard_there_the_first_one_only_and_a_silent_one_named(monkeypatch):

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, clean_env
+from conftest import REPO, TORCHRUN, clean_env
 
 from ddp import lifeline, preemption
 from ddp.cli import command
@@ -454,28 +454,50 @@ class Terminal:
         os.waitpid(self.pid, 0)
 
 
+PAUSED = ["--config", "configs/smoke.yaml", "train.epochs=2", "data.synthetic_train=2048", "run.timeout_s=3"]
+
+
+@pytest.fixture(scope="module")
+def unpaused(tmp_path_factory) -> list[dict]:
+    """The epochs of the command the pause tests pause (PAUSED, 2 ranks), run without a pause or a terminal."""
+    out = tmp_path_factory.mktemp("unpaused")
+    torchrun = [sys.executable, "ddp/torchrun.py", "--standalone", "--nproc_per_node=2", "ddp/train.py", *PAUSED]
+    reference = subprocess.run([*torchrun, f"run.out_dir={out}"], cwd=REPO, env=clean_env(), capture_output=True,
+                               text=True, timeout=300)  # fmt: skip
+    assert reference.returncode == 0, reference.stderr
+    return epochs_of(out)
+
+
+def epochs_of(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def assert_as_never_paused(epochs: list[dict], unpaused: list[dict]) -> None:
+    """Every epoch's numbers as the run never paused has them, to the last digit; epoch 2's train_s without the
+    pause's 6 s."""
+    for key in ("train_loss", "grad_norm_mean", "grad_norm_max", "test_acc", "confusion"):
+        assert [e[key] for e in epochs] == [e[key] for e in unpaused], key
+    assert epochs[1]["train_s"] < unpaused[1]["train_s"] + 2, (epochs, unpaused)
+
+
 def test_ctrl_z_pauses_a_torchrun_job_at_a_step_boundary_past_run_timeout_s_and_fg_goes_on_with_the_same_numbers(
-    tmp_path,
+    tmp_path, unpaused
 ):
     """Ctrl-Z of `bash launch/torchrun.sh` in a terminal. torchrun's ranks run in sessions of their own: the Ctrl-Z
     stopped torchrun alone; its ranks trained on, and failed past run.timeout_s without its store. Now each rank
     pauses at its next step boundary, where no collective is under way, then torchrun stops ("Stopped"): a pause
     twice run.timeout_s long, then fg, and the run ends as one never paused does, to the last digit of every loss;
-    the paused epoch's train_s counts the time it ran. (The reference: the same command without a terminal.)"""
-    args = ["--config", "configs/smoke.yaml", "train.epochs=2", "data.synthetic_train=2048", "run.timeout_s=3"]
-    torchrun = [sys.executable, "ddp/torchrun.py", "--standalone", "--nproc_per_node=2", "ddp/train.py", *args]
-    reference = subprocess.run([*torchrun, f"run.out_dir={tmp_path / 'reference'}"], cwd=REPO, env=clean_env(),
-                               capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert reference.returncode == 0, reference.stderr
+    the paused epoch's train_s counts the time it ran."""
     terminal = Terminal(REPO)
     try:
         terminal.wait_for(rb"\$ ")
-        terminal.type(f"NPROC=2 bash launch/torchrun.sh {' '.join(args)} run.out_dir={tmp_path / 'paused'}\n".encode())
+        terminal.type(f"NPROC=2 bash launch/torchrun.sh {' '.join(PAUSED)} run.out_dir={tmp_path}\n".encode())
         terminal.wait_for(rb"epoch 1/2 ")  # epoch 2's steps begin (1.5 s of them)
         time.sleep(0.2)
         terminal.type(b"\x1a")  # Ctrl-Z
         terminal.wait_for(rb"Stopped")
-        agent = next(p for p in Path("/proc").glob("[0-9]*") if re.search(rb"torchrun\.py.*/paused", _cmdline(p)))
+        agent = next(p for p in Path("/proc").glob("[0-9]*") if re.search(rb"torchrun\.py.*" + str(tmp_path).encode(),
+                                                                            _cmdline(p)))  # fmt: skip
         ranks = [int(p.name) for p in Path("/proc").glob("[0-9]*") if _stat(p)[1:2] == [agent.name]]
         assert len(ranks) == 2 and all(_stat(Path(f"/proc/{r}"))[0] == "T" for r in ranks), ranks
         time.sleep(6)  # twice run.timeout_s
@@ -486,13 +508,40 @@ def test_ctrl_z_pauses_a_torchrun_job_at_a_step_boundary_past_run_timeout_s_and_
         terminal.wait_for(rb"rc=\d+")
         said = terminal.seen.decode(errors="replace")
     finally:
-        terminal.close(str(tmp_path / "paused"))
+        terminal.close(str(tmp_path))
     assert "rc=0" in said and "note: paused" not in said, said
-    epochs = [[json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
-              for run in ("reference", "paused")]  # fmt: skip
-    for key in ("train_loss", "grad_norm_mean", "grad_norm_max", "test_acc", "confusion"):
-        assert [e[key] for e in epochs[1]] == [e[key] for e in epochs[0]], key
-    assert epochs[1][1]["train_s"] < epochs[0][1]["train_s"] + 2, epochs  # not the pause's 6 s
+    assert_as_never_paused(epochs_of(tmp_path), unpaused)
+
+
+def test_a_plain_torchrun_stopped_holds_its_ranks_after_one_step_past_run_timeout_s_and_goes_on_with_the_same_numbers(
+    tmp_path, unpaused
+):
+    """Ctrl-Z of plain `torchrun` (or accelerate launch), which passes nothing on to its ranks: it stopped alone, and
+    its ranks trained on. Now they see it stopped (here SIGSTOP, what Ctrl-Z does to it), and hold after the same
+    step with no collective under way, one line saying so: 6 s, twice run.timeout_s, with no epoch done and next to
+    no CPU. SIGCONT (fg), and the run ends as one never stopped does."""
+    agent = subprocess.Popen([TORCHRUN, "--standalone", "--nproc_per_node=2", "ddp/train.py", *PAUSED,
+                              f"run.out_dir={tmp_path}"], cwd=REPO, env=clean_env(), text=True, stdout=subprocess.PIPE,
+                             stderr=subprocess.DEVNULL)  # fmt: skip
+    try:
+        while not (line := agent.stdout.readline()).startswith("epoch 1/2") and line:
+            pass
+        time.sleep(0.2)
+        agent.send_signal(signal.SIGSTOP)
+        said = agent.stdout.readline()
+        ranks = [p for p in Path("/proc").glob("[0-9]*") if _stat(p)[1:2] == [str(agent.pid)]]
+        cpu = [sum(int(t) for t in _stat(p, 13)[11:13]) for p in ranks]
+        time.sleep(6)
+        cpu = [sum(int(t) for t in _stat(p, 13)[11:13]) - c for p, c in zip(ranks, cpu, strict=True)]
+        held = len(epochs_of(tmp_path)), [_stat(p)[0] for p in ranks]
+        agent.send_signal(signal.SIGCONT)
+        rest = agent.communicate(timeout=120)[0]
+    finally:
+        agent.kill()
+    assert said.startswith("note: holding: a launcher of this job is stopped"), said
+    assert held == (1, ["S", "S"]) and max(cpu) < 0.5 * os.sysconf("SC_CLK_TCK"), (held, cpu)
+    assert agent.returncode == 0 and "epoch 2/2" in rest, rest
+    assert_as_never_paused(epochs_of(tmp_path), unpaused)
 
 
 def _cmdline(proc: Path) -> bytes:
@@ -502,10 +551,10 @@ def _cmdline(proc: Path) -> bytes:
         return b""
 
 
-def _stat(proc: Path) -> list[str]:
-    """/proc/PID/stat's state and parent ([] for a process gone)."""
+def _stat(proc: Path, fields: int = 2) -> list[str]:
+    """/proc/PID/stat's first `fields` after the name: state and parent, ... ([] for a process gone)."""
     try:
-        return (proc / "stat").read_text().rsplit(")", 1)[1].split()[:2]
+        return (proc / "stat").read_text().rsplit(")", 1)[1].split()[:fields]
     except (OSError, IndexError):
         return []
 

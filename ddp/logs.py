@@ -116,10 +116,12 @@ def toolbox(cfg: Config) -> str:
 
 
 def say(text: str) -> None:
-    """A line of the run's log on stdout. A log the OS refuses (its disk full) does not stop the run, which
-    keeps each epoch in metrics.jsonl: stdout goes to /dev/null from then on, with one warning on stderr."""
+    """A line of the run's log on stdout, on a line of its own where a progress bar is shown (a note mid-epoch was
+    glued to the bar's end). A log the OS refuses (its disk full) does not stop the run, which keeps each epoch in
+    metrics.jsonl: stdout goes to /dev/null from then on, with one warning on stderr."""
     try:
-        print(text, flush=True)
+        with tqdm.external_write_mode(file=sys.stdout):  # (the bar cleared, then drawn again below the line)
+            print(text, flush=True)
     except BrokenPipeError:  # its reader has gone (`| head`): the run ends as any command does
         raise
     except OSError as e:

@@ -2,6 +2,7 @@
 the epoch lines elsewhere; run.debug for tracebacks."""
 
 import fcntl
+import io
 import os
 import pty
 import struct
@@ -77,3 +78,19 @@ def test_cpu_runs_log_no_gpu_memory(tmp_path):
     python(str(TRAIN), *TINY, "train.epochs=1", f"run.out_dir={tmp_path}")
     first = (tmp_path / "metrics.jsonl").read_text()
     assert "gpu_allocated_mb" not in first and '"confusion"' in first
+
+
+def test_a_note_mid_epoch_is_a_line_of_its_own_and_the_bar_is_drawn_again_below_it(monkeypatch):
+    """logs.say while the bar shows (the hold's note, from the training loop): it was glued to the bar's end."""
+    from ddp import logs
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    monkeypatch.setattr(sys, "stdout", Terminal())
+    for batch in logs.Progress(range(4), True, "epoch 1", 1):
+        if batch == 2:
+            logs.say("note: holding")
+    before, after = sys.stdout.getvalue().split("note: holding\n")
+    assert before.startswith("\repoch 1:") and before.endswith("\r") and after.startswith("\repoch 1:"), (before, after)

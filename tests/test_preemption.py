@@ -626,8 +626,10 @@ def test_a_second_ctrl_z_stops_a_rank_late_to_pause_at_once_and_the_agent_with_i
 
     rank = "import signal, time; signal.signal(signal.SIGTSTP, lambda *a: None); print('ready', flush=True); " \
            "time.sleep(60)"  # fmt: skip
+    # A process group of its own, as a shell's job has: in an orphaned one (a pytest-xdist worker's) the system
+    # discards the agent's SIGTSTP to itself, and it goes on at once.
     agent = subprocess.Popen([sys.executable, "-c", AGENT, rank], cwd=REPO, env=clean_env(), text=True,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=os.setpgrp)  # fmt: skip
     rank_pid = int(agent.stdout.readline())
     try:
         agent.send_signal(signal.SIGTSTP)

@@ -271,13 +271,17 @@ def holding() -> Iterator[None]:
             watcher.progressed = watcher.awake()
 
 
-def safe_point() -> None:
+def safe_point(wait_s: float = 0.0) -> None:
     """From the main thread where no collective of this process is under way and none of another waits on it (a
-    step boundary every rank agreed to pause at, between evaluation batches): a pause asked for is taken here.
-    Also the progress that a stop's grace counts from."""
+    step boundary every rank agreed to pause at, between evaluation batches): a pause asked for is taken here, or
+    asked for within `wait_s` (at an agreed pause: this rank's SIGTSTP may be on its way). Also the progress that a
+    stop's grace counts from."""
     watcher = _watcher
     if watcher is not None:
         watcher.progressed = watcher.awake()
+        until = time.monotonic() + wait_s
+        while not watcher.pause_asked and time.monotonic() < until:
+            time.sleep(0.005)
         watcher.pause()
 
 
@@ -317,7 +321,8 @@ def watched(world: World, stop_signals: tuple[signal.Signals, ...], parent: int)
     previous_fd = signal.set_wakeup_fd(watcher.wakeup_write, warn_on_full_buffer=False)
     # SIGTSTP: torchrun's agent (ddp/torchrun.py) pauses the ranks of a job on one machine with it, and continues
     # them. Its default action does nothing in a torchrun rank (its process group is orphaned). Others keep it: a
-    # plain process stops at once, as it should; srun's and mpirun's ranks as their launcher has them.
+    # plain process stops at once, as it should; srun's and mpirun's ranks as their launcher has them (Ctrl-Z of
+    # mpirun sends them SIGSTOP, which no handler sees).
     pause = world.launcher == "torchrun" and not launchers.spans_machines() and _default(signal.SIGTSTP)
     previous = {sig: signal.signal(sig, _noted) for sig in (*stop_signals, signal.SIGCONT, *[signal.SIGTSTP] * pause)}
     _watcher = watcher

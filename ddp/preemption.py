@@ -21,6 +21,11 @@ from ddp.errors import Stopped, UsageError
 
 HOLD, PAUSE, STOP = 1, 2, 3  # the flags of StopAgreement: the highest any rank sends wins
 HOLD_S = 0.25  # how often held ranks agree again whether to go on
+# How long a rank waits at an agreed pause for its own SIGTSTP. ddp/torchrun.py sends it to each rank in turn, and
+# each one's watcher reads it once it has the interpreter's lock: at a GPU's steps of a few ms, another rank's, read
+# a step earlier, may make the agreement first. Without the wait, this rank went on into the next step's collectives,
+# where its watcher stopped it, with a collective under way.
+PAUSE_WAIT_S = 2.0
 
 # Signals the system sends for ordinary events: as a stop signal, each would stop a run that nobody stopped.
 ORDINARY = {
@@ -104,7 +109,7 @@ class StopRequest:
     def take(self, agreed: int, agreement: distributed.StopAgreement) -> bool:
         """An agreed hold or pause taken; whether the agreement (StopAgreement's, or its wait() at an epoch's end) says
         stop. A hold: every rank agrees again every HOLD_S, until no launcher is stopped (or a rank asks to stop or
-        pause). A pause: a rank that asked for none goes on (no one would continue it)."""
+        pause). A pause: a rank that was not asked for one within PAUSE_WAIT_S goes on (no one would continue it)."""
         if agreed == HOLD:
             if agreement.world.is_main:
                 logs.say("note: holding: a launcher of this job is stopped (Ctrl-Z of torchrun or accelerate launch; "
@@ -114,7 +119,7 @@ class StopRequest:
                 while (agreed := agreement.now(self.flag())) == HOLD:
                     time.sleep(HOLD_S)
         if agreed == PAUSE:
-            lifeline.safe_point()  # stopped here until continued (fg, bg: ddp/torchrun.py continues the ranks)
+            lifeline.safe_point(PAUSE_WAIT_S)  # stopped here until continued (fg, bg: its launcher continues it)
         if agreed in (HOLD, PAUSE):
             self.last_boundary = time.monotonic()  # the hold or pause is no step's time
         return agreed == STOP

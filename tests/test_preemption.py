@@ -328,6 +328,15 @@ def test_a_pause_is_taken_once_at_a_safe_point_or_by_the_watcher_in_time_and_a_s
     watcher.asked_to_pause(False)  # a SIGCONT came after it, before a safe point
     lifeline.safe_point()
     assert len(stops) == 2 and not lifeline.pause_asked() and watcher.pause_by is None
+    later = threading.Timer(0.3, watcher.asked_to_pause, (True,))  # at an agreed pause, this rank's SIGTSTP late
+    later.start()
+    started = time.monotonic()
+    lifeline.safe_point(wait_s=5)
+    assert 0.25 < time.monotonic() - started < 2 and len(stops) == 3  # it waited for it: taken
+    started = time.monotonic()
+    lifeline.safe_point(wait_s=0.2)
+    assert 0.2 <= time.monotonic() - started < 1 and len(stops) == 3  # none came: it goes on
+    stops.pop()
     monkeypatch.setattr(lifeline, "_loop_stop", None)
     watcher.asked_to_pause(True)  # before training: at once
     assert len(stops) == 3 and not lifeline.pause_asked()

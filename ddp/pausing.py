@@ -41,10 +41,11 @@ class Pause:
             for pid in ranks:
                 _signal(pid, signal.SIGTSTP, group=False)
             self.wait_for(ranks)
-            signal.signal(signal.SIGTSTP, signal.SIG_DFL)
-            os.kill(os.getpid(), signal.SIGTSTP)  # stopped here until continued (fg, bg; kill %1 too, with SIGCONT)
+            # Stopped here until continued (fg, bg; kill %1 too, with SIGCONT). Not by SIGTSTP's default action: in an
+            # orphaned process group (a SIGTSTP sent by hand to a nohup'd or setsid job) the system discards that
+            # stop, and the ranks were continued at once.
+            os.kill(os.getpid(), signal.SIGSTOP)
         finally:  # (also where a stop signal's handler raised: the ranks then take it)
-            signal.signal(signal.SIGTSTP, self)
             for pid in ranks:
                 _signal(pid, signal.SIGCONT, group=True)  # (its DataLoader workers too, where they were stopped)
             self.pausing = self.now = False

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import sys
+import time
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -152,6 +153,7 @@ class Progress:
         self.batches = self.bar if self.bar is not None else batches
         self.world_size = world_size
         self.started = self.last_shown = metrics.clock()  # (a pause does not count)
+        self.stopped = time.perf_counter() - self.started  # this process's stopped seconds so far (clock's)
         self.images = 0  # over all ranks
 
     def __iter__(self) -> Iterator:
@@ -161,6 +163,9 @@ class Progress:
         """After a step that took `images` on this rank."""
         self.images += images * self.world_size
         now = metrics.clock() if self.bar is not None else 0.0
+        if self.bar is not None and (stopped := time.perf_counter() - now) > self.stopped + 0.1:
+            self.stopped = stopped  # stopped since the step before (a pause, a hold): tqdm's own rate leaves it out
+            self.bar.unpause()
         if self.bar is not None and now - self.last_shown > 0.25:
             self.last_shown = now
             rate = self.images / (now - self.started)

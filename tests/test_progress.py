@@ -9,7 +9,9 @@ import struct
 import subprocess
 import sys
 import termios
+import time
 
+import torch
 from conftest import REPO, TINY, TORCHRUN, TRAIN, clean_env, python
 
 BIG = [*TINY, "data.synthetic_train=2048", "train.epochs=2"]  # 64 steps an epoch: 2-4 s here, a bar with loss=
@@ -94,3 +96,24 @@ def test_a_note_mid_epoch_is_a_line_of_its_own_and_the_bar_is_drawn_again_below_
             logs.say("note: holding")
     before, after = sys.stdout.getvalue().split("note: holding\n")
     assert before.startswith("\repoch 1:") and before.endswith("\r") and after.startswith("\repoch 1:"), (before, after)
+
+
+def test_the_bars_own_rate_and_elapsed_time_leave_out_a_pause(monkeypatch):
+    """A pause or hold between two steps (here 0.6 s that lifeline counts as stopped): tqdm's elapsed time, its it/s
+    and its ETA counted it, for a few refreshes after a long pause; the bar's img/s and the epoch's time did not."""
+    from ddp import lifeline, logs
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    monkeypatch.setattr(sys, "stdout", Terminal())
+    stopped = [0.0]
+    monkeypatch.setattr(lifeline, "stopped_s", lambda: stopped[0])
+    progress = logs.Progress(range(3), True, "epoch 1", 1)
+    for batch in progress:
+        if batch == 1:
+            time.sleep(0.6)
+            stopped[0] += 0.6
+        progress.update(torch.tensor(1.0), 0.1, 64)
+    assert progress.bar.format_dict["elapsed"] < 0.4, progress.bar.format_dict

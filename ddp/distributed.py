@@ -268,10 +268,12 @@ def sync_buffers(model: nn.Module, world: World, how: str = "broadcast") -> None
 def any_rank(flag: bool, world: World) -> bool:
     """True on every rank if it is True on any: one all-reduce of a CPU tensor (no GPU sync); none for a
     group of one (DDP at world size 1), whose flag is already everyone's."""
-    if _alone(world):
-        return flag
-    t, _ = _send_flag(flag, world, async_op=False)
-    return bool(t.item())
+    return bool(highest(flag, world))
+
+
+def highest(flag: int, world: World) -> int:
+    """The highest of the ranks' `flag` (a bool, or a level), waited for: any_rank's all-reduce."""
+    return int(flag) if _alone(world) else int(_send_flag(flag, world, async_op=False)[0].item())
 
 
 def _alone(world: World) -> bool:
@@ -305,10 +307,6 @@ class StopAgreement:
         if not agreed:  # a stop or a pause sends nothing on: no all-reduce is left unread (or under way)
             self.pending = _send_flag(flag, self.world, async_op=True)
         return agreed
-
-    def now(self, flag: int) -> int:
-        """The highest flag over the ranks now, waited for (after an agreed flag: none are on their way)."""
-        return int(flag) if _alone(self.world) else int(_send_flag(flag, self.world, async_op=False)[0].item())
 
     def wait(self) -> int:
         """The flags sent last, agreed (0 when none are on their way)."""

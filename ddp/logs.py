@@ -162,11 +162,13 @@ class Progress:
     def update(self, loss: torch.Tensor, lr: float, images: int) -> None:
         """After a step that took `images` on this rank."""
         self.images += images * self.world_size
-        now = metrics.clock() if self.bar is not None else 0.0
-        if self.bar is not None and (stopped := time.perf_counter() - now) > self.stopped + 0.1:
+        if self.bar is None:
+            return
+        now = metrics.clock()
+        if (stopped := time.perf_counter() - now) > self.stopped + 0.1:
             self.stopped = stopped  # stopped since the step before (a pause, a hold): tqdm's own rate leaves it out
             self.bar.unpause()
-        if self.bar is not None and now - self.last_shown > 0.25:
+        if now - self.last_shown > 0.25:
             self.last_shown = now
             rate = self.images / (now - self.started)
             self.bar.set_postfix_str(f"loss={loss.item():.4f} lr={lr:.3g} img/s={rate:.0f}", refresh=False)

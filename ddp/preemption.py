@@ -116,7 +116,7 @@ class StopRequest:
                          "fg continues it). Every rank waits after the same step with no collective under way, so "
                          "the hold may outlast run.timeout_s")  # fmt: skip
             with lifeline.holding():
-                while (agreed := agreement.now(self.flag())) == HOLD:
+                while (agreed := distributed.highest(self.flag(), agreement.world)) == HOLD:  # (none on their way)
                     time.sleep(HOLD_S)
         if agreed == PAUSE:
             lifeline.safe_point(PAUSE_WAIT_S)  # stopped here until continued (fg, bg: its launcher continues it)

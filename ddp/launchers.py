@@ -11,7 +11,7 @@ Launchers, in this order unless run.launcher names one (detect_launch):
 - SLURM, inside `srun` (SLURM_STEP_ID set): SLURM_PROCID, SLURM_LOCALID, SLURM_NTASKS; rank 0 is on the
   step's first node, the port is derived from the job id (slurm_port).
 - otherwise one process.
-Also here: SLURM's rendezvous address (for slurm/train.sh), requeueing a SLURM job, accelerate's
+Also here: SLURM's rendezvous address (for slurm/train.sh), the SLURM job (requeue, suspend), accelerate's
 --cpu / --mixed_precision flags, and what ddp.doctor reports about a launch.
 """
 
@@ -352,16 +352,14 @@ def accelerate_flags(run: RunConfig, env: Env = os.environ) -> RunConfig:
     return replace(run, **changes)
 
 
-def requeue_command(env: Env = os.environ) -> list[str] | None:
-    """`scontrol requeue JOB` for the SLURM job this process runs in (an array task as
-    ARRAYJOB_TASK), or None outside SLURM."""
+def slurm_job(env: Env = os.environ) -> str | None:
+    """The SLURM job this process runs in, as scontrol names it (an array task as ARRAYJOB_TASK); None outside SLURM.
+    Its suspend (scontrol suspend: PreemptMode=SUSPEND, gang scheduling) sends each process of the job, on every
+    machine, SIGTSTP, then SIGSTOP 2 s later; its resume, SIGCONT (seen with slurm-wlm 22.05)."""
     if "SLURM_JOB_ID" not in env:
         return None
-    if "SLURM_ARRAY_JOB_ID" in env and "SLURM_ARRAY_TASK_ID" in env:
-        job = f"{env['SLURM_ARRAY_JOB_ID']}_{env['SLURM_ARRAY_TASK_ID']}"
-    else:
-        job = env["SLURM_JOB_ID"]
-    return ["scontrol", "requeue", job]
+    array = ("SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID")
+    return "_".join(env[v] for v in array) if all(v in env for v in array) else env["SLURM_JOB_ID"]
 
 
 # What ddp.doctor reports about a launch, before and during one.

@@ -17,10 +17,11 @@ deadline. One watcher thread does the three, because the main thread may be bloc
   interpreter's lock, where the watcher cannot run, by faulthandler's thread (backstop). They count time on
   `awake()`, which stands still while the process is stopped (SIGSTOP: SLURM's `scontrol suspend`):
   a job stopped whole and continued goes on waiting, where it left at once past its deadline.
-- A pause (SIGTSTP: Ctrl-Z of ddp/torchrun.py, which sends it on to its ranks; a job on one machine): the process
-  stops itself where no collective is under way (safe_point: a step boundary every rank agreed on, between two
-  evaluation batches), so that the pause may outlast run.timeout_s; the watcher stops it before training at once,
-  and where no safe point came within two steps (a checkpoint's save); after training it ends. The agent continues it.
+- A pause (SIGTSTP: Ctrl-Z of ddp/torchrun.py, which sends it on to its ranks, a job on one machine; SLURM's suspend,
+  2 s before its SIGSTOP, on every machine): the process stops itself where no collective is under way (safe_point:
+  a step boundary every rank agreed on, between two evaluation batches), so that the pause may outlast
+  run.timeout_s; the watcher stops it before training at once, and where no safe point came within two steps (a
+  checkpoint's save); after training it ends. The agent (SLURM's resume) continues it.
   A launcher that does not pass Ctrl-Z on (plain torchrun, accelerate launch) seen stopped: the loop holds
   (launcher_held, preemption) until it goes on.
 """
@@ -165,13 +166,14 @@ class _Watcher:
         if self.pause_by is not None and now > self.pause_by:
             self.pause()
 
-    def pause(self) -> None:
+    def pause(self) -> bool:
         """A pause asked for and not yet taken: this process stops here (once: the main thread's safe_point, or the
-        watcher's), until continued."""
+        watcher's), until continued. Whether it did."""
         with self.pauses:
             asked, self.pause_asked, self.pause_by = self.pause_asked, False, None
         if asked:
             os.kill(os.getpid(), signal.SIGSTOP)
+        return asked
 
     def launcher_gone(self) -> int | None:
         """The first of the launcher's processes that has ended, or None while they all run."""
@@ -271,18 +273,19 @@ def holding() -> Iterator[None]:
             watcher.progressed = watcher.awake()
 
 
-def safe_point(wait_s: float = 0.0) -> None:
+def safe_point(wait_s: float = 0.0) -> bool:
     """From the main thread where no collective of this process is under way and none of another waits on it (a
     step boundary every rank agreed to pause at, between evaluation batches): a pause asked for is taken here, or
-    asked for within `wait_s` (at an agreed pause: this rank's SIGTSTP may be on its way). Also the progress that a
-    stop's grace counts from."""
+    asked for within `wait_s` (at an agreed pause: this rank's SIGTSTP may be on its way); whether one was. Also the
+    progress that a stop's grace counts from."""
     watcher = _watcher
-    if watcher is not None:
-        watcher.progressed = watcher.awake()
-        until = time.monotonic() + wait_s
-        while not watcher.pause_asked and time.monotonic() < until:
-            time.sleep(0.005)
-        watcher.pause()
+    if watcher is None:
+        return False
+    watcher.progressed = watcher.awake()
+    until = time.monotonic() + wait_s
+    while not watcher.pause_asked and time.monotonic() < until:
+        time.sleep(0.005)
+    return watcher.pause()
 
 
 def set_loop_stop(stop: LoopStop | None) -> None:
@@ -320,10 +323,12 @@ def watched(world: World, stop_signals: tuple[signal.Signals, ...], parent: int)
     watcher, _loop_ended = _Watcher(world, parent, stop_signals), False
     previous_fd = signal.set_wakeup_fd(watcher.wakeup_write, warn_on_full_buffer=False)
     # SIGTSTP: torchrun's agent (ddp/torchrun.py) pauses the ranks of a job on one machine with it, and continues
-    # them. Its default action does nothing in a torchrun rank (its process group is orphaned). Others keep it: a
-    # plain process stops at once, as it should; srun's and mpirun's ranks as their launcher has them (Ctrl-Z of
-    # mpirun sends them SIGSTOP, which no handler sees).
-    pause = world.launcher == "torchrun" and not launchers.spans_machines() and _default(signal.SIGTSTP)
+    # them; SLURM's suspend sends it to every process of the job, on each machine, 2 s before its SIGSTOP (which
+    # stopped a rank inside a collective: past run.timeout_s, the run ended as it was resumed). Its default action
+    # does nothing in a torchrun rank (its process group is orphaned). Others keep it: a plain process stops at once,
+    # as it should; mpirun's ranks as mpirun has them (its Ctrl-Z sends them SIGSTOP, which no handler sees).
+    whole = world.launcher == "torchrun" and not launchers.spans_machines() or launchers.slurm_job() is not None
+    pause = whole and _default(signal.SIGTSTP)
     previous = {sig: signal.signal(sig, _noted) for sig in (*stop_signals, signal.SIGCONT, *[signal.SIGTSTP] * pause)}
     _watcher = watcher
     threading.Thread(target=watcher.run, name="ddp-lifeline", daemon=True).start()

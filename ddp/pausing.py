@@ -1,5 +1,6 @@
 """Ctrl-Z of ddp/torchrun.py (SIGTSTP), torchrun's agent: it pauses the ranks, then itself, and fg or bg continues
-them all. The ranks' side: lifeline (outside training) and preemption.StopRequest (at a step boundary)."""
+them all; SLURM's suspend, which every rank has too, it leaves to them. The ranks' side: lifeline (outside training)
+and preemption.StopRequest (at a step boundary)."""
 
 from __future__ import annotations
 
@@ -21,14 +22,23 @@ class Pause:
     one machine pause first, each where no collective is under way (lifeline.safe_point: a step boundary they agreed
     on, between evaluation batches), so that the pause may last; then this process stops, as any job does. fg or bg
     continues it, and it continues them. A rank that has not paused within PAUSE_S, or at a second Ctrl-Z, is
-    stopped where it is. A job on several machines goes on: a pause of this one would stop them all."""
+    stopped where it is. A job on several machines goes on: a pause of this one would stop them all.
+    SLURM's suspend (`by_slurm`) is no Ctrl-Z: every process of the job, on each machine, has the SIGTSTP, and SLURM
+    stops them all 2 s later and continues them at its resume. Each rank pauses by itself; this process neither waits
+    for them nor stops itself (stopped by SLURM inside that wait and resumed, it waited on, then stopped its ranks and
+    itself for good)."""
 
-    def __init__(self, one_machine: bool) -> None:
-        self.one_machine, self.pausing, self.now = one_machine, False, False
+    def __init__(self, one_machine: bool, by_slurm: bool = False) -> None:
+        self.one_machine, self.by_slurm = one_machine, by_slurm
+        self.pausing, self.now, self.continued = False, False, False
 
     def __call__(self, signum: int, frame: object) -> None:
         if self.pausing:  # Ctrl-Z again while the ranks reach their step boundary: now
             self.now = True
+            return
+        if self.by_slurm:  # (sent on as well, where SLURM signals this process group alone: proctrack/pgid)
+            for pid in children():
+                _signal(pid, signal.SIGTSTP, group=False)
             return
         if not self.one_machine:
             _say(
@@ -36,26 +46,35 @@ class Pause:
                 "past run.timeout_s): it goes on; Ctrl-C stops it with a checkpoint"
             )
             return
-        self.pausing, ranks = True, children()
+        self.pausing, self.continued, ranks = True, False, children()
         try:
             for pid in ranks:
                 _signal(pid, signal.SIGTSTP, group=False)
             self.wait_for(ranks)
             # Stopped here until continued (fg, bg; kill %1 too, with SIGCONT). Not by SIGTSTP's default action: in an
             # orphaned process group (a SIGTSTP sent by hand to a nohup'd or setsid job) the system discards that
-            # stop, and the ranks were continued at once.
-            os.kill(os.getpid(), signal.SIGSTOP)
+            # stop, and the ranks were continued at once. Not where this process was continued meanwhile (SLURM's
+            # resume of a job in a terminal, srun --pty, suspended while its ranks took their time).
+            if not self.continued:
+                os.kill(os.getpid(), signal.SIGSTOP)
         finally:  # (also where a stop signal's handler raised: the ranks then take it)
             for pid in ranks:
                 _signal(pid, signal.SIGCONT, group=True)  # (its DataLoader workers too, where they were stopped)
             self.pausing = self.now = False
+
+    def resumed(self, signum: int, frame: object) -> None:
+        """SIGCONT's handler: this process continued (fg, bg, SLURM's resume), and its ranks with it; a pause not yet
+        taken is over."""
+        self.continued = True
+        for pid in children():
+            _signal(pid, signal.SIGCONT, group=True)
 
     def wait_for(self, ranks: list[int]) -> None:
         """Until each of `ranks` is stopped or has ended (after training a rank does not pause: it ends). One without a
         handler of SIGTSTP (starting: its lifeline does not watch yet) is stopped at once; one not stopped within
         PAUSE_S, or at a second Ctrl-Z, then."""
         start, said = time.monotonic(), False
-        while late := [pid for pid in ranks if _state(pid) not in "TtZX"]:
+        while (late := [pid for pid in ranks if _state(pid) not in "TtZX"]) and not self.continued:
             for pid in late:
                 if not _handles_sigtstp(pid):
                     _signal(pid, signal.SIGSTOP, group=True)
@@ -65,6 +84,8 @@ class Pause:
                 _say(f"(pausing: each rank where no collective is under way, up to {PAUSE_S:.0f} s; Ctrl-Z again: now)")
                 said = True
             time.sleep(0.02)
+        if self.continued:  # (a pause over before it was taken: stop no one)
+            return
         for pid in late:
             _signal(pid, signal.SIGSTOP, group=True)
         if late:
@@ -72,6 +93,23 @@ class Pause:
                 f"note: paused {', '.join(_rank_name(pid) for pid in late)} where it was: a pause longer than "
                 "run.timeout_s may end the run when it goes on"
             )
+
+
+def by_slurm() -> bool:
+    """Whether a SIGTSTP of this process is SLURM's suspend of its job: it runs in one (srun passes no Ctrl-Z on to its
+    tasks), and is no terminal's foreground job (`srun --pty bash`, where a Ctrl-Z is the terminal's)."""
+    if launchers.slurm_job() is None:
+        return False
+    try:
+        terminal = os.open("/dev/tty", os.O_RDONLY | os.O_NOCTTY)
+    except OSError:  # none: a batch job's, srun's task
+        return True
+    try:
+        return os.tcgetpgrp(terminal) != os.getpgrp()
+    except OSError:
+        return True
+    finally:
+        os.close(terminal)
 
 
 def children() -> list[int]:

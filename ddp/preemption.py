@@ -119,7 +119,13 @@ class StopRequest:
                 while (agreed := distributed.highest(self.flag(), agreement.world)) == HOLD:  # (none on their way)
                     time.sleep(HOLD_S)
         if agreed == PAUSE:
-            lifeline.safe_point(PAUSE_WAIT_S)  # stopped here until continued (fg, bg: its launcher continues it)
+            before = lifeline.stopped_s()
+            # Stopped here until continued (fg, bg: its launcher continues it; SLURM's resume), and said where the
+            # job's log shows nothing else of it (SLURM's).
+            if lifeline.safe_point(PAUSE_WAIT_S) and agreement.world.is_main:
+                logs.say(f"note: continued after {lifeline.stopped_s() - before:.0f} s paused at a step boundary every "
+                         "rank agreed on (SIGTSTP: Ctrl-Z, SLURM's suspend): no collective was under way, so the pause "
+                         "could outlast run.timeout_s")  # fmt: skip
         if agreed in (HOLD, PAUSE):
             self.last_boundary = time.monotonic()  # the hold or pause is no step's time
         return agreed == STOP
@@ -173,8 +179,8 @@ def finish_stop(signal_name: str | None, saved: Path | None, world: World) -> No
     cause = signal_name or next((f"{why} (rank {rank})" for rank, why in enumerate(causes) if why), "a signal")
     if world.is_main:
         logs.say(f"stopping on {cause}: checkpoint {saved}")
-        requeue = launchers.requeue_command()
-        if requeue:
+        if job := launchers.slurm_job():
+            requeue = ["scontrol", "requeue", job]
             # SIGTERM ignored (kept across exec): the requeue signals the job's processes, scontrol among them
             result = subprocess.run(["sh", "-c", 'trap "" TERM; exec "$@"', "sh", *requeue], capture_output=True,
                                     text=True)  # fmt: skip

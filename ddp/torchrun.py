@@ -130,7 +130,9 @@ def main(argv: list[str]) -> int:
     store = rendezvous_store(args) if ":" in args.rdzv_endpoint else None  # (its port given: on another host)
     elastic = args.max_restarts > 0
     if signal.getsignal(signal.SIGTSTP) == signal.SIG_DFL:  # (one ignored where this started stays ignored)
-        signal.signal(signal.SIGTSTP, pausing.Pause(one_machine=args.standalone or str(args.nnodes) in ("1", "1:1")))
+        pause = pausing.Pause(args.standalone or str(args.nnodes) in ("1", "1:1"), by_slurm=pausing.by_slurm())
+        signal.signal(signal.SIGTSTP, pause)
+        signal.signal(signal.SIGCONT, pause.resumed)
     if store or not elastic:  # (an elastic job without an endpoint of its own: not watched)
         watched = (store, elastic, fixed_nodes_store(args))
         watch = threading.Thread(target=leave_after_the_ranks, args=watched, name="ddp-agent-watch", daemon=True)

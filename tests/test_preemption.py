@@ -518,7 +518,8 @@ def test_ctrl_z_pauses_a_torchrun_job_at_a_step_boundary_past_run_timeout_s_and_
         said = terminal.seen.decode(errors="replace")
     finally:
         terminal.close(str(tmp_path))
-    assert "rc=0" in said and "note: paused" not in said, said
+    assert "rc=0" in said and "note: paused rank" not in said, said  # (no rank was late, and stopped where it was)
+    assert re.search(r"note: continued after [6-9] s paused at a step boundary every rank agreed on", said), said
     assert_as_never_paused(epochs_of(tmp_path), unpaused)
 
 
@@ -618,47 +619,108 @@ sys.exit(train.cli(sys.argv[1:]))
 AGENT = """
 import os, signal, subprocess, sys, time
 from ddp import pausing
+pausing.PAUSE_S = float(sys.argv[2])
 rank = subprocess.Popen([sys.executable, "-c", sys.argv[1]], start_new_session=True, env={**os.environ, "RANK": "1"},
                         stdout=subprocess.PIPE, text=True)
 assert rank.stdout.readline() == "ready\\n"
-signal.signal(signal.SIGTSTP, pausing.Pause(one_machine=True))
+pause = pausing.Pause(one_machine=sys.argv[3] == "one machine", by_slurm=pausing.by_slurm())  # (as ddp/torchrun.py)
+signal.signal(signal.SIGTSTP, pause)
+signal.signal(signal.SIGCONT, pause.resumed)
 print(rank.pid, flush=True)
 time.sleep(60)
 """
+# A rank whose step does not end: it takes SIGTSTP (its lifeline's handler) and does not pause; it says each one.
+SLOW_RANK = ("import signal, sys, time; signal.signal(signal.SIGTSTP, lambda *a: print('TSTP', file=sys.stderr, "
+             "flush=True)); print('ready', flush=True); time.sleep(60)")  # fmt: skip
+
+
+def agent(pause_s: float = 30, machines: str = "one machine", **env: str) -> tuple[subprocess.Popen, int]:
+    """AGENT with SLOW_RANK: (the agent, the rank's pid). A process group of its own, as a shell's job has: in an
+    orphaned one (a pytest-xdist worker's) the system discards the agent's SIGTSTP to itself, and it goes on at once."""
+    started = subprocess.Popen([sys.executable, "-c", AGENT, SLOW_RANK, str(pause_s), machines], cwd=REPO,
+                               env=clean_env(**env), text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               preexec_fn=os.setpgrp)  # fmt: skip
+    return started, int(started.stdout.readline())
+
+
+def stopped(*pids: int, until: bool | None = None, within_s: float = 5) -> list[bool]:
+    """Whether each of `pids` is stopped (/proc's T; running or asleep: not), once they all are `until` (or `within_s`
+    has passed); at once without it."""
+    from ddp import pausing
+
+    deadline = time.monotonic() + within_s
+    while until is not None and {pausing._state(pid) == "T" for pid in pids} != {until} and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return [pausing._state(pid) == "T" for pid in pids]
 
 
 def test_a_second_ctrl_z_stops_a_rank_late_to_pause_at_once_and_the_agent_with_it_and_fg_continues_them():
     """The agent (ddp/torchrun.py's Pause as its SIGTSTP handler, PAUSE_S 30 s) and a rank whose step does not end:
     at Ctrl-Z the agent waits for the rank to pause; a second Ctrl-Z, in that wait, stops the rank where it is and
     then the agent, at once, with a line naming the rank. A SIGCONT (fg) of the agent continues the rank."""
-    from ddp import pausing
-
-    rank = "import signal, time; signal.signal(signal.SIGTSTP, lambda *a: None); print('ready', flush=True); " \
-           "time.sleep(60)"  # fmt: skip
-    # A process group of its own, as a shell's job has: in an orphaned one (a pytest-xdist worker's) the system
-    # discards the agent's SIGTSTP to itself, and it goes on at once.
-    agent = subprocess.Popen([sys.executable, "-c", AGENT, rank], cwd=REPO, env=clean_env(), text=True,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=os.setpgrp)  # fmt: skip
-    rank_pid = int(agent.stdout.readline())
+    started, rank = agent()
     try:
-        agent.send_signal(signal.SIGTSTP)
+        started.send_signal(signal.SIGTSTP)
         time.sleep(0.5)
-        waiting = [pausing._state(pid) for pid in (agent.pid, rank_pid)]
-        agent.send_signal(signal.SIGTSTP)
-        deadline = time.monotonic() + 5
-        while {pausing._state(pid) for pid in (agent.pid, rank_pid)} != {"T"} and time.monotonic() < deadline:
-            time.sleep(0.01)
-        stopped = [pausing._state(pid) for pid in (agent.pid, rank_pid)]
-        agent.send_signal(signal.SIGCONT)
-        while pausing._state(rank_pid) == "T" and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert (waiting, stopped, pausing._state(rank_pid)) == (["S", "S"], ["T", "T"], "S")
+        waiting = stopped(started.pid, rank)
+        started.send_signal(signal.SIGTSTP)
+        both = stopped(started.pid, rank, until=True)
+        started.send_signal(signal.SIGCONT)
+        assert (waiting, both, stopped(rank, until=False)) == ([False, False], [True, True], [False])
     finally:
-        os.kill(rank_pid, signal.SIGKILL)
-        agent.kill()
-    assert agent.communicate(timeout=30)[1].splitlines() == [
-        "note: paused rank 1 where it was: a pause longer than run.timeout_s may end the run when it goes on"
+        os.kill(rank, signal.SIGKILL)
+        started.kill()
+    assert started.communicate(timeout=30)[1].splitlines() == [
+        "TSTP",  # (the rank's: the first Ctrl-Z, passed on)
+        "note: paused rank 1 where it was: a pause longer than run.timeout_s may end the run when it goes on",
     ]
+
+
+@pytest.mark.parametrize("where", ["batch job", "terminal's job"])
+def test_slurms_suspend_stops_the_agent_and_its_ranks_and_its_resume_leaves_none_of_them_stopped(where):
+    """SLURM's suspend of a job whose step takes longer than its 2 s between SIGTSTP and SIGSTOP (ResNet-18 on CPU),
+    then its resume: SIGTSTP, SIGSTOP and SIGCONT to every process. The agent waited for its ranks to pause, SLURM
+    stopped it inside that wait, and after the resume it waited on, then stopped its ranks where they were and
+    itself, for good (an sbatch job held its node until cancelled, by hand). In a batch job (no terminal: by_slurm)
+    the agent leaves the pause to its ranks, and passes the SIGTSTP on (where SLURM signals its process group alone);
+    in a terminal's (`srun --pty bash`) it waits, and the resume ends that wait. Either way, none stays stopped, and
+    no line says that a rank was paused where it was (PAUSE_S 1 s: the old wait was over at the resume)."""
+    started, rank = agent(pause_s=1, **({"SLURM_JOB_ID": "7"} if where == "batch job" else {}))
+    try:
+        started.send_signal(signal.SIGTSTP)  # (the rank's own SIGTSTP, from SLURM, left out: the agent passes it on)
+        time.sleep(0.3)
+        waiting = stopped(started.pid, rank)
+        for pid in (started.pid, rank):  # 2 s later
+            os.kill(pid, signal.SIGSTOP)
+        time.sleep(1.5)  # (past PAUSE_S)
+        for pid in (started.pid, rank):
+            os.kill(pid, signal.SIGCONT)
+        time.sleep(1.5)  # (what stopped them for good did so within 0.1 s, in a free machine)
+        after = stopped(started.pid, rank)
+    finally:
+        os.kill(rank, signal.SIGKILL)
+        started.kill()
+    assert (waiting, after) == ([False, False], [False, False])
+    assert started.communicate(timeout=30)[1].splitlines() == ["TSTP"]
+
+
+def test_a_sigtstp_is_slurms_suspend_in_a_slurm_job_but_a_terminals_in_its_foreground_job():
+    """pausing.by_slurm: in a SLURM job a SIGTSTP is its suspend (srun passes no Ctrl-Z on to its tasks: seen, srun
+    stopped and its tasks ran on), unless the process is a terminal's foreground job (`srun --pty bash`), where it is
+    Ctrl-Z. Asked of a process in a terminal's foreground, in its background (`&`), and with no terminal."""
+    ask = "python -c 'from ddp import pausing; print(\"by_slurm\", pausing.by_slurm())'"
+    terminal = Terminal(REPO)
+    try:
+        terminal.wait_for(rb"\$ ")
+        answers = []
+        for line in (f"SLURM_JOB_ID=7 {ask}", f"SLURM_JOB_ID=7 {ask} &", ask):
+            terminal.type(f"{line}\n".encode())
+            answers.append(terminal.wait_for(rb"by_slurm (\w+)")[1].decode())
+    finally:
+        terminal.close("by_slurm")
+    alone = subprocess.run(["bash", "-c", ask], cwd=REPO, env=clean_env(SLURM_JOB_ID="7"), capture_output=True,
+                           text=True, start_new_session=True)  # fmt: skip
+    assert answers == ["False", "True", "False"] and alone.stdout == "by_slurm True\n", (answers, alone)
 
 
 def test_ctrl_z_of_one_machine_of_a_job_on_several_says_so_and_the_job_goes_on(tmp_path):

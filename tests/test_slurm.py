@@ -4,6 +4,8 @@ sbatch / srun / scancel / scontrol requeue. CPU jobs with gloo."""
 from __future__ import annotations
 
 import os
+import re
+import shlex
 import socket
 import subprocess
 import time
@@ -160,7 +162,58 @@ def test_doctor_under_srun_checks_every_task(slurm, tmp_path):
     assert proc.stdout.count("doctor: OK") == 1
 
 
-def test_srun_killed_leaves_no_task_and_the_same_command_resumes_to_the_same_weights(slurm, tmp_path):
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> Path:
+    """The out_dir of PREEMPTIBLE run by torchrun on this machine, 2 ranks, outside SLURM: what a job of it ends with
+    however SLURM stops, kills, suspends or resumes it."""
+    out = tmp_path_factory.mktemp("uninterrupted")
+    ok(torchrun(2, str(TRAIN), *PREEMPTIBLE, f"run.out_dir={out}"))
+    return out
+
+
+@pytest.mark.parametrize("launch", ["sbatch", "srun"])
+def test_a_job_suspended_past_run_timeout_s_pauses_at_a_step_boundary_and_ends_as_one_never_suspended(
+    slurm, tmp_path, uninterrupted, launch
+):
+    """`scontrol suspend` of a training job (PreemptMode=SUSPEND, gang scheduling), then `scontrol resume`. SLURM sends
+    each process SIGTSTP, SIGSTOP 2 s later, and SIGCONT at the resume. srun's ranks took no SIGTSTP, and were stopped
+    where they were: inside a collective, a suspension past run.timeout_s ended the run as it was resumed (5 of 6
+    jobs suspended 10 s with run.timeout_s=4, by hand). Now each rank pauses at a step boundary all ranks agree on, and
+    the suspension may last. ddp/torchrun.py (sbatch slurm/train.sh) leaves it to its ranks: it waited for them and
+    then stopped itself, and where SLURM stopped it in that wait (steps over 2 s), it stopped them and itself for good
+    after the resume. Suspended twice run.timeout_s in epoch 2: the job completes, with every epoch's numbers as a run
+    never suspended has them, and epoch 2's train_s without the suspension."""
+    args = [*PREEMPTIBLE, "run.timeout_s=3"]
+    env = {**slurm, "OUT_ROOT": str(tmp_path)}
+    if launch == "sbatch":
+        job = submit(env, tmp_path, *args)
+        out = tmp_path / f"slurm-{job}"
+    else:
+        out = tmp_path / "run"
+        wrap = shlex.join(["srun", "--kill-on-bad-exit=1", "python", str(TRAIN), *args, f"run.out_dir={out}"])
+        sbatch = ["sbatch", "--parsable", "--ntasks=2", f"--output={tmp_path}/log-%j.out", f"--wrap={wrap}"]
+        job = ok(subprocess.run(sbatch, cwd=REPO, env=env, capture_output=True, text=True)).stdout.strip()
+    deadline = time.monotonic() + 120
+    while not ((out / "metrics.jsonl").exists() and metrics(out)):
+        assert time.monotonic() < deadline, job_field(slurm, job, "JobState")
+        time.sleep(0.05)
+    time.sleep(0.3)  # (epoch 2's steps: about 1 s of them)
+    ok(subprocess.run(["scontrol", "suspend", job], env=slurm, capture_output=True, text=True))
+    time.sleep(6)
+    ok(subprocess.run(["scontrol", "resume", job], env=slurm, capture_output=True, text=True))
+    state = wait_until_done(slurm, job, timeout=120)
+    log = (tmp_path / f"log-{job}.out").read_text()
+    assert state == "COMPLETED" and "error" not in log, log[-3000:]
+    # SLURM's SIGSTOP comes 2 s after its SIGTSTP: the ranks had paused; its log says so once (rank 0), and nothing else
+    notes = re.findall(r"note: .*", log)
+    assert len(notes) == 1 and re.match(r"note: continued after [5-9] s paused at a step boundary every", notes[0]), log
+    epochs, reference = metrics(out), metrics(uninterrupted)
+    for key in ("train_loss", "grad_norm_mean", "grad_norm_max", "test_acc", "confusion"):
+        assert [e[key] for e in epochs] == [e[key] for e in reference], key
+    assert epochs[1]["train_s"] < reference[1]["train_s"] + 3, (epochs, reference)
+
+
+def test_srun_killed_leaves_no_task_and_the_same_command_resumes_to_the_same_weights(slurm, tmp_path, uninterrupted):
     """kill -9 of srun (the step's launcher) mid-training: SLURM ends the step's tasks, no process is
     left within 10 s, the lock is free, every checkpoint whole; the same srun command then finishes
     where an uninterrupted run finishes, bitwise."""
@@ -183,10 +236,8 @@ def test_srun_killed_leaves_no_task_and_the_same_command_resumes_to_the_same_wei
     assert tasks and srun.returncode != 0
     assert_free_and_whole(out)
     ok(subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=180))
-    reference = tmp_path / "uninterrupted"
-    ok(torchrun(2, str(TRAIN), *PREEMPTIBLE, f"run.out_dir={reference}"))
     got = torch.load(out / "checkpoints" / "last.pt", weights_only=True)["model"]
-    want = torch.load(reference / "checkpoints" / "last.pt", weights_only=True)["model"]
+    want = torch.load(uninterrupted / "checkpoints" / "last.pt", weights_only=True)["model"]
     assert all(torch.equal(got[k], want[k]) for k in want)
     REPORT.append(f"kill -9 of srun mid-training: its tasks gone {gone:.1f} s later, then resumed bitwise")
 

@@ -28,6 +28,7 @@ deadline. One watcher thread does the three, because the main thread may be bloc
 
 from __future__ import annotations
 
+import ctypes
 import faulthandler
 import math
 import os
@@ -37,7 +38,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import Protocol
 
 from ddp import launchers
@@ -142,6 +143,8 @@ class _Watcher:
         stopped whole, SLURM's suspend, may continue its ranks a moment before their launcher), holds the loop."""
         if self.launchers and (gone := self.launcher_gone()):
             why = f"the launcher's end (its process {gone} is gone)"
+            if os.getpgrp() == os.getpid():  # (its DataLoader workers, where the launcher stopped them with it)
+                os.killpg(os.getpid(), signal.SIGCONT)
             if _loop_ended:
                 self.leaving(why)
             else:
@@ -331,6 +334,8 @@ def watched(world: World, stop_signals: tuple[signal.Signals, ...], parent: int)
     pause = whole and _default(signal.SIGTSTP)
     previous = {sig: signal.signal(sig, _noted) for sig in (*stop_signals, signal.SIGCONT, *[signal.SIGTSTP] * pause)}
     _watcher = watcher
+    if watcher.launched:
+        _continued_at_the_launchers_end()
     threading.Thread(target=watcher.run, name="ddp-lifeline", daemon=True).start()
     try:
         yield
@@ -341,6 +346,14 @@ def watched(world: World, stop_signals: tuple[signal.Signals, ...], parent: int)
             if signal.getsignal(sig) is _noted:  # not one the stop's exit has set to SIG_IGN
                 signal.signal(sig, handler)
         signal.set_wakeup_fd(previous_fd)
+
+
+def _continued_at_the_launchers_end() -> None:
+    """The kernel's SIGCONT to this process as the one that started it ends (prctl's PR_SET_PDEATHSIG; Linux). A rank
+    paused (Ctrl-Z of ddp/torchrun.py, mpirun's) whose launcher was then killed (kill -9 %1) stayed stopped for good,
+    its memory and the run's lock held; continued, its watcher sees the launcher gone: it stops with a checkpoint."""
+    with suppress(OSError, AttributeError):  # (no prctl: not Linux)
+        ctypes.CDLL(None).prctl(1, signal.SIGCONT)  # PR_SET_PDEATHSIG
 
 
 @contextmanager

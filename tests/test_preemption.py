@@ -17,7 +17,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, TORCHRUN, clean_env
+from conftest import (
+    REPO,
+    REPORT,
+    TORCHRUN,
+    assert_free_and_whole,
+    children,
+    clean_env,
+    cmdline,
+    descendants,
+    kill_orphans,
+    seconds_until_gone,
+)
 
 from ddp import lifeline, preemption
 from ddp.cli import command
@@ -674,6 +685,47 @@ def test_a_second_ctrl_z_stops_a_rank_late_to_pause_at_once_and_the_agent_with_i
         "TSTP",  # (the rank's: the first Ctrl-Z, passed on)
         "note: paused rank 1 where it was: a pause longer than run.timeout_s may end the run when it goes on",
     ]
+
+
+@pytest.mark.parametrize("how", ["paused", "stopped where they were"])
+def test_a_paused_job_whose_agent_is_killed_stops_with_a_checkpoint_and_frees_its_lock(tmp_path, how):
+    """Ctrl-Z of ddp/torchrun.py (its ranks paused, it stopped), then `kill -9 %1`: the ranks stayed stopped for good
+    (seen: T 8 s later), their memory and the run's lock held, and the same command refused to start. Each rank now
+    has the kernel continue it as its launcher ends (PR_SET_PDEATHSIG): its watcher sees the launcher gone, and the
+    run stops at its next step boundary with a checkpoint, the lock free, within 10 s. Also where the agent stopped
+    its ranks where they were (late to pause: a second Ctrl-Z, PAUSE_S), their DataLoader workers with them: without
+    the rank continuing those, it waited on them and they stayed stopped (seen by hand)."""
+    args = [*PAUSED, "data.loader=torch", "data.workers=1"] if how == "stopped where they were" else PAUSED
+    torchrun_py = [sys.executable, "ddp/torchrun.py", "--standalone", "--nproc_per_node=2", "ddp/train.py", *args]
+    agent = subprocess.Popen([*torchrun_py, f"run.out_dir={tmp_path}"], cwd=REPO, env=clean_env(), text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=os.setpgrp)  # fmt: skip
+    ranks, workers = [], []
+    try:
+        deadline = time.monotonic() + 120
+        while not ((tmp_path / "metrics.jsonl").exists() and epochs_of(tmp_path)):  # (epoch 2's steps begin)
+            assert agent.poll() is None and time.monotonic() < deadline, agent.communicate()
+            time.sleep(0.05)
+        ranks = [pid for pid in children(agent.pid) if b"ddp/train.py" in cmdline(pid)]
+        workers = [worker for rank in ranks for worker in descendants(rank)]
+        if how == "paused":
+            agent.send_signal(signal.SIGTSTP)
+        else:  # as the agent stops a rank late to pause, then itself
+            for rank in ranks:
+                os.killpg(rank, signal.SIGSTOP)
+            agent.send_signal(signal.SIGSTOP)
+        paused = stopped(agent.pid, *ranks, *workers, until=True)
+        before = {path.name for path in (tmp_path / "checkpoints").glob("step-*.pt")}
+        agent.kill()
+        gone = seconds_until_gone(ranks + workers, time.monotonic())
+        _, err = agent.communicate(timeout=30)
+    finally:
+        agent.kill()
+        kill_orphans(ranks + workers)
+    assert len(ranks) == 2 and paused == [True] * (3 if how == "paused" else 5), (ranks, paused)
+    assert "stopped on the launcher's end" in err, err
+    assert {path.name for path in (tmp_path / "checkpoints").glob("step-*.pt")} - before, err  # the stop's checkpoint
+    assert_free_and_whole(tmp_path)
+    REPORT.append(f"kill -9 of a paused ddp/torchrun.py: its ranks stopped with a checkpoint {gone:.1f} s later")
 
 
 @pytest.mark.parametrize("where", ["batch job", "terminal's job"])

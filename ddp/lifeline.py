@@ -169,14 +169,16 @@ class _Watcher:
         if self.pause_by is not None and now > self.pause_by:
             self.pause()
 
-    def pause(self) -> bool:
+    def pause(self) -> float | None:
         """A pause asked for and not yet taken: this process stops here (once: the main thread's safe_point, or the
-        watcher's), until continued. Whether it did."""
+        watcher's), until continued. The seconds it was stopped; None for no pause."""
         with self.pauses:
             asked, self.pause_asked, self.pause_by = self.pause_asked, False, None
-        if asked:
-            os.kill(os.getpid(), signal.SIGSTOP)
-        return asked
+        if not asked:
+            return None
+        start = time.monotonic()
+        os.kill(os.getpid(), signal.SIGSTOP)
+        return time.monotonic() - start
 
     def launcher_gone(self) -> int | None:
         """The first of the launcher's processes that has ended, or None while they all run."""
@@ -276,14 +278,14 @@ def holding() -> Iterator[None]:
             watcher.progressed = watcher.awake()
 
 
-def safe_point(wait_s: float = 0.0) -> bool:
+def safe_point(wait_s: float = 0.0) -> float | None:
     """From the main thread where no collective of this process is under way and none of another waits on it (a
     step boundary every rank agreed to pause at, between evaluation batches): a pause asked for is taken here, or
-    asked for within `wait_s` (at an agreed pause: this rank's SIGTSTP may be on its way); whether one was. Also the
-    progress that a stop's grace counts from."""
+    asked for within `wait_s` (at an agreed pause: this rank's SIGTSTP may be on its way); its seconds, None for none.
+    Also the progress that a stop's grace counts from."""
     watcher = _watcher
     if watcher is None:
-        return False
+        return None
     watcher.progressed = watcher.awake()
     until = time.monotonic() + wait_s
     while not watcher.pause_asked and time.monotonic() < until:
@@ -304,10 +306,6 @@ def _leave(line: str, every_rank: bool = False, code: int = EXIT_FAILURE) -> Non
         print(line, file=sys.stderr, flush=True)
     launchers.record_error(line)  # torchrun's report shows it
     os._exit(code)
-
-
-def _default(sig: signal.Signals) -> bool:
-    return signal.getsignal(sig) == signal.SIG_DFL
 
 
 def _noted(signum: int, frame: object) -> None:
@@ -331,7 +329,7 @@ def watched(world: World, stop_signals: tuple[signal.Signals, ...], parent: int)
     # does nothing in a torchrun rank (its process group is orphaned). Others keep it: a plain process stops at once,
     # as it should; mpirun's ranks as mpirun has them (its Ctrl-Z sends them SIGSTOP, which no handler sees).
     whole = world.launcher == "torchrun" and not launchers.spans_machines() or launchers.slurm_job() is not None
-    pause = whole and _default(signal.SIGTSTP)
+    pause = whole and signal.getsignal(signal.SIGTSTP) == signal.SIG_DFL
     previous = {sig: signal.signal(sig, _noted) for sig in (*stop_signals, signal.SIGCONT, *[signal.SIGTSTP] * pause)}
     _watcher = watcher
     if watcher.launched:

@@ -119,11 +119,10 @@ class StopRequest:
                 while (agreed := distributed.highest(self.flag(), agreement.world)) == HOLD:  # (none on their way)
                     time.sleep(HOLD_S)
         if agreed == PAUSE:
-            before = lifeline.stopped_s()
             # Stopped here until continued (fg, bg: its launcher continues it; SLURM's resume), and said where the
             # job's log shows nothing else of it (SLURM's).
-            if lifeline.safe_point(PAUSE_WAIT_S) and agreement.world.is_main:
-                logs.say(f"note: continued after {lifeline.stopped_s() - before:.0f} s paused at a step boundary every "
+            if (paused_s := lifeline.safe_point(PAUSE_WAIT_S)) is not None and agreement.world.is_main:
+                logs.say(f"note: continued after {paused_s:.0f} s paused at a step boundary every "
                          "rank agreed on (SIGTSTP: Ctrl-Z, SLURM's suspend): no collective was under way, so the pause "
                          "could outlast run.timeout_s")  # fmt: skip
         if agreed in (HOLD, PAUSE):

@@ -760,7 +760,8 @@ def test_a_sigtstp_is_slurms_suspend_in_a_slurm_job_but_a_terminals_in_its_foreg
     """pausing.by_slurm: in a SLURM job a SIGTSTP is its suspend (srun passes no Ctrl-Z on to its tasks: seen, srun
     stopped and its tasks ran on), unless the process is a terminal's foreground job (`srun --pty bash`), where it is
     Ctrl-Z. Asked of a process in a terminal's foreground, in its background (`&`), and with no terminal."""
-    ask = "python -c 'from ddp import pausing; print(\"by_slurm\", pausing.by_slurm())'"
+    marker = f"asked-by-{os.getpid()}"  # (what close() kills: in no other process's command line, pytest's included)
+    ask = f"python -c 'from ddp import pausing; print(\"by_slurm\", pausing.by_slurm())' {marker}"
     terminal = Terminal(REPO)
     try:
         terminal.wait_for(rb"\$ ")
@@ -769,7 +770,7 @@ def test_a_sigtstp_is_slurms_suspend_in_a_slurm_job_but_a_terminals_in_its_foreg
             terminal.type(f"{line}\n".encode())
             answers.append(terminal.wait_for(rb"by_slurm (\w+)")[1].decode())
     finally:
-        terminal.close("by_slurm")
+        terminal.close(marker)
     alone = subprocess.run(["bash", "-c", ask], cwd=REPO, env=clean_env(SLURM_JOB_ID="7"), capture_output=True,
                            text=True, start_new_session=True)  # fmt: skip
     assert answers == ["False", "True", "False"] and alone.stdout == "by_slurm True\n", (answers, alone)

@@ -171,19 +171,34 @@ def requeue_outcome(result: subprocess.CompletedProcess) -> str:
     return result.stderr.strip() or f"scontrol exited {result.returncode}"
 
 
+def scontrol(*args: str) -> subprocess.CompletedProcess:
+    """`scontrol ARGS`, SIGTERM ignored (kept across exec): a stop or a requeue signals the job's processes, scontrol
+    among them. One that does not answer within 60 s (slurmctld down) exits 1, saying so."""
+    cmd = ["sh", "-c", 'trap "" TERM; exec "$@"', "sh", "scontrol", *args]
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        return subprocess.CompletedProcess(cmd, 1, "", f"scontrol {args[0]}: no answer within 60 s")
+
+
+def requeue(job: str) -> str:
+    """`scontrol requeue JOB` where SLURM still runs the job (SIGTERM before its time limit, or a preemption), and
+    what came of it. Not where `scancel` ended it (JobState COMPLETING): the requeue brought it back, PENDING."""
+    state = next((w[9:] for w in scontrol("show", "job", "-o", job).stdout.split() if w.startswith("JobState=")), "")
+    if state not in ("RUNNING", ""):  # ("": scontrol did not say: requeued as before)
+        return f"not requeued: the job is {state} (scancel ended it; scancel --signal=TERM stops a job to requeue it)"
+    return f"scontrol requeue {job}: {requeue_outcome(scontrol('requeue', job))}"
+
+
 def finish_stop(signal_name: str | None, saved: Path | None, world: World) -> None:
     """After the stop checkpoint: rank 0 says why (its own reason, else the first rank's that had
-    one), asks SLURM to requeue the job (if in one); all ranks leave."""
+    one), asks SLURM to requeue the job (if in one, and it runs); all ranks leave."""
     causes = distributed.gather_objects(signal_name, world)
     cause = signal_name or next((f"{why} (rank {rank})" for rank, why in enumerate(causes) if why), "a signal")
     if world.is_main:
         logs.say(f"stopping on {cause}: checkpoint {saved}")
         if job := launchers.slurm_job():
-            requeue = ["scontrol", "requeue", job]
-            # SIGTERM ignored (kept across exec): the requeue signals the job's processes, scontrol among them
-            result = subprocess.run(["sh", "-c", 'trap "" TERM; exec "$@"', "sh", *requeue], capture_output=True,
-                                    text=True)  # fmt: skip
-            logs.say(f"{' '.join(requeue)}: {requeue_outcome(result)}")
+            logs.say(requeue(job))
     distributed.barrier(world)  # leave together, after rank 0's checkpoint is on disk
     why = f"stopped on {cause}; run the same command to resume"
     raise Stopped(why if world.is_main else "")  # other ranks print nothing but errors

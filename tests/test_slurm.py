@@ -213,6 +213,31 @@ def test_a_job_suspended_past_run_timeout_s_pauses_at_a_step_boundary_and_ends_a
     assert epochs[1]["train_s"] < reference[1]["train_s"] + 3, (epochs, reference)
 
 
+def test_scancel_ends_a_job_with_a_checkpoint_and_does_not_requeue_it(slurm, tmp_path):
+    """`scancel JOB`: SLURM ends the job (COMPLETING) and sends its processes SIGTERM. The run took that as SLURM's
+    warning before a time limit: it saved, and requeued the job, which came back PENDING (Restarts=1): one scancel did
+    not end it. Rank 0 now asks SLURM first: a job it ended is not requeued, and the line says so; the stop's
+    checkpoint is kept. (`scancel --signal=TERM`, the job still RUNNING, requeues it: tests/test_hosts.py.)"""
+    job = submit(slurm, tmp_path, *PREEMPTIBLE)
+    out, log = tmp_path / f"slurm-{job}", tmp_path / f"log-{job}.out"
+    deadline = time.monotonic() + 120
+    while not list((out / "checkpoints").glob("step-*.pt")):
+        assert time.monotonic() < deadline, job_field(slurm, job, "JobState")
+        time.sleep(0.1)
+    try:
+        ok(subprocess.run(["scancel", job], env=slurm, capture_output=True, text=True))
+        while not re.search(r"not requeued|scontrol requeue", log.read_text()):  # (rank 0's answer)
+            assert time.monotonic() < deadline + 60, log.read_text()[-3000:]
+            time.sleep(0.1)
+        wait_until_done(slurm, job, timeout=60)
+        time.sleep(1)  # (a requeue makes it PENDING)
+        said = log.read_text()
+    finally:
+        subprocess.run(["scancel", job], env=slurm)  # (where it came back: no later job waits for it)
+    assert (job_field(slurm, job, "JobState"), job_field(slurm, job, "Restarts")) == ("CANCELLED", "0"), said[-3000:]
+    assert "stopping on SIGTERM: checkpoint" in said and "not requeued: the job is COMPLETING (scancel ended it" in said
+
+
 def test_srun_killed_leaves_no_task_and_the_same_command_resumes_to_the_same_weights(slurm, tmp_path, uninterrupted):
     """kill -9 of srun (the step's launcher) mid-training: SLURM ends the step's tasks, no process is
     left within 10 s, the lock is free, every checkpoint whole; the same srun command then finishes

@@ -281,13 +281,13 @@ def test_weights_saved_from_a_wrapper_load_into_a_plain_model(run_dir, prefix):
 
 
 def test_stop_signal_under_slurm_requeues_the_job(tmp_path):
-    """SLURM_JOB_ID set: after the stop checkpoint rank 0 runs `scontrol requeue` (an array task as
-    ARRAYJOB_TASK). scontrol here is a stand-in that records its arguments; real SLURM is tested
-    with the SLURM launch files."""
+    """SLURM_JOB_ID set: after the stop checkpoint rank 0 asks the job's state and, SLURM still running it, runs
+    `scontrol requeue` (an array task as ARRAYJOB_TASK). scontrol here is a stand-in that records its arguments and
+    says RUNNING; real SLURM is tested with the SLURM launch files (a job scancel ended: tests/test_slurm.py)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     calls = tmp_path / "scontrol.calls"
-    (bin_dir / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> {calls}\n')
+    (bin_dir / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> {calls}\necho "JobId=1234 JobState=RUNNING"\n')
     (bin_dir / "scontrol").chmod(0o755)
     env = clean_env(
         PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
@@ -303,7 +303,7 @@ def test_stop_signal_under_slurm_requeues_the_job(tmp_path):
     proc.send_signal(signal.SIGUSR1)
     stdout, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 75, stderr
-    assert calls.read_text().split() == ["requeue", "1200_7"]
+    assert calls.read_text().splitlines() == ["show job -o 1200_7", "requeue 1200_7"]
     assert "scontrol requeue 1200_7: requeued" in stdout
     assert checkpoint.load(rundir.last_path(out))["epoch"] < 80
 

@@ -182,10 +182,12 @@ def scontrol(*args: str) -> subprocess.CompletedProcess:
 
 
 def requeue(job: str) -> str:
-    """`scontrol requeue JOB` where SLURM still runs the job (SIGTERM before its time limit, or a preemption), and
-    what came of it. Not where `scancel` ended it (JobState COMPLETING): the requeue brought it back, PENDING."""
-    state = next((w[9:] for w in scontrol("show", "job", "-o", job).stdout.split() if w.startswith("JobState=")), "")
-    if state not in ("RUNNING", ""):  # ("": scontrol did not say: requeued as before)
+    """`scontrol requeue JOB`, and what came of it. Not where `scancel` ended the job (JobState COMPLETING, Reason
+    None; CANCELLED): the requeue brought it back, PENDING, and it ran again. SIGTERM before its time limit (RUNNING),
+    at it (COMPLETING, Reason TimeLimit) or a preemption requeue it, as does a state scontrol does not say."""
+    fields = dict(w.split("=", 1) for w in scontrol("show", "job", "-o", job).stdout.split() if "=" in w)
+    state = fields.get("JobState", "")
+    if state == "CANCELLED" or state == "COMPLETING" and fields.get("Reason") == "None":
         return f"not requeued: the job is {state} (scancel ended it; scancel --signal=TERM stops a job to requeue it)"
     return f"scontrol requeue {job}: {requeue_outcome(scontrol('requeue', job))}"
 

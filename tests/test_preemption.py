@@ -107,6 +107,26 @@ def test_a_stop_signal_that_names_none_is_refused(names):
     assert preemption.parse_signals("none") == []
 
 
+@pytest.mark.parametrize(
+    "shown, requeued",
+    [("JobState=RUNNING Reason=None", True),  # SIGTERM before its time limit (--signal=TERM@120)
+     ("JobState=COMPLETING Reason=TimeLimit", True),  # at it (seen, slurm-wlm 22.05)
+     ("JobState=COMPLETING Reason=None", False),  # scancel (seen)
+     ("JobState=CANCELLED Reason=None", False),
+     ("", True)],  # scontrol said nothing (no controller): as before
+)  # fmt: skip
+def test_a_job_is_requeued_unless_scancel_ended_it(tmp_path, monkeypatch, shown, requeued):
+    """preemption.requeue asks `scontrol show job -o` first: a job scancel ended came back when requeued, and ran
+    again to its end; one at or before its time limit is requeued as before. (scontrol: a stand-in on PATH.)"""
+    calls = tmp_path / "calls"
+    (tmp_path / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> {calls}\necho "JobId=7 {shown}"\n')
+    (tmp_path / "scontrol").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    said = preemption.requeue("7")
+    assert calls.read_text().splitlines() == ["show job -o 7", *["requeue 7"] * requeued]
+    assert said == "scontrol requeue 7: requeued" if requeued else said.startswith("not requeued: the job is ")
+
+
 def test_what_scontrol_requeue_did_is_said_also_when_the_requeue_ended_it():
     """The requeue stops every process of the job, scontrol among them: it printed "scontrol requeue 2: " and
     nothing more when SIGTERM ended scontrol before it exited 0 (the job was requeued: Restarts=1)."""

@@ -19,9 +19,9 @@ deadline. One watcher thread does the three, because the main thread may be bloc
   a job stopped whole and continued goes on waiting, where it left at once past its deadline.
 - A pause (SIGTSTP: Ctrl-Z of ddp/torchrun.py, which sends it on to its ranks, a job on one machine; SLURM's suspend,
   2 s before its SIGSTOP, on every machine): the process stops itself where no collective is under way (safe_point:
-  a step boundary every rank agreed on, between two evaluation batches), so that the pause may outlast
-  run.timeout_s; the watcher stops it before training at once, and where no safe point came within two steps (a
-  checkpoint's save); after training it ends. The agent (SLURM's resume) continues it.
+  a step boundary or evaluation batch every rank agreed on), so that the pause may outlast run.timeout_s; the watcher
+  stops it before training at once, and where no safe point came within two steps (a checkpoint's save); after
+  training it ends. The agent (SLURM's resume) continues it.
   A launcher that does not pass Ctrl-Z on (plain torchrun, accelerate launch) seen stopped: the loop holds
   (launcher_held, preemption) until it goes on.
 """
@@ -85,6 +85,7 @@ class _Watcher:
         # Asked and cancelled (a SIGCONT: the agent continued the process) here, in the order the signals came.
         self.pause_asked, self.pause_by, self.pauses = False, None, threading.Lock()
         self.progressed = 0.0  # on awake(): the last safe point or busy() work (progress between step boundaries)
+        self.evaluating = False  # in an evaluation: its pauses are agreed (progress)
         self.busy = 0  # busy() work under way: a stop's grace waits for it
         self.stopped_s = 0.0  # the stops' seconds, each from half a _POLL_S after the look before it (awake's: LATE_S)
         self.held, self.held_seen = False, False  # a launcher stopped (Ctrl-Z of a plain torchrun): watch_launchers
@@ -166,7 +167,7 @@ class _Watcher:
 
     def pause_if_late(self, now: float) -> None:
         """Takes a pause asked for in training where no safe point came by its time (`now`: awake())."""
-        if self.pause_by is not None and now > self.pause_by:
+        if self.pause_by is not None and now > self.pause_by and not self.evaluating:
             self.pause()
 
     def pause(self) -> float | None:
@@ -254,8 +255,7 @@ def stopped_s() -> float:
 
 def pause_asked() -> bool:
     """Whether a pause was asked for (SIGTSTP) and not yet taken: the training loop's flag (preemption.PAUSE)."""
-    watcher = _watcher
-    return watcher is not None and watcher.pause_asked
+    return _watcher is not None and _watcher.pause_asked
 
 
 def launcher_held() -> bool:
@@ -280,9 +280,8 @@ def holding() -> Iterator[None]:
 
 def safe_point(wait_s: float = 0.0) -> float | None:
     """From the main thread where no collective of this process is under way and none of another waits on it (a
-    step boundary every rank agreed to pause at, between evaluation batches): a pause asked for is taken here, or
-    asked for within `wait_s` (at an agreed pause: this rank's SIGTSTP may be on its way); its seconds, None for none.
-    Also the progress that a stop's grace counts from."""
+    step boundary, or evaluation batch, every rank agreed to pause at): a pause asked for is taken here, or asked for
+    within `wait_s` (this rank's SIGTSTP may be on its way); its seconds, None for none. Also progress (below)."""
     watcher = _watcher
     if watcher is None:
         return None
@@ -291,6 +290,14 @@ def safe_point(wait_s: float = 0.0) -> float | None:
     while not watcher.pause_asked and time.monotonic() < until:
         time.sleep(0.005)
     return watcher.pause()
+
+
+def progress(evaluating: bool = True) -> None:
+    """An evaluation batch done, or its start (`evaluating`), or its end: progress for a stop's grace. While evaluating,
+    a pause is taken only after a batch every rank agreed on (preemption.agreed_pauses), never by the watcher: stopped
+    in a long batch, a rank held the others in the agreement's collective, and past run.timeout_s the run ended."""
+    if (watcher := _watcher) is not None:
+        watcher.progressed, watcher.evaluating = watcher.awake(), evaluating
 
 
 def set_loop_stop(stop: LoopStop | None) -> None:
@@ -332,8 +339,9 @@ def watched(world: World, stop_signals: tuple[signal.Signals, ...], parent: int)
     pause = whole and signal.getsignal(signal.SIGTSTP) == signal.SIG_DFL
     previous = {sig: signal.signal(sig, _noted) for sig in (*stop_signals, signal.SIGCONT, *[signal.SIGTSTP] * pause)}
     _watcher = watcher
-    if watcher.launched:
-        _continued_at_the_launchers_end()
+    if watcher.launched:  # the kernel's SIGCONT as the launcher ends (PR_SET_PDEATHSIG; Linux): a rank paused (Ctrl-Z)
+        with suppress(OSError, AttributeError):  # whose launcher was then killed stayed stopped for good, lock held
+            ctypes.CDLL(None).prctl(1, signal.SIGCONT)  # (continued, its watcher sees the launcher gone: it stops)
     threading.Thread(target=watcher.run, name="ddp-lifeline", daemon=True).start()
     try:
         yield
@@ -344,14 +352,6 @@ def watched(world: World, stop_signals: tuple[signal.Signals, ...], parent: int)
             if signal.getsignal(sig) is _noted:  # not one the stop's exit has set to SIG_IGN
                 signal.signal(sig, handler)
         signal.set_wakeup_fd(previous_fd)
-
-
-def _continued_at_the_launchers_end() -> None:
-    """The kernel's SIGCONT to this process as the one that started it ends (prctl's PR_SET_PDEATHSIG; Linux). A rank
-    paused (Ctrl-Z of ddp/torchrun.py, mpirun's) whose launcher was then killed (kill -9 %1) stayed stopped for good,
-    its memory and the run's lock held; continued, its watcher sees the launcher gone: it stops with a checkpoint."""
-    with suppress(OSError, AttributeError):  # (no prctl: not Linux)
-        ctypes.CDLL(None).prctl(1, signal.SIGCONT)  # PR_SET_PDEATHSIG
 
 
 @contextmanager

@@ -176,8 +176,6 @@ def confusion_matrix(
                 logits = logits + 0.5 * sum(_logits(module, view, tta_flip) for view in shifted)
             predicted = logits.argmax(dim=1)
         confusion.index_add_(0, y * num_classes + predicted, torch.ones_like(y))  # no sync per batch
-        if world.parallel != "fsdp":  # (FSDP's forward gathers: another rank may wait on this one)
-            lifeline.safe_point()  # a pause (Ctrl-Z) is taken here
     if world.grouped:  # each rank counted its own images: the sum counts every test image once
         dist.all_reduce(confusion, op=dist.ReduceOp.SUM)
     return confusion.view(num_classes, num_classes).cpu()

@@ -12,13 +12,16 @@ from __future__ import annotations
 import signal
 import subprocess
 import time
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from types import FrameType, TracebackType
+from typing import TypeVar
 
 from ddp import distributed, launchers, lifeline, logs
 from ddp.devices import World
 from ddp.errors import Stopped, UsageError
 
+T = TypeVar("T")
 HOLD, PAUSE, STOP = 1, 2, 3  # the flags of StopAgreement: the highest any rank sends wins
 HOLD_S = 0.25  # how often held ranks agree again whether to go on
 # How long a rank waits at an agreed pause for its own SIGTSTP. ddp/torchrun.py sends it to each rank in turn, and
@@ -119,12 +122,7 @@ class StopRequest:
                 while (agreed := distributed.highest(self.flag(), agreement.world)) == HOLD:  # (none on their way)
                     time.sleep(HOLD_S)
         if agreed == PAUSE:
-            # Stopped here until continued (fg, bg: its launcher continues it; SLURM's resume), and said where the
-            # job's log shows nothing else of it (SLURM's).
-            if (paused_s := lifeline.safe_point(PAUSE_WAIT_S)) is not None and agreement.world.is_main:
-                logs.say(f"note: continued after {paused_s:.0f} s paused at a step boundary every "
-                         "rank agreed on (SIGTSTP: Ctrl-Z, SLURM's suspend): no collective was under way, so the pause "
-                         "could outlast run.timeout_s")  # fmt: skip
+            _pause(agreement.world, "a step boundary")
         if agreed in (HOLD, PAUSE):
             self.last_boundary = time.monotonic()  # the hold or pause is no step's time
         return agreed == STOP
@@ -157,6 +155,32 @@ class StopRequest:
             return
         for sig, previous in self._previous.items():
             signal.signal(sig, previous)
+
+
+def agreed_pauses(batches: Iterable[T], world: World) -> Iterator[T]:
+    """An evaluation's batches (as many on every rank: loaders.EvalBatches), with a pause (SIGTSTP) taken after the same
+    batch by every rank, agreed as a step's is. A rank that paused by itself between two batches, while another
+    already waited for it in the counts' all-reduce, stopped that one's wait past run.timeout_s: the run ended."""
+    agreement = distributed.StopAgreement(world)
+    lifeline.progress()
+    try:
+        for batch in batches:
+            yield batch
+            lifeline.progress()
+            if agreement.after_step(PAUSE if lifeline.pause_asked() else 0):  # the batch before's flags
+                _pause(world, "an evaluation batch")
+        if agreement.wait():
+            _pause(world, "an evaluation batch")
+    finally:
+        lifeline.progress(evaluating=False)
+
+
+def _pause(world: World, where: str) -> None:
+    """A pause every rank agreed on, taken: stopped here until continued (fg, bg: its launcher continues it; SLURM's
+    resume), and said where the job's log shows nothing else of it (SLURM's)."""
+    if (paused_s := lifeline.safe_point(PAUSE_WAIT_S)) is not None and world.is_main:
+        logs.say(f"note: continued after {paused_s:.0f} s paused at {where} every rank agreed on (SIGTSTP: Ctrl-Z, "
+                 "SLURM's suspend): no collective was under way, so the pause could outlast run.timeout_s")  # fmt: skip
 
 
 def requeue_outcome(result: subprocess.CompletedProcess) -> str:

@@ -362,10 +362,10 @@ def epoch_metrics(
 
 
 def test_confusion(job: Job, module: nn.Module) -> torch.Tensor:
-    """The confusion matrix of `module` over the whole test set, summed over the ranks (every rank calls it)."""
-    t = job.cfg.train
-    return metrics.confusion_matrix(module, job.eval_loader, job.to_input, job.data.num_classes, job.world,
-                                    job.plan.amp, t.tta_flip, t.tta_translate)  # fmt: skip
+    """The confusion matrix of `module` over the test set, summed over the ranks (each calls it), paused as agreed."""
+    t, batches = job.cfg.train, preemption.agreed_pauses(job.eval_loader, job.world)
+    return metrics.confusion_matrix(module, batches, job.to_input, job.data.num_classes, job.world, job.plan.amp,
+                                    t.tta_flip, t.tta_translate)  # fmt: skip
 
 
 def stop_if_diverged(job: Job, position: Position) -> None:

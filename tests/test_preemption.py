@@ -333,9 +333,9 @@ def test_the_clock_of_deadlines_stands_still_while_the_process_is_stopped(monkey
 def test_a_pause_is_taken_once_at_a_safe_point_or_by_the_watcher_in_time_and_a_sigcont_first_ends_it(monkeypatch):
     """The watcher reads SIGTSTP (a pause: Ctrl-Z of ddp/torchrun.py) and SIGCONT in the order they came. In training
     the pause waits for a safe point (lifeline.safe_point: the main thread, where no collective is under way), or the
-    watcher takes it two steps and a second later; before training at once; after it not (the process ends). Taken
-    once: a process stopped twice is never continued. A SIGCONT before it is taken ends it (the agent continued the
-    process: it stopped it itself)."""
+    watcher takes it two steps and a second later (not in an evaluation, whose ranks agree on it per batch); before
+    training at once; after it not (the process ends). Taken once: a process stopped twice is never continued. A
+    SIGCONT before it is taken ends it (the agent continued the process: it stopped it itself)."""
     watcher = lifeline._Watcher(World(0, 0, 2, torch.device("cpu"), "ddp", "torchrun"), os.getppid(), ())
     stops = []
     monkeypatch.setattr(lifeline, "_watcher", watcher)
@@ -355,6 +355,14 @@ def test_a_pause_is_taken_once_at_a_safe_point_or_by_the_watcher_in_time_and_a_s
     watcher.pause_if_late(lifeline.awake() + 2.5)  # no safe point came in time: the watcher's look takes it
     lifeline.safe_point()
     assert len(stops) == 2 and not lifeline.pause_asked()
+    watcher.asked_to_pause(True)
+    lifeline.progress()  # an evaluation: its pause is taken where the ranks agree (agreed_pauses), never the watcher's
+    watcher.pause_if_late(lifeline.awake() + 2.5)
+    assert len(stops) == 2 and lifeline.pause_asked()
+    lifeline.progress(evaluating=False)  # its end: late as before
+    watcher.pause_if_late(lifeline.awake() + 2.5)
+    assert len(stops) == 3 and not lifeline.pause_asked()
+    stops.pop()
     watcher.asked_to_pause(True)
     watcher.asked_to_pause(False)  # a SIGCONT came after it, before a safe point
     lifeline.safe_point()
@@ -552,6 +560,54 @@ def test_ctrl_z_pauses_a_torchrun_job_at_a_step_boundary_past_run_timeout_s_and_
     assert "rc=0" in said and "note: paused rank" not in said, said  # (no rank was late, and stopped where it was)
     assert re.search(r"note: continued after [6-9] s paused at a step boundary every rank agreed on", said), said
     assert_as_never_paused(epochs_of(tmp_path), unpaused)
+
+
+SLOW_EVALUATION = """
+import os, sys, time
+from ddp import metrics, train
+original, rank = metrics._logits, int(os.environ["RANK"])
+def slowly(module, *args, **kwargs):  # epoch 1's evaluation: rank 0 says it begins, rank 1 takes 2 s
+    if not module.training and not slowly.said:
+        slowly.said = True
+        print("evaluating", flush=True) if rank == 0 else time.sleep(2)
+    return original(module, *args, **kwargs)
+slowly.said = False
+metrics._logits = slowly
+sys.exit(train.cli(sys.argv[1:]))
+"""
+
+
+def test_a_pause_in_evaluation_is_taken_after_a_batch_every_rank_agreed_on_where_another_waits_for_a_slow_rank(
+    tmp_path, unpaused
+):
+    """SLURM's suspend (SIGTSTP to every rank, SIGSTOP 2 s later, SIGCONT at the resume) while rank 0 has evaluated
+    its share and rank 1 is still at its own (2 s slower). Each rank paused between two batches of its own, and rank 0,
+    waiting in the counts' all-reduce, was stopped there: stopped twice run.timeout_s, the run ended as it went on
+    (rank 0 of 2: lost contact with rank 1), 2 of 2 such runs by hand. Now a pause in evaluation is agreed per batch,
+    as a step's is, and every rank pauses after the same batch: the run ends as one never paused, to the last digit."""
+    script = tmp_path / "slow_evaluation.py"
+    script.write_text(SLOW_EVALUATION)
+    torchrun_py = [sys.executable, "ddp/torchrun.py", "--standalone", "--nproc_per_node=2", str(script), *PAUSED]
+    agent = subprocess.Popen([*torchrun_py, f"run.out_dir={tmp_path / 'run'}"], cwd=REPO, env=clean_env(), text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    ranks = []
+    try:
+        while (line := agent.stdout.readline()) and line != "evaluating\n":
+            pass
+        assert line, agent.communicate()
+        ranks = [pid for pid in children(agent.pid) if str(script).encode() in cmdline(pid)]
+        time.sleep(0.3)  # (rank 0 in the all-reduce, before)
+        for sig, then_s in ((signal.SIGTSTP, 2), (signal.SIGSTOP, 4), (signal.SIGCONT, 0)):
+            for rank in ranks:
+                os.kill(rank, sig)
+            time.sleep(then_s)
+        out, err = agent.communicate(timeout=120)
+    finally:
+        agent.kill()
+        kill_orphans(ranks)
+    assert len(ranks) == 2 and agent.returncode == 0, (ranks, err)
+    assert re.search(r"note: continued after [3-7] s paused at an evaluation batch every rank agreed on", out), out
+    assert_as_never_paused(epochs_of(tmp_path / "run"), unpaused)
 
 
 def test_a_plain_torchrun_stopped_holds_its_ranks_after_one_step_past_run_timeout_s_and_goes_on_with_the_same_numbers(

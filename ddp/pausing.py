@@ -19,8 +19,8 @@ PAUSE_S = 30.0  # how long Ctrl-Z waits for a rank to pause before it stops it w
 class Pause:
     """Ctrl-Z (SIGTSTP): torchrun's ranks run in sessions of their own, which the terminal's Ctrl-Z does not reach:
     they trained on, and past run.timeout_s without the stopped agent's store they failed. Here the ranks of a job on
-    one machine pause first, each where no collective is under way (lifeline.safe_point: a step boundary they agreed
-    on, between evaluation batches), so that the pause may last; then this process stops, as any job does. fg or bg
+    one machine pause first, each where no collective is under way (lifeline.safe_point: a step boundary, or an
+    evaluation batch, they agreed on), so that the pause may last; then this process stops, as any job does. fg or bg
     continues it, and it continues them. A rank that has not paused within PAUSE_S, or at a second Ctrl-Z, is
     stopped where it is. A job on several machines goes on: a pause of this one would stop them all.
     SLURM's suspend (`by_slurm`) is no Ctrl-Z: every process of the job, on each machine, has the SIGTSTP, and SLURM

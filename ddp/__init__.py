@@ -3,7 +3,7 @@
 Its modules in layers, top to bottom. A module imports only modules after it in this list, never one
 before it (tests/test_layers.py), so each can be read knowing only what is below it:
 
-    the launcher        torchrun, pausing
+    the launcher        accelerate_launch, torchrun, pausing
     the loop            train
     commands            evaluate, doctor, plot
     a run's state       warmup, profiling, preemption, logs, checkpoint, schema, weights, faults, rundir, metrics

@@ -276,7 +276,7 @@ def agent_store(env: Env = os.environ) -> tuple[str, int, str] | None:
 
 # Commands that start a run's processes and stay their parents (or grandparents) while they run.
 _LAUNCHER_WORDS = ("torchrun", "torch.distributed.run", "torch.distributed.launch", "accelerate", "mpirun",
-                   "mpiexec", "orterun", "prterun")  # fmt: skip
+                   "mpiexec", "orterun", "prterun", "accelerate_launch.py")  # fmt: skip
 
 
 def proc_stat(pid: int) -> list[str] | None:

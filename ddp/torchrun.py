@@ -118,11 +118,7 @@ def main(argv: list[str]) -> int:
             return code
         argv = argv[1:]
         print(f"+ {shlex.join(['python', str(Path(__file__).resolve()), *argv])}", file=sys.stderr, flush=True)
-    race = ExitBarrierRace()
-    for name in RACE_LOGGERS:
-        logging.getLogger(name).addFilter(race)
-    for name in ECHO_LOGGERS:
-        logging.getLogger(name).addFilter(not_an_echo)
+    quiet_agent_logs()
     args = parse_args(argv)
     if refused := endpoint_refused(args):
         print(f"error: {refused}", file=sys.stderr)
@@ -144,6 +140,15 @@ def main(argv: list[str]) -> int:
     except ChildFailedError as e:
         return failed(e)
     return 0
+
+
+def quiet_agent_logs() -> None:
+    """The agent's log lines that repeat the ranks' dropped (not_an_echo), and its exit barrier's race one line."""
+    race = ExitBarrierRace()
+    for name in RACE_LOGGERS:
+        logging.getLogger(name).addFilter(race)
+    for name in ECHO_LOGGERS:
+        logging.getLogger(name).addFilter(not_an_echo)
 
 
 def preflight(processes: str, argv: list[str]) -> int | None:

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # accelerate launch, for machines set up with Hugging Face accelerate (pip install 'ddp-cifar[accelerate]').
 #   bash launch/accelerate.sh --config configs/quick.yaml
+# It runs as `python ddp/accelerate_launch.py` (accelerate launch's own code, the same arguments): a stop (Ctrl-C)
+# or a failed rank ends it with an exit code after the ranks' lines, not accelerate's traceback.
 # One machine with GPUs: launch/accelerate/one-machine.yaml, one process per GPU (NPROC to override).
 # No GPU: accelerate's CPU mode, NPROC (default 2) processes through mpirun (needs Open MPI or MPICH).
 #   Without MPI, `accelerate launch --multi_gpu --num_processes 2 ddp/train.py` also runs 2 processes on
@@ -11,8 +13,9 @@
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 source "$root/launch/common.sh"
-command -v accelerate >/dev/null ||
-  { echo "error: no accelerate command here: pip install 'ddp-cifar[accelerate]' (or use launch/torchrun.sh)" >&2; exit 2; }
+python -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("accelerate") is None)' ||
+  { echo "error: no accelerate in this python ($(command -v python)): pip install 'ddp-cifar[accelerate]'" \
+    "(or use launch/torchrun.sh)" >&2; exit 2; }
 gpus=$(gpu_count)
 port=${MASTER_PORT:-29500}
 [[ $port =~ ^[1-9][0-9]*$ ]] && ((port <= 65535)) ||
@@ -25,11 +28,11 @@ if [ -n "${ACCELERATE_CONFIG:-}" ]; then
     "(launch/accelerate/multi-machine.yaml is one)" >&2; exit 2; }
   machines=${NUM_MACHINES:?set NUM_MACHINES}
   machines NUM_MACHINES "$machines" MACHINE_RANK "${MACHINE_RANK:?set MACHINE_RANK}"
-  cmd=(accelerate launch --config_file "$ACCELERATE_CONFIG" --num_machines "$machines"
+  cmd=(python "$root/ddp/accelerate_launch.py" --config_file "$ACCELERATE_CONFIG" --num_machines "$machines"
     --machine_rank "$MACHINE_RANK" --main_process_ip "${MASTER_ADDR:?set MASTER_ADDR}"
     --main_process_port "$port" --num_processes $((machines * nproc)))
 elif [ "$gpus" -gt 0 ]; then
-  cmd=(accelerate launch --config_file "$root/launch/accelerate/one-machine.yaml"
+  cmd=(python "$root/ddp/accelerate_launch.py" --config_file "$root/launch/accelerate/one-machine.yaml"
     --num_processes "$nproc" --main_process_port "$port")
 else
   command -v mpirun >/dev/null || {
@@ -44,7 +47,7 @@ else
   if [ "$(id -u)" = 0 ]; then  # Open MPI refuses root unless told twice (containers often run as root)
     export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
   fi
-  cmd=(accelerate launch --cpu --num_processes "$nproc" --num_machines 1 --mixed_precision no
+  cmd=(python "$root/ddp/accelerate_launch.py" --cpu --num_processes "$nproc" --num_machines 1 --mixed_precision no
     --dynamo_backend no --mpirun_hostfile "$hostfile" --main_process_port "$port")
 fi
 if [ "${MACHINE_RANK:-0}" = 0 ]; then  # once, on the first machine; the lock is rank 0's

@@ -449,6 +449,42 @@ def test_accelerate_launch_on_cpu_runs_2_processes_through_mpi(tmp_path):
     assert metrics(tmp_path / "run")[0]["world_size"] == 2
 
 
+ACCELERATE_LAUNCHES = {  # launch/accelerate.sh's on a machine without GPUs; its launch with GPUs, on the CPU
+    "mpirun": ["bash", "launch/accelerate.sh"],
+    "multi_gpu": [sys.executable, "ddp/accelerate_launch.py", "--multi_gpu", "--num_processes", "2", "--num_machines",
+                  "1", "--mixed_precision", "no", "--dynamo_backend", "no", str(TRAIN)],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("mode", ACCELERATE_LAUNCHES)
+def test_ctrl_c_of_an_accelerate_launch_ends_with_our_lines_and_130_and_a_killed_rank_with_137(tmp_path, mode):
+    """Ctrl-C (SIGINT to the whole process group) of accelerate launch: the ranks saved and said so, and
+    accelerate's traceback followed, 20 lines (mpirun's: a KeyboardInterrupt, printed before the ranks' lines, exit
+    -2) or 45 (--multi_gpu: torchrun's SignalException, exit 1). Launched by launch/accelerate.sh now (through
+    ddp/accelerate_launch.py), it ends after them with 128 + SIGINT. A rank killed with -9: CalledProcessError's or
+    ChildFailedError's traceback before; now the lines of the ranks (of mpirun), and 128 + SIGKILL."""
+    if mode == "mpirun":
+        require("mpirun", "apt-get install openmpi-bin")
+    job = [*TINY, "data.synthetic_train=2048", "train.epochs=20", f"run.out_dir={tmp_path}"]
+    env = clean_env(MASTER_PORT=str(free_port()), OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    proc = subprocess.Popen([*ACCELERATE_LAUNCHES[mode], *job], cwd=REPO, env=env, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "metrics.jsonl").is_file() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGINT)
+    out = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 130 and "Traceback" not in out, out
+    assert re.search(r"^stopped on SIG(INT|TERM); run the same command to resume$", out, re.M), out  # (mpirun: TERM)
+    saved = re.search(r"^stopping on SIG(INT|TERM): checkpoint (\S+)$", out, re.M)
+    assert saved and Path(saved[2]).is_file(), out
+    env.update(DDP_CIFAR_FAULT="step:3:r1", MASTER_PORT=str(free_port()))
+    killed = subprocess.run([*ACCELERATE_LAUNCHES[mode], *TINY, f"run.out_dir={tmp_path / 'killed'}"], cwd=REPO,
+                            env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert killed.returncode == 128 + signal.SIGKILL and "Traceback" not in killed.stderr, killed.stderr
+    assert "error: rank 0 of 2: lost contact with rank 1" in killed.stderr, killed.stderr
+
+
 def test_accelerate_launch_cpu_without_mpi_says_why_it_got_one_process(tmp_path):
     cmd = [str(BIN / "accelerate"), "launch", "--cpu", "--num_processes", "2", str(TRAIN), *ONE_EPOCH,
            f"run.out_dir={tmp_path}"]  # fmt: skip
@@ -464,7 +500,7 @@ def test_accelerate_script_on_cpu(tmp_path):
     proc = run_script("launch/accelerate.sh", *ONE_EPOCH, f"run.out_dir={tmp_path}",
                       env=clean_env(MASTER_PORT=str(free_port())))  # fmt: skip
     assert proc.returncode == 0, proc.stderr
-    assert "+ accelerate launch --cpu --num_processes 2" in proc.stderr
+    assert "ddp/accelerate_launch.py --cpu --num_processes 2" in proc.stderr
     assert metrics(tmp_path)[0]["world_size"] == 2
 
 
@@ -505,7 +541,7 @@ def test_multinode_settings_that_cannot_work_are_one_line_and_exit_2(setting, me
         ({"ACCELERATE_CONFIG": "/no/such.yaml"}, "ACCELERATE_CONFIG=/no/such.yaml: no such file"),  # a traceback
         ({"MASTER_PORT": "x"}, "MASTER_PORT=x is not a port number (1-65535)"),  # accelerate's 60-line usage
         ({"MASTER_PORT": "65536"}, "MASTER_PORT=65536 is not a port number (1-65535)"),
-        ({"PATH": "{bin}:/usr/bin:/bin"}, "no accelerate command here: pip install 'ddp-cifar[accelerate]'"),
+        ({"PATH": "{bin}:/usr/bin:/bin"}, "no accelerate in this python ({bin}/python): pip install 'ddp-cifar["),
     ],
 )
 def test_accelerate_settings_that_cannot_work_are_one_line_and_exit_2(settings, message, tmp_path):
@@ -516,9 +552,8 @@ def test_accelerate_settings_that_cannot_work_are_one_line_and_exit_2(settings, 
                     NUM_MACHINES="2", MACHINE_RANK="0", MASTER_ADDR="127.0.0.1")  # fmt: skip
     env.update({k: v.format(bin=tmp_path) for k, v in settings.items()})
     proc = run_script("launch/accelerate.sh", *TINY, env=env)
-    assert proc.returncode == 2 and proc.stderr.startswith(f"error: {message}") and proc.stderr.count("\n") == 1, (
-        proc.stderr
-    )
+    said = f"error: {message.format(bin=tmp_path)}"
+    assert proc.returncode == 2 and proc.stderr.startswith(said) and proc.stderr.count("\n") == 1, proc.stderr
 
 
 def test_slurm_scripts_rendezvous_from_a_master_port_that_is_no_port_is_one_line():

@@ -9,7 +9,9 @@
 #   a machine without GPUs: it starts torchrun, and the ranks use the CPU with gloo.
 # Several machines: run on each with ACCELERATE_CONFIG=launch/accelerate/multi-machine.yaml,
 #   NUM_MACHINES, MACHINE_RANK (0 on MASTER_ADDR), MASTER_ADDR, MASTER_PORT; NPROC per machine.
-# MASTER_PORT defaults to 29500. Every argument is passed through to ddp/train.py.
+# MASTER_PORT: unless set, a free port on one machine (as torchrun --standalone takes one: two runs at once here
+# do not meet; the second one's ranks found the first's port taken), 29500 on several. Every argument is passed
+# through to ddp/train.py.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 source "$root/launch/common.sh"
@@ -17,7 +19,11 @@ python -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("accele
   { echo "error: no accelerate in this python ($(command -v python)): pip install 'ddp-cifar[accelerate]'" \
     "(or use launch/torchrun.sh)" >&2; exit 2; }
 gpus=$(gpu_count)
-port=${MASTER_PORT:-29500}
+if [ -n "${MASTER_PORT:-}" ] || [ -n "${ACCELERATE_CONFIG:-}" ]; then
+  port=${MASTER_PORT:-29500}
+else
+  port=$(python -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])')
+fi
 [[ $port =~ ^[1-9][0-9]*$ ]] && ((port <= 65535)) ||
   { echo "error: MASTER_PORT=$port is not a port number (1-65535)" >&2; exit 2; }
 machines=1

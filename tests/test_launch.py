@@ -495,13 +495,18 @@ def test_accelerate_launch_cpu_without_mpi_says_why_it_got_one_process(tmp_path)
     assert "--multi_gpu, which starts them with torchrun and runs them on the CPU" in proc.stderr
 
 
-def test_accelerate_script_on_cpu(tmp_path):
+def test_accelerate_script_on_cpu_twice_at_once(tmp_path):
+    """Two runs at once on one machine, MASTER_PORT unset: the second's ranks found the first's port (29500) taken
+    and failed (exit 2). Each takes a free port now, as torchrun --standalone does."""
     require("mpirun", "apt-get install openmpi-bin")
-    proc = run_script("launch/accelerate.sh", *ONE_EPOCH, f"run.out_dir={tmp_path}",
-                      env=clean_env(MASTER_PORT=str(free_port())))  # fmt: skip
-    assert proc.returncode == 0, proc.stderr
-    assert "ddp/accelerate_launch.py --cpu --num_processes 2" in proc.stderr
-    assert metrics(tmp_path)[0]["world_size"] == 2
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        runs = [pool.submit(run_script, "launch/accelerate.sh", *ONE_EPOCH, f"run.out_dir={tmp_path / str(n)}")
+                for n in range(2)]  # fmt: skip
+    for n, run in enumerate(runs):
+        proc = run.result()
+        assert proc.returncode == 0, proc.stderr
+        assert "ddp/accelerate_launch.py --cpu --num_processes 2" in proc.stderr
+        assert metrics(tmp_path / str(n))[0]["world_size"] == 2
 
 
 @pytest.mark.parametrize(

@@ -146,9 +146,9 @@ def read(cfg: DataConfig, world: World) -> tuple[Arrays, Arrays, list[str]]:
                             cls(cfg.root, train=train, download=True)
                 except Exception as e:  # offline, proxy, disk full: all mean "no data here"
                     why = first_line(e, typed=True)
-                    raise UsageError(
-                        f"could not download {name} into data.root={cfg.root} ({why}); offline? {offline_fix}"
-                    ) from None
+                    found_here = _not_here(cls, Path(cfg.root), name, offline_fix, download=True)  # what is there
+                    raise UsageError(f"could not download {name} into data.root={cfg.root} ({why}); offline? "
+                                     f"{found_here}") from None  # fmt: skip
                 found = opened()
         if found is None:
             raise UsageError(f"{name} not found in data.root={cfg.root} after its download")
@@ -164,8 +164,9 @@ def read(cfg: DataConfig, world: World) -> tuple[Arrays, Arrays, list[str]]:
     return found
 
 
-def _not_here(cls: type, root: Path, name: str, offline_fix: str) -> str:
-    """Why torchvision found no whole copy of CIFAR in data.root, and what brings one, for data.download=false."""
+def _not_here(cls: type, root: Path, name: str, offline_fix: str, download: bool = False) -> str:
+    """Why torchvision found no whole copy of CIFAR in data.root, and what brings one: for data.download=false, or
+    (`download`) where its download failed (offline: a damaged copy there was said to be missing)."""
     from torchvision.datasets.utils import check_integrity  # its own check: False for a missing file too
 
     folder, archive = root / cls.base_folder, root / cls.filename
@@ -173,7 +174,8 @@ def _not_here(cls: type, root: Path, name: str, offline_fix: str) -> str:
     if folder.is_dir() and (bad := [f for f, md5 in checked if not check_integrity(folder / f, md5)]):  # altered
         return (
             f"{name} in data.root={root} is incomplete or damaged: in {folder.name}/, {', '.join(bad)} missing or not "
-            "the files torchvision knows (by their md5); copy it again, or set data.download=true to fetch it"
+            "the files torchvision knows (by their md5); copy it again"
+            + ("" if download else ", or set data.download=true to fetch it")
         )
     if root.name == cls.base_folder:
         return (
@@ -183,6 +185,10 @@ def _not_here(cls: type, root: Path, name: str, offline_fix: str) -> str:
         return (f"data.root={root} holds {archive.name}, not unpacked: tar xzf {archive} -C {root}, or set "
                 "data.download=true (it unpacks it, without a download)")  # fmt: skip
     if archive.is_file():  # torchvision's download writes it in place: a kill leaves it cut short
+        fix = "copy it again, or fetch it where there is internet" if download else (
+            "Set data.download=true to fetch it again, or copy it again")  # fmt: skip
         return (f"data.root={root} holds {archive.name}, but not the whole archive (not the md5 torchvision knows): "
-                "a download cut short? Set data.download=true to fetch it again, or copy it again")  # fmt: skip
+                f"a download cut short? {fix}")  # fmt: skip
+    if download:
+        return offline_fix
     return f"{name} not found in data.root={root} and data.download=false; {offline_fix}"

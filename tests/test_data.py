@@ -450,6 +450,15 @@ def test_cifar_download_failure_is_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.setattr(tv_datasets.CIFAR10, "download", offline)
     with pytest.raises(UsageError, match=f"could not download CIFAR-10 into data.root={tmp_path}.*offline?"):
         datasets.read(DataConfig(dataset="cifar10", root=str(tmp_path), download=True), CPU)
+    # A damaged copy there (a file cut short, or missing) was said to be missing: "put the torchvision copy in it"
+    (tmp_path / "cifar-10-batches-py").mkdir()
+    (tmp_path / "cifar-10-batches-py" / "data_batch_1").write_bytes(b"cut short")
+    with pytest.raises(UsageError) as raised:
+        datasets.read(DataConfig(dataset="cifar10", root=str(tmp_path), download=True), CPU)
+    assert str(raised.value).endswith(f"offline? CIFAR-10 in data.root={tmp_path} is incomplete or damaged: in "
+                                      "cifar-10-batches-py/, data_batch_1, data_batch_2, data_batch_3, data_batch_4, "
+                                      "data_batch_5, test_batch, batches.meta missing or not the files torchvision "
+                                      "knows (by their md5); copy it again"), raised.value  # fmt: skip
 
 
 def test_a_download_that_stalls_fails_in_bounded_time(tmp_path, monkeypatch):

@@ -562,16 +562,19 @@ def test_ctrl_z_pauses_a_torchrun_job_at_a_step_boundary_past_run_timeout_s_and_
     assert_as_never_paused(epochs_of(tmp_path), unpaused)
 
 
-SLOW_EVALUATION = """
+SLOW_EVALUATION = f"""
 import os, sys, time
+sys.path.insert(0, {str(REPO)!r})  # (this repository's ddp, not the one an editable install names)
 from ddp import metrics, train
 original, rank = metrics._logits, int(os.environ["RANK"])
-def slowly(module, *args, **kwargs):  # epoch 1's evaluation: rank 0 says it begins, rank 1 takes 2 s
-    if not module.training and not slowly.said:
-        slowly.said = True
-        print("evaluating", flush=True) if rank == 0 else time.sleep(2)
+def slowly(module, *args, **kwargs):  # epoch 1's evaluation (16 batches): rank 0 says it begins, rank 1 takes its time
+    slowly.batches += 1
+    if slowly.batches == 1 and rank == 0:
+        print("evaluating", flush=True)
+    if slowly.batches <= 16 and rank == 1:
+        time.sleep(0.2)
     return original(module, *args, **kwargs)
-slowly.said = False
+slowly.batches = 0
 metrics._logits = slowly
 sys.exit(train.cli(sys.argv[1:]))
 """
@@ -581,13 +584,15 @@ def test_a_pause_in_evaluation_is_taken_after_a_batch_every_rank_agreed_on_where
     tmp_path, unpaused
 ):
     """SLURM's suspend (SIGTSTP to every rank, SIGSTOP 2 s later, SIGCONT at the resume) while rank 0 has evaluated
-    its share and rank 1 is still at its own (2 s slower). Each rank paused between two batches of its own, and rank 0,
-    waiting in the counts' all-reduce, was stopped there: stopped twice run.timeout_s, the run ended as it went on
-    (rank 0 of 2: lost contact with rank 1), 2 of 2 such runs by hand. Now a pause in evaluation is agreed per batch,
-    as a step's is, and every rank pauses after the same batch: the run ends as one never paused, to the last digit."""
+    its share and rank 1 is still at its own (16 batches of 8 images, 0.2 s each). Each rank paused between two
+    batches of its own, and rank 0, waiting in the counts' all-reduce, was stopped there: stopped twice
+    run.timeout_s, the run ended as it went on (rank 0 of 2: lost contact with rank 1; 8 of 8 such runs by hand).
+    Now a pause in evaluation is agreed per batch, as a step's is, and every rank pauses after the same batch: the
+    run ends as one never paused, to the last digit (the batch's size changes no count here)."""
     script = tmp_path / "slow_evaluation.py"
     script.write_text(SLOW_EVALUATION)
-    torchrun_py = [sys.executable, "ddp/torchrun.py", "--standalone", "--nproc_per_node=2", str(script), *PAUSED]
+    torchrun_py = [sys.executable, "ddp/torchrun.py", "--standalone", "--nproc_per_node=2", str(script), *PAUSED,
+                   "train.eval_batch_size=16"]  # fmt: skip
     agent = subprocess.Popen([*torchrun_py, f"run.out_dir={tmp_path / 'run'}"], cwd=REPO, env=clean_env(), text=True,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
     ranks = []

@@ -449,14 +449,15 @@ def test_accelerate_launch_on_cpu_runs_2_processes_through_mpi(tmp_path):
     assert metrics(tmp_path / "run")[0]["world_size"] == 2
 
 
-ACCELERATE_LAUNCHES = {  # launch/accelerate.sh's on a machine without GPUs; its launch with GPUs, on the CPU
-    "mpirun": ["bash", "launch/accelerate.sh"],
-    "multi_gpu": [sys.executable, "ddp/accelerate_launch.py", "--multi_gpu", "--num_processes", "2", "--num_machines",
-                  "1", "--mixed_precision", "no", "--dynamo_backend", "no", str(TRAIN)],
-}  # fmt: skip
+def accelerate_launch(mode: str) -> list[str]:
+    """launch/accelerate.sh's on a machine without GPUs (mpirun); its launch with GPUs (multi_gpu), on the CPU."""
+    if mode == "mpirun":
+        return ["bash", "launch/accelerate.sh"]  # (it takes a free port)
+    flags = "--multi_gpu --num_processes 2 --num_machines 1 --mixed_precision no --dynamo_backend no".split()
+    return [sys.executable, "ddp/accelerate_launch.py", *flags, "--main_process_port", str(free_port()), str(TRAIN)]
 
 
-@pytest.mark.parametrize("mode", ACCELERATE_LAUNCHES)
+@pytest.mark.parametrize("mode", ["mpirun", "multi_gpu"])
 def test_ctrl_c_of_an_accelerate_launch_ends_with_our_lines_and_130_and_a_killed_rank_with_137(tmp_path, mode):
     """Ctrl-C (SIGINT to the whole process group) of accelerate launch: the ranks saved and said so, and
     accelerate's traceback followed, 20 lines (mpirun's: a KeyboardInterrupt, printed before the ranks' lines, exit
@@ -466,8 +467,8 @@ def test_ctrl_c_of_an_accelerate_launch_ends_with_our_lines_and_130_and_a_killed
     if mode == "mpirun":
         require("mpirun", "apt-get install openmpi-bin")
     job = [*TINY, "data.synthetic_train=2048", "train.epochs=20", f"run.out_dir={tmp_path}"]
-    env = clean_env(MASTER_PORT=str(free_port()), OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    proc = subprocess.Popen([*ACCELERATE_LAUNCHES[mode], *job], cwd=REPO, env=env, text=True, stdout=subprocess.PIPE,
+    env = clean_env(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    proc = subprocess.Popen([*accelerate_launch(mode), *job], cwd=REPO, env=env, text=True, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
     deadline = time.monotonic() + 120
     while not (tmp_path / "metrics.jsonl").is_file() and proc.poll() is None and time.monotonic() < deadline:
@@ -478,8 +479,8 @@ def test_ctrl_c_of_an_accelerate_launch_ends_with_our_lines_and_130_and_a_killed
     assert re.search(r"^stopped on SIG(INT|TERM); run the same command to resume$", out, re.M), out  # (mpirun: TERM)
     saved = re.search(r"^stopping on SIG(INT|TERM): checkpoint (\S+)$", out, re.M)
     assert saved and Path(saved[2]).is_file(), out
-    env.update(DDP_CIFAR_FAULT="step:3:r1", MASTER_PORT=str(free_port()))
-    killed = subprocess.run([*ACCELERATE_LAUNCHES[mode], *TINY, f"run.out_dir={tmp_path / 'killed'}"], cwd=REPO,
+    env.update(DDP_CIFAR_FAULT="step:3:r1")
+    killed = subprocess.run([*accelerate_launch(mode), *TINY, f"run.out_dir={tmp_path / 'killed'}"], cwd=REPO,
                             env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
     assert killed.returncode == 128 + signal.SIGKILL and "Traceback" not in killed.stderr, killed.stderr
     assert "error: rank 0 of 2: lost contact with rank 1" in killed.stderr, killed.stderr

@@ -111,7 +111,8 @@ def _npz(cfg: DataConfig, parts: tuple[str, ...]) -> dict[str, Split | list[str]
     for part in parts:
         x, y = arrays[f"x_{part}"], arrays[f"y_{part}"]
         if x.dtype != np.uint8 or x.ndim != 4 or x.shape[1:] != (32, 32, 3):
-            raise UsageError(f"data.path={cfg.path}: x_{part} must be uint8 (N, 32, 32, 3), got {x.dtype} {x.shape}")
+            raise UsageError(f"data.path={cfg.path}: x_{part} must be uint8 (N, 32, 32, 3), got {x.dtype} {x.shape}"
+                             f"{_layout_fix(x)}")  # fmt: skip
         if y.ndim != 1 or len(y) != len(x):
             raise UsageError(
                 f"data.path={cfg.path}: y_{part} has shape {y.shape} but x_{part} holds {len(x)} images: "
@@ -121,6 +122,20 @@ def _npz(cfg: DataConfig, parts: tuple[str, ...]) -> dict[str, Split | list[str]
             raise UsageError(f"data.path={cfg.path}: x_{part} and y_{part} are empty: the {part} split has no images")
         found[part] = _split(x, _class_indices(cfg.path, f"y_{part}", y))
     return found
+
+
+def _layout_fix(x: np.ndarray) -> str:
+    """For images in another common layout: how to write them as this loader reads them ("" for none)."""
+    fixes, values = [], x[np.isfinite(x)] if x.dtype.kind == "f" else x
+    if x.ndim == 4 and x.shape[1] in (1, 3) and x.shape[2:] == (32, 32):
+        fixes.append("channels first: x.transpose(0, 2, 3, 1)")
+    if x.ndim == 3 and x.shape[1:] == (32, 32):
+        fixes.append("one channel: np.repeat(x[..., None], 3, axis=3)")
+    if values.size and x.dtype.kind == "f" and values.min() >= 0 and values.max() <= 1:
+        fixes.append("floats in [0, 1]: (x * 255).round().astype(np.uint8)")
+    elif values.size and x.dtype.kind in "fiu" and x.dtype != np.uint8 and values.min() >= 0 and values.max() <= 255:
+        fixes.append("values 0-255: x.astype(np.uint8)")
+    return "; " + " and ".join(fixes) if fixes else ""
 
 
 def _class_indices(path: str, name: str, y: np.ndarray) -> np.ndarray:

@@ -141,6 +141,27 @@ def test_npz_mistakes_name_data_path(tmp_path):
             datasets.read(DataConfig(dataset="npz", path=str(tmp_path / name)), CPU)
 
 
+@pytest.mark.parametrize(
+    "images, fix",
+    [
+        (np.zeros((2, 3, 32, 32), np.uint8), r"; channels first: x.transpose\(0, 2, 3, 1\)$"),
+        (np.full((2, 32, 32, 3), 0.5, np.float32), r"; floats in \[0, 1\]: \(x \* 255\).round\(\).astype\(np.uint8\)$"),
+        (np.full((2, 3, 32, 32), 0.5), r"; channels first: .* and floats in \[0, 1\]: "),  # (torch's ToTensor)
+        (np.full((2, 32, 32, 3), 200, np.int64), r"; values 0-255: x.astype\(np.uint8\)$"),
+        (np.zeros((2, 32, 32), np.uint8), r"; one channel: np.repeat\(x\[..., None\], 3, axis=3\)$"),
+        (np.full((2, 32, 32, 3), np.nan, np.float32), r"float32 \(2, 32, 32, 3\)$"),  # no fix for NaNs
+        (np.full((2, 32, 32, 3), 300.0), r"float64 \(2, 32, 32, 3\)$"),  # nor for values past 255
+    ],
+)
+def test_images_in_another_common_layout_are_refused_with_how_to_write_them(tmp_path, images, fix):
+    """Images as torch's ToTensor leaves them (channels first, floats in [0, 1]), as integers of another type, or
+    with one channel: the line said what it wanted and what it got; it also says how to write them now."""
+    path = tmp_path / "d.npz"
+    np.savez(path, x_train=images, y_train=np.zeros(2, np.int64), x_test=images, y_test=np.zeros(2, np.int64))
+    with pytest.raises(UsageError, match=f"^data.path={path}: x_train must be uint8 \\(N, 32, 32, 3\\), got .*{fix}"):
+        datasets.read(DataConfig(dataset="npz", path=str(path)), CPU)
+
+
 def test_evaluating_on_data_whose_class_names_are_not_the_models_is_refused():
     """A model's class 3 is not "cat" of data that names its classes in another order: the accuracy would be
     of nothing (was computed without a word). Names made up from indices (data without names) are no names. The

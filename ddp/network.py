@@ -214,13 +214,17 @@ def check_port_free(port: int) -> None:
         except OSError as e:
             why = e.strerror or str(e)
     holder = listener(port)
-    with socket.socket() as free:
-        free.bind(("", 0))
-        other = free.getsockname()[1]
     raise UsageError(
         f"MASTER_PORT={port} is taken on {socket.gethostname()} ({why}{f': {holder}' if holder else ''}); "
-        f"the rendezvous listens there: set another free port on every node, e.g. MASTER_PORT={other}"
+        f"the rendezvous listens there: set another free port on every node, e.g. MASTER_PORT={free_port()}"
     )
+
+
+def free_port() -> int:
+    """A TCP port free here now (the system's pick), for a rendezvous on this machine alone."""
+    with socket.socket() as free:
+        free.bind(("", 0))
+        return free.getsockname()[1]
 
 
 def listener(port: int) -> str | None:

@@ -22,7 +22,8 @@ gpus=$(gpu_count)
 if [ -n "${MASTER_PORT:-}" ] || [ -n "${ACCELERATE_CONFIG:-}" ]; then
   port=${MASTER_PORT:-29500}
 else
-  port=$(python -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])')
+  port=$(python -c 'import sys; sys.path.insert(0, sys.argv[1]); from ddp import network; print(network.free_port())' \
+    "$root")
 fi
 [[ $port =~ ^[1-9][0-9]*$ ]] && ((port <= 65535)) ||
   { echo "error: MASTER_PORT=$port is not a port number (1-65535)" >&2; exit 2; }

@@ -239,6 +239,9 @@ def stopped_lately(within_s: float) -> float:
     if watcher is None:
         return 0.0
     watcher.looking()  # (the watcher may not have looked since the process was continued)
+    while watcher.late is not None:  # a gap seen before its SIGCONT was noted (by another thread?): CONTINUED_S
+        time.sleep(0.01)  # (the main thread's handler, _noted, may note it meanwhile)
+        watcher.looking()
     ended, seconds = watcher.last_stop
     return seconds if time.monotonic() - ended <= within_s + SLACK_S else 0.0
 

@@ -12,9 +12,15 @@ from pathlib import Path
 PROC = Path("/proc/self")
 
 
+def affinity() -> int:
+    """How many CPUs this process may run on (taskset, a cpuset); all of the machine's where the system does not say
+    (macOS has no sched_getaffinity)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def usable(proc: Path = PROC) -> int:
     """How many CPUs this process may keep busy: its affinity's, at most its cgroups' quota rounded up; at least 1."""
-    cpus = len(os.sched_getaffinity(0))
+    cpus = affinity()
     quota = cgroup_quota(proc)
     return max(1, min(cpus, math.ceil(quota))) if quota else cpus
 

@@ -187,7 +187,7 @@ def report(world: World, out_dir: str, mine: dict[str, Any] | None = None) -> di
         "out_dir": str(Path(out_dir).resolve()),
         "shm_mib": shared_memory_mib(),
         "cpus": {
-            "affinity": len(os.sched_getaffinity(0)),
+            "affinity": cpus.affinity(),
             "quota": cpus.cgroup_quota(),
             "usable": cpus.usable(),
             "threads": torch.get_num_threads(),

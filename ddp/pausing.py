@@ -13,6 +13,7 @@ from pathlib import Path
 
 from ddp import launchers
 
+PROC = Path("/proc")  # Linux's processes (self: this one): a system without them (macOS) has no pause of the ranks
 PAUSE_S = 30.0  # how long Ctrl-Z waits for a rank to pause before it stops it where it is (its watcher: 2 steps)
 
 
@@ -40,11 +41,10 @@ class Pause:
             for pid in children():
                 _signal(pid, signal.SIGTSTP, group=False)
             return
-        if not self.one_machine:
-            _say(
-                "note: Ctrl-Z does not pause a job on several machines (the others' ranks would wait for this one's "
-                "past run.timeout_s): it goes on; Ctrl-C stops it with a checkpoint"
-            )
+        if not self.one_machine or not (PROC / "self").exists():
+            why = ("a job on several machines (the others' ranks would wait for this one's past run.timeout_s)"
+                   if not self.one_machine else "ranks it cannot find on this system (no /proc: macOS?)")  # fmt: skip
+            _say(f"note: Ctrl-Z does not pause {why}: it goes on; Ctrl-C stops it with a checkpoint")
             return
         self.pausing, self.continued, ranks = True, False, children()
         try:
@@ -114,7 +114,10 @@ def by_slurm() -> bool:
 
 def children() -> list[int]:
     """The processes this one started that run (not zombies): the ranks, started by the agent."""
-    me, pids = str(os.getpid()), [int(name) for name in os.listdir("/proc") if name.isdigit()]
+    try:
+        me, pids = str(os.getpid()), [int(name) for name in os.listdir(PROC) if name.isdigit()]
+    except OSError:  # no /proc
+        return []
     return [pid for pid in pids if (stat := launchers.proc_stat(pid)) and stat[1] == me and stat[0] != "Z"]
 
 

@@ -18,19 +18,27 @@ ifneq ($(DATA),)
   endif
 endif
 
-.PHONY: install venv system-packages train test bench lint format clean gpu-check gpu-carry gpu-lease
+.PHONY: install install-once venv system-packages train test bench lint format clean gpu-check gpu-carry gpu-lease
 install: $(STAMP)
 
 # --system-site-packages: a machine that already has torch + torchvision (a GPU VM with a torch that
 # matches its driver) keeps them; elsewhere the pinned versions in constraints.txt are installed.
 # pip's output (its resolver's notes on the system site's own packages among it) goes to
 # .venv/pip.log and is shown only if the install fails.
+# One make at a time installs (flock, where there is one: util-linux): two at once on a fresh clone (make train and
+# make test in two terminals) ran two pips into one $(VENV), and one failed on the other's files. The second waits,
+# then finds the install done.
+FLOCK = $(shell command -v flock)
 $(STAMP): pyproject.toml constraints.txt
-	@$(MAKE) --no-print-directory venv
-	@echo "installing into $(VENV) (log: $(VENV)/pip.log)"
-	@if $(PY) -c 'import torch, torchvision' 2>/dev/null; then pins=; else pins="-c constraints.txt"; fi; \
-	  $(PY) -m pip install $$pins -e '.[dev]' > $(VENV)/pip.log 2>&1 || { cat $(VENV)/pip.log; exit 1; }
-	@touch $(STAMP)
+	@$(if $(FLOCK),flock -n $(VENV).lock true || echo "another make is installing into $(VENV): waiting for it")
+	@$(if $(FLOCK),flock $(VENV).lock) $(MAKE) --no-print-directory install-once
+
+install-once:
+	@if $(MAKE) -q $(STAMP); then echo "$(VENV): installed by another make meanwhile"; exit 0; fi; \
+	  $(MAKE) --no-print-directory venv && echo "installing into $(VENV) (log: $(VENV)/pip.log)" && \
+	  if $(PY) -c 'import torch, torchvision' 2>/dev/null; then pins=; else pins="-c constraints.txt"; fi && \
+	  { $(PY) -m pip install $$pins -e '.[dev]' > $(VENV)/pip.log 2>&1 || { cat $(VENV)/pip.log; exit 1; }; } && \
+	  touch $(STAMP)
 
 # $(VENV) with its pip. Where python3 has no ensurepip (Debian/Ubuntu without python3-venv) `python3 -m venv`
 # fails after making $(VENV)/bin/python: a venv without pip, whose every later pip install failed ("No module

@@ -6,6 +6,7 @@ import fnmatch
 import shlex
 import subprocess
 import sys
+import time
 
 import pytest
 from conftest import REPO, clean_env, ok
@@ -90,3 +91,40 @@ def test_a_venv_left_without_pip_gets_its_pip_or_says_what_to_install(tmp_path):
     )
     ok(subprocess.run(make, cwd=REPO, env=clean_env(), capture_output=True, text=True))
     ok(subprocess.run([venv / "bin" / "python", "-m", "pip", "--version"], capture_output=True, text=True))
+
+
+def test_two_makes_at_once_install_once_and_the_second_waits_for_the_first(tmp_path):
+    """`make train` and `make test` in two terminals of a fresh clone: both ran pip into one .venv, and one failed
+    on the other's half-written files (`No such file or directory: .../idna-3.20.dist-info/INSTALLER....tmp`, seen
+    here). Now one installs and the other waits and finds it done; where the first install fails, the second does
+    it. A stand-in python (pip's install: a second, logged) keeps it to seconds."""
+    venv, log = tmp_path / "venv", tmp_path / "calls"
+    (venv / "bin").mkdir(parents=True)
+    python = venv / "bin" / "python"
+    python.write_text(f"""#!/bin/sh
+case "$*" in *"pip install"*)
+  echo "$*" >> {log}; sleep 1
+  if [ -e {tmp_path / "fail"} ]; then rm {tmp_path / "fail"}; exit 1; fi;;
+esac
+""")
+    python.chmod(0o755)
+    env = {k: v for k, v in clean_env().items() if not k.startswith("MAKE")}  # (not make test's own make)
+    make = ["make", "--no-print-directory", "install", f"VENV={venv}"]
+
+    def twice() -> tuple[list[int], list[str]]:
+        first = subprocess.Popen(make, cwd=REPO, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        time.sleep(0.3)
+        second = subprocess.run(make, cwd=REPO, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        said = first.communicate(timeout=60)[0]
+        return [first.returncode, second.returncode], [said, second.stdout]
+
+    codes, said = twice()
+    assert log.read_text().count("pip install") == 1 and codes == [0, 0], said
+    assert said[0] == f"installing into {venv} (log: {venv}/pip.log)\n", said
+    assert said[1] == (f"another make is installing into {venv}: waiting for it\n"
+                       f"{venv}: installed by another make meanwhile\n"), said  # fmt: skip
+    (venv / ".installed").unlink()
+    log.unlink()
+    (tmp_path / "fail").touch()  # the first's pip fails: the second installs
+    codes, said = twice()
+    assert log.read_text().count("pip install") == 2 and codes == [2, 0] and (venv / ".installed").exists(), said

@@ -1,6 +1,7 @@
 """A system without Linux's process interfaces, as macOS is: no /proc, no os.sched_getaffinity, no libc prctl. Made
 here for real where it can be (a mount namespace whose /proc is an empty tmpfs) and by a sitecustomize that takes the
-two calls away; not a Mac (torch's own cpuinfo reads /proc on Linux, and says so in the output)."""
+two calls away, with macOS's way of starting processes (spawn); not a Mac (torch's own cpuinfo reads /proc on Linux,
+and says so in the output)."""
 
 import os
 import shutil
@@ -17,7 +18,8 @@ from conftest import REPO, TINY, clean_env, metrics
 from ddp import pausing
 
 SITECUSTOMIZE = """
-import ctypes, os
+import ctypes, multiprocessing, os
+multiprocessing.set_start_method("spawn")  # macOS's default: DataLoader workers import anew
 del os.sched_getaffinity
 class _NoPrctl(ctypes.CDLL):
     def __getattr__(self, name):
@@ -47,8 +49,8 @@ def test_without_proc_a_run_trains_and_ddp_torchrun_says_ctrl_z_does_not_pause_a
     CPUs a rank's threads may use); the machine's CPU count stands in. ddp/torchrun.py's Ctrl-Z finds the ranks it
     pauses in /proc: without it, one line says the job goes on (it stopped itself, the ranks training on alone), and
     Ctrl-C stops the job with a checkpoint, which the same command resumes."""
-    plain = without_proc(tmp_path, "ddp/train.py", *TINY, "train.epochs=1", f"run.out_dir={tmp_path / 'plain'}",
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    plain = without_proc(tmp_path, "ddp/train.py", *TINY, "train.epochs=1", "data.loader=torch", "data.workers=1",
+                         f"run.out_dir={tmp_path / 'plain'}", stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
     out, err = plain.communicate(timeout=120)
     assert plain.returncode == 0 and f"threads={os.cpu_count()} " in out, (out, err)
     job = ["ddp/torchrun.py", "--standalone", "--nproc_per_node=2", "ddp/train.py", *TINY, "train.epochs=40",

@@ -50,7 +50,8 @@ def test_without_proc_a_run_trains_and_ddp_torchrun_says_ctrl_z_does_not_pause_a
     pauses in /proc: without it, one line says the job goes on (it stopped itself, the ranks training on alone), and
     Ctrl-C stops the job with a checkpoint, which the same command resumes."""
     plain = without_proc(tmp_path, "ddp/train.py", *TINY, "train.epochs=1", "data.loader=torch", "data.workers=1",
-                         f"run.out_dir={tmp_path / 'plain'}", stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+                         f"run.out_dir={tmp_path / 'plain'}", stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE)  # fmt: skip
     out, err = plain.communicate(timeout=120)
     assert plain.returncode == 0 and f"threads={os.cpu_count()} " in out, (out, err)
     job = ["ddp/torchrun.py", "--standalone", "--nproc_per_node=2", "ddp/train.py", *TINY, "train.epochs=40",

@@ -62,4 +62,7 @@ if [ "${MACHINE_RANK:-0}" = 0 ]; then  # once, on the first machine; the lock is
 fi
 cmd+=("$root/ddp/train.py" "$@")
 echo "+ ${cmd[*]}" >&2
+# This script's pid becomes the launcher's: a `kill` of it stops the run (it killed this shell alone, and the run went
+# on). Not under mpirun, whose hostfile this shell removes at its end: kill its process group there (kill -- -PGID).
+[ -n "${hostfile:-}" ] || exec "${cmd[@]}"
 "${cmd[@]}"

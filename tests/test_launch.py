@@ -28,6 +28,8 @@ from conftest import (
     metrics,
     needs_fsdp2,
     require,
+    running,
+    session,
 )
 
 from ddp import cpus, errors, lost_rank
@@ -484,6 +486,30 @@ def test_ctrl_c_of_an_accelerate_launch_ends_with_our_lines_and_130_and_a_killed
                             env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
     assert killed.returncode == 128 + signal.SIGKILL and "Traceback" not in killed.stderr, killed.stderr
     assert "error: rank 0 of 2: lost contact with rank 1" in killed.stderr, killed.stderr
+
+
+def test_a_kill_of_the_accelerate_scripts_pid_stops_the_run_with_a_checkpoint(tmp_path):
+    """`kill PID` of `bash launch/accelerate.sh` (its config's path, one machine of NUM_MACHINES=1: on GPUs the
+    one-machine path is the same) killed the shell alone: accelerate and its ranks trained on, and no one could stop
+    them but by their own pids. The script now runs accelerate in its own process (exec): the ranks stop with a
+    checkpoint, and it ends with 128 + SIGTERM."""
+    env = clean_env(NPROC="2", ACCELERATE_CONFIG=str(REPO / "launch/accelerate/multi-machine.yaml"), NUM_MACHINES="1",
+                    MACHINE_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))  # fmt: skip
+    job = [*TINY, "data.synthetic_train=2048", "train.epochs=20", f"run.out_dir={tmp_path}"]
+    proc = subprocess.Popen(["bash", "launch/accelerate.sh", *job], cwd=REPO, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "metrics.jsonl").is_file() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        out = proc.communicate(timeout=120)[0]
+        left = [pid for pid in session(proc.pid) if running(pid)]
+    finally:
+        kill_orphans(session(proc.pid))
+    assert proc.returncode == 128 + signal.SIGTERM and not left and "Traceback" not in out, (left, out)
+    saved = re.search(r"^stopping on SIGTERM: checkpoint (\S+)$", out, re.M)
+    assert saved and Path(saved[1]).is_file(), out
 
 
 def test_accelerate_launch_cpu_without_mpi_says_why_it_got_one_process(tmp_path):

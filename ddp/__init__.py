@@ -13,4 +13,10 @@ before it (tests/test_layers.py), so each can be read knowing only what is below
     the ground          models, sync_bn, ema, network, files, cpus, rng, errors
 """
 
+import sys
+
 __version__ = "0.1.0"
+
+if sys.platform == "win32":  # (its stop signals, launchers and files are POSIX's: a traceback of a missing module)
+    sys.stderr.write("error: ddp-cifar needs a POSIX system (Linux, macOS): on Windows, run it in WSL2\n")
+    raise SystemExit(2)

@@ -80,3 +80,13 @@ def test_without_proc_a_run_trains_and_ddp_torchrun_says_ctrl_z_does_not_pause_a
     out, err = again.communicate(timeout=120)
     assert again.returncode == 0 and "resum" in out + err, (out, err)
     assert [m["epoch"] for m in metrics(tmp_path / "job")][-1] == stopped_at + 1
+
+
+def test_on_windows_every_command_says_it_needs_a_posix_system_instead_of_a_traceback():
+    """Windows has no SIGTSTP, no pwd module, no fork: an import of ddp ended in a ModuleNotFoundError's traceback
+    (ddp.errors imports pwd). The package's first lines say what to do instead (WSL2). Not run on Windows: the
+    check is of sys.platform, set here before the import."""
+    windows = "import runpy, sys; sys.platform = 'win32'; sys.argv = ['ddp/train.py']; runpy.run_path(sys.argv[0])"
+    proc = subprocess.run([sys.executable, "-c", windows], cwd=REPO, env=clean_env(), capture_output=True, text=True)
+    said = "error: ddp-cifar needs a POSIX system (Linux, macOS): on Windows, run it in WSL2\n"
+    assert (proc.returncode, proc.stderr, proc.stdout) == (2, said, ""), proc.stderr

@@ -48,21 +48,15 @@ else
       "CPU processes too) or launch/torchrun.sh" >&2
     exit 2
   }
-  hostfile=$(mktemp)
-  trap 'rm -f "$hostfile"' EXIT
-  echo "localhost slots=$nproc" >"$hostfile"
   if [ "$(id -u)" = 0 ]; then  # Open MPI refuses root unless told twice (containers often run as root)
     export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
   fi
   cmd=(python "$root/ddp/accelerate_launch.py" --cpu --num_processes "$nproc" --num_machines 1 --mixed_precision no
-    --dynamo_backend no --mpirun_hostfile "$hostfile" --main_process_port "$port")
+    --dynamo_backend no --mpirun_hostfile "$root/launch/accelerate/mpirun-localhost" --main_process_port "$port")
 fi
 if [ "${MACHINE_RANK:-0}" = 0 ]; then  # once, on the first machine; the lock is rank 0's
   preflight $((machines * nproc)) "$@"
 fi
 cmd+=("$root/ddp/train.py" "$@")
 echo "+ ${cmd[*]}" >&2
-# This script's pid becomes the launcher's: a `kill` of it stops the run (it killed this shell alone, and the run went
-# on). Not under mpirun, whose hostfile this shell removes at its end: kill its process group there (kill -- -PGID).
-[ -n "${hostfile:-}" ] || exec "${cmd[@]}"
-"${cmd[@]}"
+exec "${cmd[@]}"  # this script's pid the launcher's: a kill of it stops the run (it killed this shell alone)

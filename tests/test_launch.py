@@ -28,7 +28,7 @@ from conftest import (
     metrics,
     needs_fsdp2,
     require,
-    running,
+    seconds_until_gone,
     session,
 )
 
@@ -488,13 +488,21 @@ def test_ctrl_c_of_an_accelerate_launch_ends_with_our_lines_and_130_and_a_killed
     assert "error: rank 0 of 2: lost contact with rank 1" in killed.stderr, killed.stderr
 
 
-def test_a_kill_of_the_accelerate_scripts_pid_stops_the_run_with_a_checkpoint(tmp_path):
-    """`kill PID` of `bash launch/accelerate.sh` (its config's path, one machine of NUM_MACHINES=1: on GPUs the
-    one-machine path is the same) killed the shell alone: accelerate and its ranks trained on, and no one could stop
-    them but by their own pids. The script now runs accelerate in its own process (exec): the ranks stop with a
-    checkpoint, and it ends with 128 + SIGTERM."""
-    env = clean_env(NPROC="2", ACCELERATE_CONFIG=str(REPO / "launch/accelerate/multi-machine.yaml"), NUM_MACHINES="1",
-                    MACHINE_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))  # fmt: skip
+@pytest.mark.parametrize("mode", ["config", "mpirun"])
+def test_a_kill_of_the_accelerate_scripts_pid_stops_the_run_with_a_checkpoint(tmp_path, mode):
+    """`kill PID` of `bash launch/accelerate.sh` killed the shell alone: accelerate and its ranks trained on to the
+    end (20 of 20 epochs), and no one could stop them but by their own pids. The script now runs accelerate in its
+    own process (exec; mpirun's hostfile is a file of the repository, not one the shell removed at its end). Its
+    config's path (one machine of NUM_MACHINES=1; on GPUs the one-machine path is the same): the ranks stop with a
+    checkpoint, exit 128 + SIGTERM. Through mpirun (no GPU) accelerate ends at once, and the ranks stop with a
+    checkpoint on their launcher's end."""
+    env = clean_env(NPROC="2", MASTER_PORT=str(free_port()), OMPI_ALLOW_RUN_AS_ROOT="1",
+                    OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")  # fmt: skip
+    if mode == "config":
+        env.update(ACCELERATE_CONFIG=str(REPO / "launch/accelerate/multi-machine.yaml"), NUM_MACHINES="1",
+                   MACHINE_RANK="0", MASTER_ADDR="127.0.0.1")  # fmt: skip
+    else:
+        require("mpirun", "apt-get install openmpi-bin")
     job = [*TINY, "data.synthetic_train=2048", "train.epochs=20", f"run.out_dir={tmp_path}"]
     proc = subprocess.Popen(["bash", "launch/accelerate.sh", *job], cwd=REPO, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
@@ -504,12 +512,13 @@ def test_a_kill_of_the_accelerate_scripts_pid_stops_the_run_with_a_checkpoint(tm
             time.sleep(0.2)
         proc.send_signal(signal.SIGTERM)
         out = proc.communicate(timeout=120)[0]
-        left = [pid for pid in session(proc.pid) if running(pid)]
+        seconds_until_gone(session(proc.pid), time.monotonic())  # (mpirun may close its output a moment before)
     finally:
         kill_orphans(session(proc.pid))
-    assert proc.returncode == 128 + signal.SIGTERM and not left and "Traceback" not in out, (left, out)
-    saved = re.search(r"^stopping on SIGTERM: checkpoint (\S+)$", out, re.M)
-    assert saved and Path(saved[1]).is_file(), out
+    code, why = (128 + signal.SIGTERM, "SIGTERM") if mode == "config" else (-signal.SIGTERM, "the launcher's end")
+    assert proc.returncode == code and "Traceback" not in out, out
+    saved = re.search(rf"^stopping on {why}.*: checkpoint (\S+)$", out, re.M)
+    assert saved and Path(saved[1]).is_file() and "epoch 20/20" not in out, out
 
 
 def test_accelerate_launch_cpu_without_mpi_says_why_it_got_one_process(tmp_path):

@@ -25,13 +25,13 @@ install: $(STAMP)
 # matches its driver) keeps them; elsewhere the pinned versions in constraints.txt are installed.
 # pip's output (its resolver's notes on the system site's own packages among it) goes to
 # .venv/pip.log and is shown only if the install fails.
-# One make at a time installs (flock, where there is one: util-linux): two at once on a fresh clone (make train and
-# make test in two terminals) ran two pips into one $(VENV), and one failed on the other's files. The second waits,
-# then finds the install done.
+# One make at a time installs (flock on .venv.lock, beside this Makefile, where there is flock: util-linux): two at
+# once on a fresh clone (make train and make test in two terminals) ran two pips into one $(VENV), and one failed on
+# the other's files. The second waits, then finds the install done.
 FLOCK = $(shell command -v flock)
 $(STAMP): pyproject.toml constraints.txt
-	@$(if $(FLOCK),flock -n $(VENV).lock true || echo "another make is installing into $(VENV): waiting for it")
-	@$(if $(FLOCK),flock $(VENV).lock) $(MAKE) --no-print-directory install-once
+	@$(if $(FLOCK),flock -n .venv.lock true || echo "another make is installing into $(VENV): waiting for it")
+	@$(if $(FLOCK),flock .venv.lock) $(MAKE) --no-print-directory install-once
 
 install-once:
 	@if $(MAKE) -q $(STAMP); then echo "$(VENV): installed by another make meanwhile"; exit 0; fi; \

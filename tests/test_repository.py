@@ -113,7 +113,9 @@ esac
 
     def twice() -> tuple[list[int], list[str]]:
         first = subprocess.Popen(make, cwd=REPO, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        time.sleep(0.3)
+        deadline = time.monotonic() + 30
+        while not log.exists() and first.poll() is None and time.monotonic() < deadline:  # its pip: under the lock
+            time.sleep(0.02)
         second = subprocess.run(make, cwd=REPO, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         said = first.communicate(timeout=60)[0]
         return [first.returncode, second.returncode], [said, second.stdout]

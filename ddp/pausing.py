@@ -112,10 +112,10 @@ def by_slurm() -> bool:
         os.close(terminal)
 
 
-def children() -> list[int]:
-    """The processes this one started that run (not zombies): the ranks, started by the agent."""
+def children(parent: int | None = None) -> list[int]:
+    """The processes this one (or `parent`) started that run (not zombies): the ranks, started by the agent."""
     try:
-        me, pids = str(os.getpid()), [int(name) for name in os.listdir(PROC) if name.isdigit()]
+        me, pids = str(parent or os.getpid()), [int(name) for name in os.listdir(PROC) if name.isdigit()]
     except OSError:  # no /proc
         return []
     return [pid for pid in pids if (stat := launchers.proc_stat(pid)) and stat[1] == me and stat[0] != "Z"]

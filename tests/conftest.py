@@ -360,6 +360,12 @@ def cmdline(pid: int) -> bytes:
         return b""
 
 
+def pending(pid: int, sig: signal.Signals) -> bool:
+    """Whether `sig` waits in `pid`'s pending signals (a stopped process takes it at SIGCONT)."""
+    status = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
+    return any(int(status[field], 16) >> (sig - 1) & 1 for field in ("SigPnd", "ShdPnd"))
+
+
 def descendants(pid: int) -> list[int]:
     found = children(pid)
     return found + [d for child in found for d in descendants(child)]

@@ -31,6 +31,7 @@ from conftest import (
     kill_orphans,
     metrics,
     ok,
+    pending,
     require,
     running,
     seconds_until_gone,
@@ -217,12 +218,6 @@ def paused_worker(proc: subprocess.Popen, rank: int, timeout: float = 120) -> in
         if pid is not None and state(pid) == "T":
             return pid
         time.sleep(0.02)
-
-
-def pending(pid: int, sig: signal.Signals) -> bool:
-    """Whether `sig` waits in `pid`'s pending signals (a stopped process takes it at SIGCONT)."""
-    status = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
-    return any(int(status[field], 16) >> (sig - 1) & 1 for field in ("SigPnd", "ShdPnd"))
 
 
 def test_stop_signals_save_at_the_next_step_and_exit_75_and_the_run_resumes_bitwise(reference, tmp_path):

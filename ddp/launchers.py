@@ -179,18 +179,33 @@ def detect_launch(env: Env = os.environ, launcher: str = "auto") -> Launch:
         if found and launcher == "accelerate" and found.launcher != "accelerate":
             raise UsageError("run.launcher=accelerate but no ACCELERATE_* variable is set: start with accelerate "
                              "launch")  # fmt: skip
+    if found is None and launcher == "auto":
+        _not_plain_mpirun(env)
     if found is None and launcher in ("auto", "slurm"):
         found = _slurm(env, forced=launcher == "slurm")
     return found or Launch("none", 0, 0, 1)
 
 
+def _not_plain_mpirun(env: Env) -> None:
+    """`mpirun -n 2 python ddp/train.py` (no accelerate): each process ran alone, and the second found the run's
+    out_dir "in use by another run" (the first); inside sbatch, SLURM's variables gave each the node's rank."""
+    for names in _MPI_VARS:
+        if names[0] in env and (size := _counts(env, names)[2]) > 1:
+            raise UsageError(
+                f"mpirun started {size} processes, and ddp-cifar takes its ranks from torchrun, srun or accelerate "
+                f"(which runs mpirun for you): torchrun --standalone --nproc_per_node={size} ddp/train.py ..., or "
+                f"NPROC={size} bash launch/accelerate.sh ..."
+            )
+
+
 def speaks_for_its_machine(env: Env = os.environ) -> bool:
     """Whether this process is local rank 0 (or alone): the one that prints an error every rank
-    shares. Launcher variables that do not make sense leave every process speaking."""
+    shares. Launcher variables that do not make sense leave every process speaking (plain mpirun's make sense: its
+    local rank 0 speaks)."""
     try:
         return detect_launch(env).local_rank == 0
     except UsageError:
-        return True
+        return next((env[names[1]] == "0" for names in _MPI_VARS if names[1] in env), True)
 
 
 def quiet_startup(module: str) -> None:

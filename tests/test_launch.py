@@ -464,6 +464,18 @@ def paused_rank(proc: subprocess.Popen, timeout: float = 120) -> int:
     return paused[0]
 
 
+def test_plain_mpirun_of_two_ranks_is_one_line_and_no_run(tmp_path):
+    """`mpirun -n 2 python ddp/train.py`: each process trained alone, and the second failed as the first held the
+    out_dir ("in use by another run"). Now one line names the launchers that work, said once; nothing is written."""
+    require("mpirun", "apt-get install openmpi-bin")
+    env = clean_env(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    cmd = ["mpirun", "-n", "2", sys.executable, str(TRAIN), *ONE_EPOCH, f"run.out_dir={tmp_path / 'run'}"]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.count("error: mpirun started 2 processes, and ddp-cifar takes its ranks from") == 1, proc.stderr
+    assert not (tmp_path / "run").exists()
+
+
 def accelerate_launch(mode: str) -> list[str]:
     """launch/accelerate.sh's on a machine without GPUs (mpirun); its launch with GPUs (multi_gpu), on the CPU."""
     if mode == "mpirun":

@@ -219,3 +219,25 @@ def test_mpiruns_boxes_of_a_non_zero_exit_are_left_out_after_a_stop_signal_and_n
     accelerate_launch._relay(stream, stops)
     left = b"" if stops else EXIT_75
     assert capfdbinary.readouterr().err == rank_line + left + KILLED + b"after\n" + MPIRUN_BOX + b"a rank's own table\n"
+
+
+PLAIN_MPI = [  # `mpirun -n 2 python ddp/train.py`, rank 1: Open MPI's, MPICH's (Hydra)
+    {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_LOCAL_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2"},
+    {"PMI_RANK": "1", "MPI_LOCALRANKID": "1", "PMI_SIZE": "2", "MPI_LOCALNRANKS": "2"},
+]
+
+
+@pytest.mark.parametrize("env", PLAIN_MPI)
+def test_plain_mpirun_is_one_line_naming_the_launchers_that_work_said_by_its_local_rank_0(env):
+    """Each process of a plain mpirun ran alone: the second found the out_dir "in use by another run" (the first).
+    Inside sbatch SLURM's variables (the orted step's) gave each process its node's rank. One process is a run."""
+    for extra in ({}, {"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0", "SLURM_PROCID": "0", "SLURM_LOCALID": "0",
+                       "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "n[1-2]"}):  # fmt: skip
+        with pytest.raises(UsageError, match=r"^mpirun started 2 processes, .*--nproc_per_node=2 .*NPROC=2 bash"):
+            launchers.detect_launch({**env, **extra})
+    assert not launchers.speaks_for_its_machine(env)
+    rank_0 = {k: "0" if "RANK" in k else v for k, v in env.items()}
+    assert launchers.speaks_for_its_machine(rank_0)
+    alone = {k: "1" if "SIZE" in k or "NRANKS" in k else "0" for k in env}  # mpirun -n 1
+    assert launchers.detect_launch(alone) == launchers.Launch("none", 0, 0, 1)
+    assert launchers.detect_launch(env, "none").launcher == "none"

@@ -10,7 +10,7 @@ before it (tests/test_layers.py), so each can be read knowing only what is below
     data and the step   checks, alike, graphed, loaders, datasets, cifar, mixing, optim, muon
     the process group   distributed, fsdp, lifeline, lost_rank
     who runs where      devices, cli, launchers, config
-    the ground          models, sync_bn, ema, network, files, cpus, rng, errors
+    the ground          models, sync_bn, ema, network, files, cpus, processes, rng, errors
 """
 
 import sys

@@ -62,7 +62,7 @@ def main(argv: list[str]) -> int:
         return torchrun.failed(e)
     except subprocess.CalledProcessError as e:  # mpirun's exit: a rank's failure (its line said why), or a signal's
         return e.returncode if e.returncode > 0 else 128 - e.returncode
-    except KeyboardInterrupt:  # before the ranks start (mpirun's own Ctrl-C, where it is started by other means)
+    except KeyboardInterrupt:  # a Ctrl-C before mpirun or torchrun's agent took it: what started is waited for
         _wait_for_children()
         return 128 + signal.SIGINT
     return 0

@@ -41,7 +41,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from typing import Protocol
 
-from ddp import launchers
+from ddp import launchers, processes
 from ddp.devices import World
 from ddp.errors import EXIT_FAILURE, EXIT_INTERRUPTED, INTERRUPTED
 
@@ -70,7 +70,7 @@ class _Watcher:
         self.who = f"rank {world.rank} of {world.world_size}" if world.grouped else "the run"
         self.stop_signals = set(stop_signals)  # other handled signals wake the watcher too (SIGCHLD: loader workers)
         self.launched = world.launcher != "none"  # a plain process may outlive its shell (nohup)
-        self.launchers = launchers.launcher_processes(parent) if self.launched else []
+        self.launchers = processes.launcher_processes(parent) if self.launched else []
         self.waits: dict[int, tuple[float, str]] = {}  # id -> (monotonic deadline, the line past it)
         self.stop_asked: tuple[float, str] | None = None  # (when, why) a stop was asked for in training
         self.wakeup_read, self.wakeup_write = os.pipe()
@@ -151,7 +151,7 @@ class _Watcher:
             else:
                 self.ask_to_stop(why, tell_the_loop=True)
             self.launchers = []
-        seen = _loop_stop is not None and any((launchers.proc_stat(pid) or [""])[0] == "T" for pid in self.launchers)
+        seen = _loop_stop is not None and any((processes.proc_stat(pid) or [""])[0] == "T" for pid in self.launchers)
         self.held, self.held_seen = seen and self.held_seen, seen
 
     def asked_to_pause(self, asked: bool) -> None:
@@ -185,7 +185,7 @@ class _Watcher:
         """The first of the launcher's processes that has ended, or None while they all run."""
         if os.getppid() != self.launchers[0]:  # this process was given another parent: its own is gone
             return self.launchers[0]
-        return next((pid for pid in self.launchers[1:] if not launchers.alive(pid)), None)
+        return next((pid for pid in self.launchers[1:] if not processes.alive(pid)), None)
 
     def signalled(self, name: str) -> None:
         if _loop_stop is None and not _loop_ended and name == "SIGINT":  # Ctrl-C before training (torchrun's too)

@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from ddp import launchers
+from ddp import launchers, processes
 
 PROC = Path("/proc")  # Linux's processes (self: this one): a system without them (macOS) has no pause of the ranks
 PAUSE_S = 30.0  # how long Ctrl-Z waits for a rank to pause before it stops it where it is (its watcher: 2 steps)
@@ -118,12 +118,12 @@ def children(parent: int | None = None) -> list[int]:
         me, pids = str(parent or os.getpid()), [int(name) for name in os.listdir(PROC) if name.isdigit()]
     except OSError:  # no /proc
         return []
-    return [pid for pid in pids if (stat := launchers.proc_stat(pid)) and stat[1] == me and stat[0] != "Z"]
+    return [pid for pid in pids if (stat := processes.proc_stat(pid)) and stat[1] == me and stat[0] != "Z"]
 
 
 def _state(pid: int) -> str:
     """/proc's state of `pid` (R, S, T: stopped, Z, ...); X for none."""
-    return (launchers.proc_stat(pid) or ["X"])[0]
+    return (processes.proc_stat(pid) or ["X"])[0]
 
 
 def _handles_sigtstp(pid: int) -> bool:

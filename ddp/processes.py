@@ -1,0 +1,40 @@
+"""A process's state and its launchers, from Linux's /proc (elsewhere: nothing is known, and the parent alone is a
+launcher): the lifeline's watch of a run's launchers, and pausing's of the ranks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+# Commands that start a run's processes and stay their parents (or grandparents) while they run.
+_LAUNCHER_WORDS = ("torchrun", "torch.distributed.run", "torch.distributed.launch", "accelerate", "mpirun",
+                   "mpiexec", "orterun", "prterun", "accelerate_launch.py")  # fmt: skip
+
+
+def proc_stat(pid: int) -> list[str] | None:
+    """/proc/PID/stat's fields after the command name ([state, ppid, ...]), None for no such process."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def alive(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie, dead but not yet reaped, does not)."""
+    stat = proc_stat(pid)
+    return stat is not None and stat[0] not in ("Z", "X")
+
+
+def launcher_processes(parent: int) -> list[int]:
+    """The processes whose end ends this run's process: `parent` (the one that started it) and each
+    ancestor above it that is a launcher too (accelerate above the mpirun that started this process),
+    nearest first. Linux /proc; elsewhere the parent alone."""
+    chain, pid = [parent], parent
+    while (stat := proc_stat(pid)) is not None and (pid := int(stat[1])) > 1:
+        try:
+            words = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            break
+        if not any(word.decode(errors="replace").endswith(_LAUNCHER_WORDS) for word in words[:3]):
+            break
+        chain.append(pid)
+    return chain

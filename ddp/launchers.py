@@ -188,7 +188,7 @@ def detect_launch(env: Env = os.environ, launcher: str = "auto") -> Launch:
 
 def _not_plain_mpirun(env: Env) -> None:
     """`mpirun -n 2 python ddp/train.py` (no accelerate): each process ran alone, and the second found the run's
-    out_dir "in use by another run" (the first); inside sbatch, SLURM's variables gave each the node's rank."""
+    out_dir "in use by another run" (the first). Before SLURM's variables: mpirun inside an allocation has them too."""
     for names in _MPI_VARS:
         if names[0] in env and (size := _counts(env, names)[2]) > 1:
             raise UsageError(

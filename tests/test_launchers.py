@@ -230,7 +230,7 @@ PLAIN_MPI = [  # `mpirun -n 2 python ddp/train.py`, rank 1: Open MPI's, MPICH's 
 @pytest.mark.parametrize("env", PLAIN_MPI)
 def test_plain_mpirun_is_one_line_naming_the_launchers_that_work_said_by_its_local_rank_0(env):
     """Each process of a plain mpirun ran alone: the second found the out_dir "in use by another run" (the first).
-    Inside sbatch SLURM's variables (the orted step's) gave each process its node's rank. One process is a run."""
+    The same with a SLURM step's variables beside them (mpirun inside an allocation). One process is a run."""
     for extra in ({}, {"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0", "SLURM_PROCID": "0", "SLURM_LOCALID": "0",
                        "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "n[1-2]"}):  # fmt: skip
         with pytest.raises(UsageError, match=r"^mpirun started 2 processes, .*--nproc_per_node=2 .*NPROC=2 bash"):

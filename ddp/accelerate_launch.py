@@ -54,7 +54,7 @@ def main(argv: list[str]) -> int:
     launch.simple_launcher = lambda args: (_through_mpirun if args.mpirun_hostfile else accelerates)(args)
     try:
         launch_command(args)
-    except Stopped as e:
+    except SentToTheRanks as e:  # a stop signal: they saved, and said so
         return 128 + e.signum
     except torchrun.SignalException as e:  # the ranks were stopped: their lines are printed
         return 128 + int(e.sigval)
@@ -73,7 +73,9 @@ FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signa
 BOX = b"-" * 74 + b"\n"  # the first and last line of each of mpirun's boxes
 
 
-class Stopped(Exception):
+class SentToTheRanks(Exception):
+    """mpirun ended after a stop signal this process sent its ranks (ddp.cli's Stopped is a rank's own stop)."""
+
     def __init__(self, signum: int) -> None:
         self.signum = signum
 
@@ -109,7 +111,7 @@ def _through_mpirun(args: object) -> None:
     mpirun.wait()
     relay.join(timeout=5)
     if stops:
-        raise Stopped(stops[0])
+        raise SentToTheRanks(stops[0])
     if mpirun.returncode:
         raise subprocess.CalledProcessError(mpirun.returncode, cmd)
 

@@ -33,7 +33,7 @@ from ddp.launchers import quiet_startup  # noqa: E402
 
 quiet_startup(__name__)  # a Ctrl-C or a missing package in the imports: one line, not a traceback
 
-from ddp import pausing, torchrun  # noqa: E402
+from ddp import processes, torchrun  # noqa: E402
 from ddp.errors import EXIT_USAGE  # noqa: E402
 
 
@@ -90,7 +90,7 @@ def _through_mpirun(args: object) -> None:
 
     def forward(signum: int, frame: object) -> None:
         stops.append(signum)  # to the ranks (mpirun's children), or to mpirun while it starts them
-        for pid in pausing.children(mpirun.pid) or [mpirun.pid]:
+        for pid in processes.children(mpirun.pid) or [mpirun.pid]:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signum)
 
@@ -139,7 +139,7 @@ def _relay(stream, stops: list[int]) -> None:
 def _wait_for_children() -> None:
     """Until this process's children (mpirun) have ended, or a second Ctrl-C."""
     with contextlib.suppress(KeyboardInterrupt, ChildProcessError):
-        for pid in pausing.children():
+        for pid in processes.children():
             os.waitpid(pid, 0)
 
 

@@ -13,7 +13,6 @@ from pathlib import Path
 
 from ddp import launchers, processes
 
-PROC = Path("/proc")  # Linux's processes (self: this one): a system without them (macOS) has no pause of the ranks
 PAUSE_S = 30.0  # how long Ctrl-Z waits for a rank to pause before it stops it where it is (its watcher: 2 steps)
 
 
@@ -38,15 +37,15 @@ class Pause:
             self.now = True
             return
         if self.by_slurm:  # (sent on as well, where SLURM signals this process group alone: proctrack/pgid)
-            for pid in children():
+            for pid in processes.children():
                 _signal(pid, signal.SIGTSTP, group=False)
             return
-        if not self.one_machine or not (PROC / "self").exists():
+        if not self.one_machine or not (processes.PROC / "self").exists():
             why = ("a job on several machines (the others' ranks would wait for this one's past run.timeout_s)"
                    if not self.one_machine else "ranks it cannot find on this system (no /proc: macOS?)")  # fmt: skip
             _say(f"note: Ctrl-Z does not pause {why}: it goes on; Ctrl-C stops it with a checkpoint")
             return
-        self.pausing, self.continued, ranks = True, False, children()
+        self.pausing, self.continued, ranks = True, False, processes.children()
         try:
             for pid in ranks:
                 _signal(pid, signal.SIGTSTP, group=False)
@@ -66,7 +65,7 @@ class Pause:
         """SIGCONT's handler: this process continued (fg, bg, SLURM's resume), and its ranks with it; a pause not yet
         taken is over."""
         self.continued = True
-        for pid in children():
+        for pid in processes.children():
             _signal(pid, signal.SIGCONT, group=True)
 
     def wait_for(self, ranks: list[int]) -> None:
@@ -110,15 +109,6 @@ def by_slurm() -> bool:
         return True
     finally:
         os.close(terminal)
-
-
-def children(parent: int | None = None) -> list[int]:
-    """The processes this one (or `parent`) started that run (not zombies): the ranks, started by the agent."""
-    try:
-        me, pids = str(parent or os.getpid()), [int(name) for name in os.listdir(PROC) if name.isdigit()]
-    except OSError:  # no /proc
-        return []
-    return [pid for pid in pids if (stat := processes.proc_stat(pid)) and stat[1] == me and stat[0] != "Z"]
 
 
 def _state(pid: int) -> str:

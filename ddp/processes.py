@@ -1,9 +1,12 @@
-"""A process's state and its launchers, from Linux's /proc (elsewhere: nothing is known, and the parent alone is a
-launcher): the lifeline's watch of a run's launchers, and pausing's of the ranks."""
+"""A process's state, its children and its launchers, from Linux's /proc (elsewhere: nothing is known, no child is
+found, and the parent alone is a launcher): the lifeline's watch of a run's launchers, the launchers' of their ranks."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+
+PROC = Path("/proc")  # Linux's processes (self: this one); a system without them (macOS) has none to find
 
 # Commands that start a run's processes and stay their parents (or grandparents) while they run.
 _LAUNCHER_WORDS = ("torchrun", "torch.distributed.run", "torch.distributed.launch", "accelerate", "mpirun",
@@ -38,3 +41,12 @@ def launcher_processes(parent: int) -> list[int]:
             break
         chain.append(pid)
     return chain
+
+
+def children(parent: int | None = None) -> list[int]:
+    """The processes this one (or `parent`) started that run (not zombies): the ranks, started by the agent."""
+    try:
+        me, pids = str(parent or os.getpid()), [int(name) for name in os.listdir(PROC) if name.isdigit()]
+    except OSError:  # no /proc
+        return []
+    return [pid for pid in pids if (stat := proc_stat(pid)) and stat[1] == me and stat[0] != "Z"]

@@ -65,7 +65,7 @@ from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 from torch.distributed.run import main as torchrun  # noqa: E402
 from torch.distributed.run import parse_args  # noqa: E402
 
-from ddp import lost_rank, network, pausing  # noqa: E402
+from ddp import lost_rank, network, pausing, processes  # noqa: E402
 from ddp.errors import EXIT_FAILURE, EXIT_USAGE, MACHINE_MEMORY_FIX, lost_interrupt, oom_killed  # noqa: E402
 
 GRACE_S = 20.0  # how long the agent may outlive its ranks (its own exit barrier waits on the other hosts)
@@ -151,12 +151,12 @@ def quiet_agent_logs() -> None:
         logging.getLogger(name).addFilter(not_an_echo)
 
 
-def preflight(processes: str, argv: list[str]) -> int | None:
-    """--preflight=`processes`: ddp/train.py --preflight with the ranks' arguments from torchrun's `argv`, in
+def preflight(count: str, argv: list[str]) -> int | None:
+    """--preflight=`count`: ddp/train.py --preflight with the ranks' arguments from torchrun's `argv`, in
     this process. None when the ranks may start; else the exit code to end with: a mistake's, or that of
     --help or --print-config, answered here once (every rank would print it) without starting a rank."""
-    if not processes.isdigit() or int(processes) < 1:
-        print(f"error: --preflight=N needs the number of processes to be started, e.g. 2, not {processes!r}",
+    if not count.isdigit() or int(count) < 1:
+        print(f"error: --preflight=N needs the number of processes to be started, e.g. 2, not {count!r}",
               file=sys.stderr)  # fmt: skip
         return EXIT_USAGE
     args = parse_args(argv)
@@ -171,7 +171,7 @@ def preflight(processes: str, argv: list[str]) -> int | None:
         before = os.environ.get(ERROR_FILE)
         os.environ[ERROR_FILE] = said.name
         try:
-            code = train.cli(["--preflight", processes, *args.training_script_args])
+            code = train.cli(["--preflight", count, *args.training_script_args])
         finally:
             os.environ.pop(ERROR_FILE)
             os.environ.update({ERROR_FILE: before} if before else {})
@@ -304,7 +304,7 @@ def _leave(why: str) -> None:
 
 def _ranks_running() -> bool:
     """Whether a child of this process runs (not a zombie): the ranks, started by the agent."""
-    return bool(pausing.children())
+    return bool(processes.children())
 
 
 if __name__ == "__main__":

@@ -244,11 +244,12 @@ def missing_package(name: str) -> str:
 
 def has_peers(env: Env = os.environ) -> bool:
     """Whether a launcher started this process as one rank of several. Launcher variables that do not
-    make sense: not known, so no."""
+    make sense: not known, so no; but a plain mpirun's processes have peers (its local rank 0 says why they end: the
+    others wait for it, or mpirun, ending all at the first exit, killed it before it had, 1 run in 4 inside sbatch)."""
     try:
         return detect_launch(env).world_size > 1
     except UsageError:
-        return False
+        return any(env.get(names[2], "").isdigit() and int(env[names[2]]) > 1 for names in _MPI_VARS)
 
 
 def master_address(env: Env = os.environ) -> str | None:

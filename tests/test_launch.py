@@ -466,10 +466,13 @@ def paused_rank(proc: subprocess.Popen, timeout: float = 120) -> int:
 
 def test_plain_mpirun_of_two_ranks_is_one_line_and_no_run(tmp_path):
     """`mpirun -n 2 python ddp/train.py`: each process trained alone, and the second failed as the first held the
-    out_dir ("in use by another run"). Now one line names the launchers that work, said once; nothing is written."""
+    out_dir ("in use by another run"). Now one line names the launchers that work, said once; nothing is written.
+    Rank 0, which says it, starts 3 s late (mpirun's MPMD form): rank 1 ended first, and mpirun killed rank 0 before
+    it had said it (no line; 1 run in 4 inside sbatch). Now rank 1 waits for it."""
     require("mpirun", "apt-get install openmpi-bin")
     env = clean_env(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    cmd = ["mpirun", "-n", "2", sys.executable, str(TRAIN), *ONE_EPOCH, f"run.out_dir={tmp_path / 'run'}"]
+    train = [sys.executable, str(TRAIN), *ONE_EPOCH, f"run.out_dir={tmp_path / 'run'}"]
+    cmd = ["mpirun", "-n", "1", "bash", "-c", 'sleep 3; exec "$@"', "late", *train, ":", "-n", "1", *train]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert proc.stderr.count("error: mpirun started 2 processes, and ddp-cifar takes its ranks from") == 1, proc.stderr

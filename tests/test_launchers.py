@@ -235,9 +235,9 @@ def test_plain_mpirun_is_one_line_naming_the_launchers_that_work_said_by_its_loc
                        "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "n[1-2]"}):  # fmt: skip
         with pytest.raises(UsageError, match=r"^mpirun started 2 processes, .*--nproc_per_node=2 .*NPROC=2 bash"):
             launchers.detect_launch({**env, **extra})
-    assert not launchers.speaks_for_its_machine(env)
+    assert not launchers.speaks_for_its_machine(env) and launchers.has_peers(env)  # it waits for local rank 0
     rank_0 = {k: "0" if "RANK" in k else v for k, v in env.items()}
     assert launchers.speaks_for_its_machine(rank_0)
     alone = {k: "1" if "SIZE" in k or "NRANKS" in k else "0" for k in env}  # mpirun -n 1
-    assert launchers.detect_launch(alone) == launchers.Launch("none", 0, 0, 1)
+    assert launchers.detect_launch(alone) == launchers.Launch("none", 0, 0, 1) and not launchers.has_peers(alone)
     assert launchers.detect_launch(env, "none").launcher == "none"

@@ -205,19 +205,22 @@ def test_a_process_takes_its_share_of_the_cpus_unless_omp_num_threads_says(monke
 MPIRUN_BOX = b"-" * 74 + b"\n"
 EXIT_75 = MPIRUN_BOX + b"Primary job  terminated normally, but 1 process returned\na non-zero exit code.\n" + MPIRUN_BOX
 KILLED = MPIRUN_BOX + b"mpirun noticed that process rank 1 with PID 0 on node vm exited on signal 9.\n" + MPIRUN_BOX
+ON_SIGINT = MPIRUN_BOX + b"mpirun noticed that process rank 0 with PID 0 on node vm exited on signal 2 (Interrupt).\n"
 
 
 @pytest.mark.parametrize("stops", [[], [2]])
 def test_mpiruns_boxes_of_a_non_zero_exit_are_left_out_after_a_stop_signal_and_nothing_else(stops, capfdbinary):
     """ddp/accelerate_launch.py relays mpirun's stderr (the ranks' lines too). After a stop signal it sent the ranks,
-    the boxes that say a rank ended non-zero (their exit 75) are left out; every other line stays, in its order: a box
-    of a rank killed by a signal, a rank's line of dashes that opens no box that closes (kept at the end)."""
+    the boxes that say a rank ended non-zero (their exit 75) or on that signal (a rank still in its imports) are left
+    out; every other line stays, in its order: a box of a rank killed by another signal, a rank's line of dashes that
+    opens no box that closes (kept at the end)."""
     from ddp import accelerate_launch
 
     rank_line = b"stopping on SIGINT: checkpoint runs/x/checkpoints/step-000000012.pt\n"
-    stream = io.BytesIO(rank_line + EXIT_75 + KILLED + b"after\n" + MPIRUN_BOX + b"a rank's own table\n")
+    on_sigint = ON_SIGINT + MPIRUN_BOX
+    stream = io.BytesIO(rank_line + EXIT_75 + on_sigint + KILLED + b"after\n" + MPIRUN_BOX + b"a rank's own table\n")
     accelerate_launch._relay(stream, stops)
-    left = b"" if stops else EXIT_75
+    left = b"" if stops else EXIT_75 + on_sigint
     assert capfdbinary.readouterr().err == rank_line + left + KILLED + b"after\n" + MPIRUN_BOX + b"a rank's own table\n"
 
 

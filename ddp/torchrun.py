@@ -97,17 +97,25 @@ class ExitBarrierRace(logging.Filter):
 
 def not_an_echo(record: logging.LogRecord) -> bool:
     """Drops the agent's log lines that repeat what the ranks' lines (or failed()'s) said: which rank failed,
-    the closing signal sent to the rest, its own error file's copy. They were the last lines under a usage error."""
+    the closing signal sent to the rest, its own error file's copy, the stop signal it took. They were the last lines
+    under a usage error."""
     return not str(record.msg).startswith(ECHOES)
 
 
 TRAIN = Path(__file__).resolve().parent / "train.py"
 RACE_LOGGERS = ("torch.distributed.elastic.agent.server.api", "torch.distributed.elastic.rendezvous.dynamic_rendezvous")
 ECHO_LOGGERS = (
+    "torch.distributed.elastic.agent.server.api",
     "torch.distributed.elastic.multiprocessing.api",
     "torch.distributed.elastic.multiprocessing.errors.error_handler",
 )
-ECHOES = ("failed (exitcode: ", "Sending process %s closing signal", "no error file defined for parent")
+# (and a stop signal's "Received 2 death signal, shutting down workers", above the ranks' `stopping on SIGINT`)
+ECHOES = (
+    "failed (exitcode: ",
+    "Sending process %s closing signal",
+    "no error file defined for parent",
+    "Received %s death",
+)
 
 
 def main(argv: list[str]) -> int:

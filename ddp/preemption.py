@@ -9,6 +9,7 @@ Ctrl-Z on is stopped (plain torchrun, accelerate launch), every rank holds after
 
 from __future__ import annotations
 
+import shlex
 import signal
 import subprocess
 import time
@@ -205,26 +206,45 @@ def scontrol(*args: str) -> subprocess.CompletedProcess:
         return subprocess.CompletedProcess(cmd, 1, "", f"scontrol {args[0]}: no answer within 60 s")
 
 
-def requeue(job: str) -> str:
-    """`scontrol requeue JOB`, and what came of it. Not where `scancel` ended the job (JobState COMPLETING, Reason
-    None; CANCELLED): the requeue brought it back, PENDING, and it ran again. SIGTERM before its time limit (RUNNING),
-    at it (COMPLETING, Reason TimeLimit) or a preemption requeue it, as does a state scontrol does not say."""
+def requeue(job: str) -> tuple[bool | None, str]:
+    """`scontrol requeue JOB`: whether it was requeued (None: not known), and what came of it. Not where `scancel`
+    ended the job (JobState COMPLETING, Reason None; CANCELLED): the requeue brought it back, PENDING, and it ran
+    again. SIGTERM before its time limit (RUNNING), at it (COMPLETING, Reason TimeLimit) or a preemption requeue it, as
+    does a state scontrol does not say."""
     fields = dict(w.split("=", 1) for w in scontrol("show", "job", "-o", job).stdout.split() if "=" in w)
     state = fields.get("JobState", "")
     if state == "CANCELLED" or state == "COMPLETING" and fields.get("Reason") == "None":
-        return f"not requeued: the job is {state} (scancel ended it; scancel --signal=TERM stops a job to requeue it)"
-    return f"scontrol requeue {job}: {requeue_outcome(scontrol('requeue', job))}"
+        scancel = "scancel ended it; scancel --signal=TERM stops a job to requeue it"
+        return False, f"not requeued: the job is {state} ({scancel})"
+    result = scontrol("requeue", job)
+    requeued = True if result.returncode == 0 else None if result.returncode < 0 else False  # (< 0: ended by it)
+    return requeued, f"scontrol requeue {job}: {requeue_outcome(result)}"
 
 
-def finish_stop(signal_name: str | None, saved: Path | None, world: World) -> None:
+def how_to_resume(job: str | None, requeued: bool | None, out_dir: str | Path) -> str:
+    """The stop's last words: how this run goes on. A job that SLURM did not requeue resumes only with its out_dir
+    named: `sbatch slurm/train.sh` again wrote to the new job's own (runs/slurm-<its id>), and started afresh."""
+    again = f"run.out_dir={shlex.quote(str(out_dir))}"
+    if job is None:
+        return "run the same command to resume"
+    if requeued:
+        return "SLURM starts the job again, and it resumes from this checkpoint"
+    if requeued is None:
+        return f"if SLURM does not start the job again (squeue -j {job}), resume with {again}"
+    return f"to resume, run it again with {again} (slurm/train.sh gives a new job an out_dir of its own)"
+
+
+def finish_stop(signal_name: str | None, saved: Path | None, world: World, out_dir: str | Path) -> None:
     """After the stop checkpoint: rank 0 says why (its own reason, else the first rank's that had
-    one), asks SLURM to requeue the job (if in one, and it runs); all ranks leave."""
+    one), asks SLURM to requeue the job (if in one, and it runs), and how the run resumes; all ranks leave."""
     causes = distributed.gather_objects(signal_name, world)
     cause = signal_name or next((f"{why} (rank {rank})" for rank, why in enumerate(causes) if why), "a signal")
+    job, requeued = launchers.slurm_job(), None
     if world.is_main:
         logs.say(f"stopping on {cause}: checkpoint {saved}")
-        if job := launchers.slurm_job():
-            logs.say(requeue(job))
+        if job:
+            requeued, said = requeue(job)
+            logs.say(said)
     distributed.barrier(world)  # leave together, after rank 0's checkpoint is on disk
-    why = f"stopped on {cause}; run the same command to resume"
+    why = f"stopped on {cause}; {how_to_resume(job, requeued, out_dir)}"
     raise Stopped(why if world.is_main else "")  # other ranks print nothing but errors

@@ -236,7 +236,7 @@ def fit(cfg: Config, world: World, data: datasets.Data, plan: Plan) -> dict[str,
             saved = job.checkpoints.save(position, job.stats, last_metrics)  # rank 0: torch.save, the raw model
             job.stats.reset()
             if epoch < cfg.train.epochs and distributed.any_rank(stop.requested, world):  # done is done
-                preemption.finish_stop(stop.received, saved, world)
+                preemption.finish_stop(stop.received, saved, world, cfg.run.out_dir)
     return last_metrics
 
 
@@ -280,7 +280,7 @@ def train_epoch(
                 distributed.sync_buffers(job.trained.ema.module, world, bn_agreement(cfg))
             saved = job.checkpoints.save(position, job.stats, last_metrics)
             if stopping:
-                preemption.finish_stop(stop.received, saved, world)
+                preemption.finish_stop(stop.received, saved, world, cfg.run.out_dir)
         progress.update(loss, job.trained.scheduler.get_last_lr()[0], len(labels))
     stop.take(agreement.wait(), agreement)  # the last step's (a hold or pause taken here): the epoch's end asks again
     return position

@@ -122,9 +122,24 @@ def test_a_job_is_requeued_unless_scancel_ended_it(tmp_path, monkeypatch, shown,
     (tmp_path / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> {calls}\necho "JobId=7 {shown}"\n')
     (tmp_path / "scontrol").chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
-    said = preemption.requeue("7")
+    done, said = preemption.requeue("7")
     assert calls.read_text().splitlines() == ["show job -o 7", *["requeue 7"] * requeued]
     assert said == "scontrol requeue 7: requeued" if requeued else said.startswith("not requeued: the job is ")
+    assert done is requeued
+
+
+def test_a_stopped_run_says_how_it_resumes_and_under_slurm_names_its_out_dir():
+    """The same command resumes a run in its out_dir; but `sbatch slurm/train.sh ARGS` again is a new job, which
+    wrote to runs/slurm-<its id>, and started afresh: a job SLURM did not requeue (scancel ended it, or the requeue
+    failed) names the out_dir to resume with, quoted for a shell."""
+    assert preemption.how_to_resume(None, None, "runs/x") == "run the same command to resume"
+    assert preemption.how_to_resume("7", True, "runs/slurm-7").startswith("SLURM starts the job again, and it resumes")
+    assert preemption.how_to_resume("7", False, "my runs/slurm-7") == (
+        "to resume, run it again with run.out_dir='my runs/slurm-7' (slurm/train.sh gives a new job an out_dir of its "
+        "own)"
+    )
+    unknown = preemption.how_to_resume("7", None, "runs/slurm-7")  # scontrol ended by the requeue's signal, most likely
+    assert unknown == "if SLURM does not start the job again (squeue -j 7), resume with run.out_dir=runs/slurm-7"
 
 
 def test_what_scontrol_requeue_did_is_said_also_when_the_requeue_ended_it():

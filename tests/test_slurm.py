@@ -217,7 +217,8 @@ def test_scancel_ends_a_job_with_a_checkpoint_and_does_not_requeue_it(slurm, tmp
     """`scancel JOB`: SLURM ends the job (COMPLETING) and sends its processes SIGTERM. The run took that as SLURM's
     warning before a time limit: it saved, and requeued the job, which came back PENDING (Restarts=1): one scancel did
     not end it. Rank 0 now asks SLURM first: a job it ended is not requeued, and the line says so; the stop's
-    checkpoint is kept. (`scancel --signal=TERM`, the job still RUNNING, requeues it: tests/test_hosts.py.)"""
+    checkpoint is kept, and its out_dir named to resume with. (`scancel --signal=TERM`, the job still RUNNING, requeues
+    it: tests/test_hosts.py.)"""
     job = submit(slurm, tmp_path, *PREEMPTIBLE)
     out, log = tmp_path / f"slurm-{job}", tmp_path / f"log-{job}.out"
     deadline = time.monotonic() + 120
@@ -236,6 +237,8 @@ def test_scancel_ends_a_job_with_a_checkpoint_and_does_not_requeue_it(slurm, tmp
         subprocess.run(["scancel", job], env=slurm)  # (where it came back: no later job waits for it)
     assert (job_field(slurm, job, "JobState"), job_field(slurm, job, "Restarts")) == ("CANCELLED", "0"), said[-3000:]
     assert "stopping on SIGTERM: checkpoint" in said and "not requeued: the job is COMPLETING (scancel ended it" in said
+    again = f"stopped on SIGTERM; to resume, run it again with run.out_dir={out} (slurm/train.sh gives a new job"
+    assert again in said, said[-3000:]  # ("run the same command" was a new job's new out_dir: a fresh start)
 
 
 def test_srun_killed_leaves_no_task_and_the_same_command_resumes_to_the_same_weights(slurm, tmp_path, uninterrupted):

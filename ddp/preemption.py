@@ -231,7 +231,8 @@ def how_to_resume(job: str | None, requeued: bool | None, out_dir: str | Path) -
         return "SLURM starts the job again, and it resumes from this checkpoint"
     if requeued is None:
         return f"if SLURM does not start the job again (squeue -j {job}), resume with {again}"
-    return f"to resume, run it again with {again} (slurm/train.sh gives a new job an out_dir of its own)"
+    why = " (slurm/train.sh gives a new job an out_dir of its own)" if Path(out_dir).name == f"slurm-{job}" else ""
+    return f"to resume, run it again with {again}{why}"
 
 
 def finish_stop(signal_name: str | None, saved: Path | None, world: World, out_dir: str | Path) -> None:

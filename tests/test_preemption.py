@@ -138,6 +138,7 @@ def test_a_stopped_run_says_how_it_resumes_and_under_slurm_names_its_out_dir():
         "to resume, run it again with run.out_dir='my runs/slurm-7' (slurm/train.sh gives a new job an out_dir of its "
         "own)"
     )
+    assert preemption.how_to_resume("7", False, "runs/x") == "to resume, run it again with run.out_dir=runs/x"  # srun
     unknown = preemption.how_to_resume("7", None, "runs/slurm-7")  # scontrol ended by the requeue's signal, most likely
     assert unknown == "if SLURM does not start the job again (squeue -j 7), resume with run.out_dir=runs/slurm-7"
 

@@ -89,8 +89,8 @@ def _through_mpirun(args: object) -> None:
     stops: list[int] = []
 
     def forward(signum: int, frame: object) -> None:
-        stops.append(signum)  # to the ranks (mpirun's children), or to mpirun while it starts them
-        for pid in processes.children(mpirun.pid) or [mpirun.pid]:
+        stops.append(signum)  # to the ranks (below mpirun), or to mpirun while it starts them
+        for pid in processes.nearest_running(mpirun.pid, args.training_script) or [mpirun.pid]:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signum)
 

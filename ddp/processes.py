@@ -33,14 +33,33 @@ def launcher_processes(parent: int) -> list[int]:
     nearest first. Linux /proc; elsewhere the parent alone."""
     chain, pid = [parent], parent
     while (stat := proc_stat(pid)) is not None and (pid := int(stat[1])) > 1:
-        try:
-            words = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            break
-        if not any(word.decode(errors="replace").endswith(_LAUNCHER_WORDS) for word in words[:3]):
+        if not any(word.endswith(_LAUNCHER_WORDS) for word in (command_line(pid) or [])[:3]):
             break
         chain.append(pid)
     return chain
+
+
+def command_line(pid: int) -> list[str] | None:
+    """/proc/PID/cmdline's words (each ends in a NUL), None for no such process."""
+    try:
+        words = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return None
+    return [word.decode(errors="replace") for word in words.removesuffix(b"\0").split(b"\0")] if words else []
+
+
+def nearest_running(parent: int, script: str, depth: int = 3) -> list[int]:
+    """The processes below `parent`, nearest to it, that run `script` (a word of their command line): mpirun's ranks,
+    its children under Open MPI and its proxy's (hydra_pmi_proxy) under MPICH. None found without /proc."""
+    found, below = [], children(parent)
+    for _ in range(depth):
+        level, below = below, []
+        for pid in level:
+            if script in (command_line(pid) or []):
+                found.append(pid)
+            else:
+                below += children(pid)
+    return found
 
 
 def children(parent: int | None = None) -> list[int]:

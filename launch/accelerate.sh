@@ -51,8 +51,10 @@ else
   if [ "$(id -u)" = 0 ]; then  # Open MPI refuses root unless told twice (containers often run as root)
     export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
   fi
+  hostfile=mpirun-localhost  # Open MPI's form; MPICH's Hydra refused it (told apart as accelerate does)
+  mpirun --version 2>/dev/null | grep -q "Open MPI" || hostfile=mpich-localhost
   cmd=(python "$root/ddp/accelerate_launch.py" --cpu --num_processes "$nproc" --num_machines 1 --mixed_precision no
-    --dynamo_backend no --mpirun_hostfile "$root/launch/accelerate/mpirun-localhost" --main_process_port "$port")
+    --dynamo_backend no --mpirun_hostfile "$root/launch/accelerate/$hostfile" --main_process_port "$port")
 fi
 if [ "${MACHINE_RANK:-0}" = 0 ]; then  # once, on the first machine; the lock is rank 0's
   preflight $((machines * nproc)) "$@"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The system packages the launcher tests run for real: SLURM (slurm-wlm, slurmctld, slurmd, munge) for
-# tests/test_slurm.py, Open MPI (openmpi-bin) for accelerate's CPU mode in tests/test_launch.py, and
+# tests/test_slurm.py, Open MPI (openmpi-bin) and MPICH (mpich) for accelerate's CPU mode in tests/test_launch.py, and
 # iproute2 and iptables for the hosts made of network namespaces in tests/test_hosts.py.
 # `make test` runs this first. As root on Debian/Ubuntu it installs what is missing (quietly; the
 # apt-get output is shown only if it fails); elsewhere it says what to install, and those tests
@@ -10,7 +10,8 @@ export PATH="$PATH:/usr/sbin:/sbin"  # slurmctld, slurmd and munged live there
 missing=()
 command -v slurmctld >/dev/null && command -v slurmd >/dev/null || missing+=(slurm-wlm slurmctld slurmd)
 command -v munged >/dev/null || missing+=(munge)
-command -v mpirun >/dev/null || missing+=(openmpi-bin)
+mpirun --version 2>/dev/null | grep -q "Open MPI" || missing+=(openmpi-bin)  # (the system's mpirun: Open MPI's)
+command -v mpirun.mpich >/dev/null || missing+=(mpich)  # (Open MPI stays the system's mpirun)
 command -v ip >/dev/null || missing+=(iproute2)
 command -v iptables >/dev/null || missing+=(iptables)
 [ ${#missing[@]} -eq 0 ] && exit 0

@@ -482,7 +482,7 @@ def test_plain_mpirun_of_two_ranks_is_one_line_and_no_run(tmp_path):
 
 def accelerate_launch(mode: str) -> list[str]:
     """launch/accelerate.sh's on a machine without GPUs (mpirun); its launch with GPUs (multi_gpu), on the CPU."""
-    if mode == "mpirun":
+    if mode in ("mpirun", "mpich"):
         return ["bash", "launch/accelerate.sh"]  # (it takes a free port)
     flags = "--multi_gpu --num_processes 2 --num_machines 1 --mixed_precision no --dynamo_backend no".split()
     return [sys.executable, "ddp/accelerate_launch.py", *flags, "--main_process_port", str(free_port()), str(TRAIN)]
@@ -492,7 +492,20 @@ def accelerate_launch(mode: str) -> list[str]:
 SLOW_STEPS = [*TINY, "model.name=fast", "train.batch_size=512", "data.synthetic_train=2048", "train.epochs=20"]
 
 
-@pytest.mark.parametrize("mode", ["mpirun", "multi_gpu"])
+def mpich(tmp_path: Path) -> str:
+    """A PATH whose mpirun is MPICH's (Hydra), beside Open MPI's, the system's mpirun here; Hydra runs the proxy it
+    finds beside the mpirun it was started as."""
+    tools = tmp_path / "mpich"
+    tools.mkdir()
+    (tools / "mpirun").symlink_to(require("mpirun.mpich", MPICH))
+    (tools / "hydra_pmi_proxy").symlink_to(require("hydra_pmi_proxy", MPICH))
+    return f"{tools}{os.pathsep}{os.environ['PATH']}"
+
+
+MPICH = "apt-get install mpich"
+
+
+@pytest.mark.parametrize("mode", ["mpirun", "mpich", "multi_gpu"])
 def test_ctrl_c_of_an_accelerate_launch_ends_with_our_lines_and_130_and_a_killed_rank_with_137(tmp_path, mode):
     """Ctrl-C (SIGINT to the whole process group) of accelerate launch: the ranks saved and said so, and
     accelerate's traceback followed, 20 lines (mpirun's: a KeyboardInterrupt, printed before the ranks' lines, exit
@@ -502,10 +515,15 @@ def test_ctrl_c_of_an_accelerate_launch_ends_with_our_lines_and_130_and_a_killed
     that, which killed a rank in a longer step (no checkpoint, no line). Now the Ctrl-C is sent to the ranks and not
     to mpirun. Rank 1 pauses after step 1 (DDP_CIFAR_FAULT) until the Ctrl-C (or torchrun's SIGTERM) has reached it:
     the stop comes with step 2, which takes longer than 2 s here. A rank killed with -9: CalledProcessError's or
-    ChildFailedError's traceback before; now the lines of the ranks (of mpirun), and 128 + SIGKILL."""
+    ChildFailedError's traceback before; now the lines of the ranks (of mpirun), and 128 + SIGKILL.
+    MPICH's mpirun: launch/accelerate.sh gave it Open MPI's hostfile (Hydra: "token slots not supported", exit 255),
+    and the Ctrl-C sent to its children reached its proxy, not the ranks, which trained on. A rank killed there: Hydra
+    ends the others at once, and exits 9 (its box: "EXIT STRING: Killed (signal 9)")."""
     if mode == "mpirun":
         require("mpirun", "apt-get install openmpi-bin")
     env = clean_env(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", DDP_CIFAR_FAULT="pause:1:r1")
+    if mode == "mpich":
+        env.update(PATH=mpich(tmp_path))
     cmd = [*accelerate_launch(mode), *SLOW_STEPS, f"run.out_dir={tmp_path}"]
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             start_new_session=True)  # fmt: skip
@@ -527,6 +545,10 @@ def test_ctrl_c_of_an_accelerate_launch_ends_with_our_lines_and_130_and_a_killed
     env.update(DDP_CIFAR_FAULT="step:3:r1")
     killed = subprocess.run([*accelerate_launch(mode), *TINY, f"run.out_dir={tmp_path / 'killed'}"], cwd=REPO,
                             env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
+    if mode == "mpich":
+        said = killed.stdout + killed.stderr
+        assert killed.returncode == signal.SIGKILL and "EXIT STRING: Killed (signal 9)" in said, said
+        return
     assert killed.returncode == 128 + signal.SIGKILL and "Traceback" not in killed.stderr, killed.stderr
     assert "error: rank 0 of 2: lost contact with rank 1" in killed.stderr, killed.stderr
 

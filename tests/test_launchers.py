@@ -4,12 +4,15 @@
 import io
 import os
 import re
+import signal
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
 from launch_envs import OPEN_MPI, SRUN, TORCHRUN
 
-from ddp import cpus, devices, launchers
+from ddp import cpus, devices, launchers, processes
 from ddp.config import RunConfig
 from ddp.errors import UsageError
 
@@ -222,6 +225,29 @@ def test_mpiruns_boxes_of_a_non_zero_exit_are_left_out_after_a_stop_signal_and_n
     accelerate_launch._relay(stream, stops)
     left = b"" if stops else EXIT_75 + on_sigint
     assert capfdbinary.readouterr().err == rank_line + left + KILLED + b"after\n" + MPIRUN_BOX + b"a rank's own table\n"
+
+
+def test_the_ranks_below_mpirun_are_found_as_its_children_or_below_a_proxy(tmp_path):
+    """The ranks a stop signal is sent to: mpirun's children (Open MPI), or its proxy's (MPICH's hydra_pmi_proxy:
+    the Ctrl-C sent to the proxy ended it, and the ranks trained on). A rank's own children are not ranks."""
+    rank = "sh -c 'sleep 60; :' rank /x/train.py"  # (`; :`: sh stays, its command line naming the script)
+    tree = tmp_path / "tree.sh"
+    tree.write_text(f"{rank} &\nsh -c \"{rank} & wait; :\" proxy &\nsh -c 'sleep 60; :' other &\nwait\n")
+    top = subprocess.Popen(["sh", str(tree)], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 10
+        while len(found := processes.nearest_running(top.pid, "/x/train.py")) < 2:
+            assert time.monotonic() < deadline, found
+            time.sleep(0.05)
+        time.sleep(0.2)  # (nothing more comes)
+        found = processes.nearest_running(top.pid, "/x/train.py")
+        words = [processes.command_line(pid) for pid in found]
+        assert len(found) == 2 and all(w[-2:] == ["rank", "/x/train.py"] for w in words), words
+        assert processes.nearest_running(top.pid, "/x/train.py", depth=1) == found[:1]  # (mpirun's own child)
+        assert processes.nearest_running(top.pid, "/y/train.py") == []
+    finally:
+        os.killpg(top.pid, signal.SIGKILL)
+        top.wait()
 
 
 PLAIN_MPI = [  # `mpirun -n 2 python ddp/train.py`, rank 1: Open MPI's, MPICH's (Hydra)

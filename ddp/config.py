@@ -258,6 +258,8 @@ def _coerce(key: str, value: Any, f: dataclasses.Field) -> Any:
     """`value` (a YAML scalar or a CLI string) as the type of field `f`, or UsageError."""
     kind = type(f.default)
     try:
+        if isinstance(value, (dict, list)) or value is None:  # before str(): YAML's aliases made 350 bytes a
+            raise ValueError  # billion items, whose str (and repr in the line) took minutes and gigabytes
         if kind is bool:
             parsed = value if isinstance(value, bool) else parse_bool(str(value))
             if parsed is None:
@@ -274,13 +276,12 @@ def _coerce(key: str, value: Any, f: dataclasses.Field) -> Any:
             if not math.isfinite(number):
                 raise UsageError(f"{key}: expected a finite float, got {value!r}")
             return _in_range(key, number, f)
-        if isinstance(value, (dict, list)) or value is None:
-            raise ValueError
         value = os.path.expanduser(str(value)) if key in PATHS else str(value)
         if key in PATHS and "\0" in value:  # YAML's "\0" (argv has none): os.stat's ValueError, a traceback
             raise UsageError(f"{key}: {value!r} holds a NUL character, which no path can")
     except ValueError:
-        raise UsageError(f"{key}: expected {kind.__name__}, got {value!r}") from None
+        shown = {list: "a list", dict: "a mapping"}.get(type(value)) or repr(value)
+        raise UsageError(f"{key}: expected {kind.__name__}, got {shown}") from None
     choices = f.metadata.get("choices")
     if "true" in choices and parse_bool(value) is not None:  # a switch with more than two settings (auto)
         value = str(parse_bool(value)).lower()

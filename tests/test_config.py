@@ -212,6 +212,20 @@ def test_a_config_that_says_a_thing_twice_or_is_no_text_is_refused(text, said, t
     assert (config.load(merged).run.seed, config.load(merged).run.progress) == (7, False)
 
 
+@pytest.mark.parametrize("key, kind", [("train.epochs", "int"), ("optim.lr", "float"), ("run.compile", "bool"),
+                                       ("data.root", "str")])  # fmt: skip
+def test_a_list_where_a_setting_goes_is_one_short_line_however_many_items_its_aliases_make(key, kind, tmp_path):
+    """350 bytes of YAML aliases, each list ten of the one before, are a billion items: given as train.epochs they
+    ran for minutes and took gigabytes (their str() for int(), then their repr in the line), a hang."""
+    laughs = ["&a [x, x, x, x, x, x, x, x, x, x]"]
+    laughs += [f"&{b} [{', '.join(['*' + a] * 10)}]" for a, b in zip("abcdefgh", "bcdefghi")]
+    section, name = key.split(".")
+    with pytest.raises(UsageError, match=f"^{key}: expected {kind}, got a list$"):
+        config.load(write(tmp_path, f"{section}:\n  {name}: [{', '.join(laughs)}]\n"))
+    with pytest.raises(UsageError, match=f"^{key}: expected {kind}, got a mapping$"):
+        config.load(write(tmp_path, f"{section}:\n  {name}: {{a: 1}}\n"))
+
+
 @pytest.mark.parametrize("given", ["run.out_dir=", "data.root=", "run.stop_signal=", "run.device="])
 def test_a_key_set_empty_is_refused_where_empty_is_not_a_value(given, tmp_path):
     """`run.out_dir=$DIR` with DIR unset trained into the current directory (checkpoints/, metrics.jsonl,

@@ -323,6 +323,8 @@ def export(path: str | Path, out: str | Path, raw: bool = False, state_dict: boo
     to a pipe (`| ssh host 'cat > model.pt'`). Returns the state."""
     if str(out) == "-" and sys.stdout.isatty():
         raise UsageError("OUT=- writes the weights to stdout, a terminal here: pipe it, e.g. | ssh host 'cat > m.pt'")
+    if not str(out):  # (Path("") is ".", a directory)
+        raise UsageError("OUT is empty: name the file to write, e.g. model.pt")
     if Path(out).is_dir():
         raise UsageError(f"OUT={out} is a directory: name the file to write, e.g. {Path(out) / 'model.pt'}")
     if str(out) != "-" and Path(out).exists():

@@ -407,6 +407,8 @@ def test_export_never_replaces_a_file_a_typo_named(run_dir, tmp_path, capsys):
     under = notes / "model.pt"  # a file where OUT's directory must be: named (it was "File exists")
     assert command(checkpoint.main, ["export", str(last), str(under), "--state-dict"]) == 1
     assert capsys.readouterr().err == f"error: cannot write {under}: {notes} is a file, not a directory\n"
+    assert command(checkpoint.main, ["export", str(last), ""]) == 2  # (it said "OUT= is a directory": ".")
+    assert capsys.readouterr().err == "error: OUT is empty: name the file to write, e.g. model.pt\n"
     assert {p: p.read_bytes() for p in before} == before
     for path in (run_dir, last.parent):  # PATH: a run, or its checkpoints/
         for argv in (["inspect", str(path)], ["export", str(path), str(tmp_path / "model.pt")]):

@@ -256,8 +256,8 @@ def command(main: Callable[[list[str]], Any], argv: list[str] | None = None, pro
         what = machine_failure(e)
         if what is None or debug_requested(argv):
             raise
-        world = launchers.detect_launch() if launchers.has_peers() else None
-        who = f"rank {world.rank} of {world.world_size}: " if world else ""  # the rank whose machine ran out
+        world = launchers.launched()
+        who = f"rank {world.rank} of {world.world_size}: " if world and world.world_size > 1 else ""  # whose machine
         line = f"{prog + ': ' if prog else ''}error: {who}{what}"
         print(line, file=sys.stderr)
         launchers.record_error(line)

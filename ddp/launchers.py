@@ -202,10 +202,9 @@ def speaks_for_its_machine(env: Env = os.environ) -> bool:
     """Whether this process is local rank 0 (or alone): the one that prints an error every rank
     shares. Launcher variables that do not make sense leave every process speaking (plain mpirun's make sense: its
     local rank 0 speaks)."""
-    try:
-        return detect_launch(env).local_rank == 0
-    except UsageError:
-        return next((env[names[1]] == "0" for names in _MPI_VARS if names[1] in env), True)
+    if launch := launched(env):
+        return launch.local_rank == 0
+    return next((env[names[1]] == "0" for names in _MPI_VARS if names[1] in env), True)
 
 
 def quiet_startup(module: str) -> None:
@@ -246,10 +245,17 @@ def has_peers(env: Env = os.environ) -> bool:
     """Whether a launcher started this process as one rank of several. Launcher variables that do not
     make sense: not known, so no; but a plain mpirun's processes have peers (its local rank 0 says why they end: the
     others wait for it, or mpirun, ending all at the first exit, killed it before it had, 1 run in 4 inside sbatch)."""
+    if launch := launched(env):
+        return launch.world_size > 1
+    return any(env.get(names[2], "").isdigit() and int(env[names[2]]) > 1 for names in _MPI_VARS)
+
+
+def launched(env: Env = os.environ) -> Launch | None:
+    """What the launcher's variables say, or None where they do not make sense (a mistake said elsewhere)."""
     try:
-        return detect_launch(env).world_size > 1
+        return detect_launch(env)
     except UsageError:
-        return any(env.get(names[2], "").isdigit() and int(env[names[2]]) > 1 for names in _MPI_VARS)
+        return None
 
 
 def master_address(env: Env = os.environ) -> str | None:

@@ -465,6 +465,12 @@ def test_out_of_memory_is_one_line_naming_the_rank_and_what_to_try(tmp_path, cap
     assert capsys.readouterr().err.startswith("error: rank 1 of 2: out of memory (CUDA out of memory. Tried to")
     with pytest.raises(torch.cuda.OutOfMemoryError):  # run.debug=true: the traceback, for a bug report
         cli.command(step, ["run.debug=true"])
+    for name in torchrun:  # a plain mpirun's process: it has peers, but no rank of ours to name
+        monkeypatch.delenv(name)
+    for name in ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_SIZE"):
+        monkeypatch.setenv(name, "2" if name.endswith("SIZE") else "1")
+    assert cli.command(step, []) == 1
+    assert capsys.readouterr().err.startswith("error: out of memory (CUDA out of memory. Tried to")
 
 
 # Each command, run in one child process by a user whom file permissions bind (root without CAP_DAC_OVERRIDE and

@@ -281,11 +281,8 @@ def master_port(env: Env = os.environ, default: int = 29400) -> int:
 
 def spans_machines(env: Env = os.environ) -> bool:
     """Whether this process's job has ranks on other machines (more ranks than this node starts)."""
-    try:
-        launch = detect_launch(env)
-    except UsageError:
-        return False
-    return launch.world_size > launch.local_world_size
+    launch = launched(env)
+    return launch is not None and launch.world_size > launch.local_world_size
 
 
 def agent_store(env: Env = os.environ) -> tuple[str, int, str] | None:

@@ -3,10 +3,14 @@
 # omp_threads N [CORES]: OMP_NUM_THREADS for N processes on this machine (NPROC, checked here), unless
 # it is set: the CPUs this shell may use (or CORES) / N, at least 1: its affinity, and its cgroup's CPU quota (a
 # container's --cpus, Kubernetes' limits.cpu: ddp/cpus.py), which getconf does not see. Gives CPU runs the right
-# thread count, and silences torchrun's warning that it set it to 1.
+# thread count, and silences torchrun's warning that it set it to 1. One set that OpenMP refuses (abc, 0) was
+# libgomp's warning from every rank, each then taking torch's default, all the CPUs: refused here, with NPROC's.
 omp_threads() {
   [[ $1 =~ ^[1-9][0-9]*$ ]] ||
     { echo "error: NPROC=$1 must be a whole number, 1 or more (processes on this machine)" >&2; exit 2; }
+  [[ -z ${OMP_NUM_THREADS:-} || $OMP_NUM_THREADS =~ ^[1-9][0-9]*(,[1-9][0-9]*)*$ ]] ||
+    { echo "error: OMP_NUM_THREADS=$OMP_NUM_THREADS must be a whole number, 1 or more (threads per process)," \
+      "or unset (each process then takes its share of this machine's CPUs)" >&2; exit 2; }
   local cores=${2:-$(python -c 'import sys; sys.path.insert(0, sys.argv[1]); from ddp import cpus; print(cpus.usable())' \
     "$root" 2>/dev/null || getconf _NPROCESSORS_ONLN 2>/dev/null || echo 1)}
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$((cores / $1 > 0 ? cores / $1 : 1))}

@@ -677,11 +677,17 @@ def test_slurm_scripts_rendezvous_from_a_master_port_that_is_no_port_is_one_line
 @pytest.mark.parametrize("nproc", ["0", "two", "-1", "08"])
 def test_a_process_count_that_cannot_work_is_one_line_and_exit_2(script, nproc):
     """NPROC, every launch file's (launch/common.sh checks it): one line naming it, before any Python starts
-    (bash's arithmetic said "division by 0" or "two: unbound variable", or the preflight named --preflight=N)."""
+    (bash's arithmetic said "division by 0" or "two: unbound variable", or the preflight named --preflight=N).
+    OMP_NUM_THREADS set to what OpenMP refuses: libgomp's "Invalid value" from every rank, which then took all the
+    CPUs each. (Empty is unset, as before: the launch file gives it the process's share.)"""
     env = clean_env(NPROC=nproc, NNODES="2", NODE_RANK="0", MASTER_ADDR="h0")
     proc = run_script(script, *TINY, env=env)
     message = f"error: NPROC={nproc} must be a whole number, 1 or more (processes on this machine)"
     assert proc.returncode == 2 and proc.stderr.strip() == message, proc.stderr
+    threads = {"0": "abc", "two": "0", "-1": "-1", "08": "2,x"}[nproc]
+    proc = run_script(script, *TINY, env={**env, "NPROC": "1", "OMP_NUM_THREADS": threads})
+    message = f"error: OMP_NUM_THREADS={threads} must be a whole number, 1 or more (threads per process), or unset"
+    assert proc.returncode == 2 and proc.stderr.startswith(message) and proc.stderr.count("\n") == 1, proc.stderr
 
 
 def test_torchruns_exit_barrier_race_is_one_line_and_a_barrier_timeout_is_left_as_it_was(caplog, capsys):

@@ -83,8 +83,13 @@ SchedulerParameters=sched_interval=2
 MessageTimeout=20
 KillWait=10
 MinJobAge=300
+# Preemption: a job of partition urgent takes the CPUs of one of debug, which SLURM sends SIGTERM and cancels
+# GraceTime s later (CANCEL: what brings such a job back is its own requeue, rank 0's, within that time).
+PreemptType=preempt/partition_prio
+PreemptMode=CANCEL
 $nodes
-PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP PriorityTier=1 GraceTime=60
+PartitionName=urgent Nodes=ALL MaxTime=INFINITE State=UP PriorityTier=2
 EOF
 }
 

@@ -66,7 +66,7 @@ def wait_until_done(env: dict[str, str], job: str, timeout: float) -> str:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         state = job_field(env, job, "JobState")
-        if state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"):
+        if state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED"):
             return state
         time.sleep(0.3)
     subprocess.run(["scancel", job], env=env)
@@ -239,6 +239,34 @@ def test_scancel_ends_a_job_with_a_checkpoint_and_does_not_requeue_it(slurm, tmp
     assert "stopping on SIGTERM: checkpoint" in said and "not requeued: the job is COMPLETING (scancel ended it" in said
     again = f"stopped on SIGTERM; to resume, run it again with run.out_dir={out} (slurm/train.sh gives a new job"
     assert again in said, said[-3000:]  # ("run the same command" was a new job's new out_dir: a fresh start)
+
+
+def test_a_job_preempted_by_an_urgent_one_saves_requeues_itself_and_ends_as_one_never_preempted(
+    slurm, tmp_path, uninterrupted
+):
+    """SLURM's preemption (slurm/cluster.sh: partition priorities, PreemptMode=CANCEL, GraceTime=60): a job of the
+    urgent partition needs both CPUs, and SLURM sends the running job SIGTERM, to cancel it at the end of its grace
+    time. The ranks stop with a checkpoint, rank 0 requeues the job (still running: scancel's COMPLETING is not this),
+    the urgent job runs, and the requeued one resumes and ends with the numbers of a run never preempted.
+    (PreemptMode=REQUEUE, where SLURM requeues it too: the same, by hand.)"""
+    env = {**slurm, "OUT_ROOT": str(tmp_path)}
+    job = submit(env, tmp_path, *PREEMPTIBLE)
+    out, deadline = tmp_path / f"slurm-{job}", time.monotonic() + 120
+    while not ((out / "metrics.jsonl").exists() and metrics(out)):
+        assert time.monotonic() < deadline, job_field(slurm, job, "JobState")
+        time.sleep(0.05)
+    urgent = ["sbatch", "--parsable", "--partition=urgent", "--ntasks=2", f"--output={tmp_path}/urgent-%j.out"]
+    urgent = ok(subprocess.run([*urgent, "--wrap=sleep 1"], env=env, capture_output=True, text=True)).stdout.strip()
+    state = wait_until_done(slurm, job, timeout=180)
+    log = (tmp_path / f"log-{job}.out").read_text()
+    ended = (state, job_field(slurm, job, "Restarts"), wait_until_done(slurm, urgent, 30))
+    assert ended == ("COMPLETED", "1", "COMPLETED"), (ended, log[-3000:])
+    said = ["stopping on SIGTERM: checkpoint", f"scontrol requeue {job}: requeued", "resumed from",
+            "stopped on SIGTERM; SLURM starts the job again, and it resumes from this checkpoint"]  # fmt: skip
+    assert all(line in log for line in said), log[-3000:]
+    epochs, reference = metrics(out), metrics(uninterrupted)
+    for key in ("train_loss", "grad_norm_mean", "grad_norm_max", "test_acc", "confusion"):
+        assert [e[key] for e in epochs] == [e[key] for e in reference], key
 
 
 def test_srun_killed_leaves_no_task_and_the_same_command_resumes_to_the_same_weights(slurm, tmp_path, uninterrupted):

@@ -35,6 +35,7 @@ import json
 import logging
 import os
 import shlex
+import shutil
 import signal
 import socket
 import sys
@@ -141,12 +142,17 @@ def main(argv: list[str]) -> int:
         watched = (store, elastic, fixed_nodes_store(args))
         watch = threading.Thread(target=leave_after_the_ranks, args=watched, name="ddp-agent-watch", daemon=True)
         watch.start()
+    # torch's own log dir (its ranks' error files) where none is given: a /tmp/torchelastic_* it left behind every run
+    logs = None if args.log_dir else tempfile.mkdtemp(prefix="torchelastic_")
     try:
-        torchrun(argv)
+        torchrun(argv if logs is None else ["--log-dir", logs, *argv])
     except SignalException as e:  # the ranks were stopped: their lines are printed
         return 128 + int(e.sigval)
     except ChildFailedError as e:
         return failed(e)
+    finally:
+        if logs:
+            shutil.rmtree(logs, ignore_errors=True)
     return 0
 
 

@@ -102,9 +102,11 @@ def test_ctrl_c_on_the_torchrun_script_ends_with_our_lines_and_130_and_a_killed_
     """Ctrl-C: SIGINT to the script's whole process group, as a terminal sends it. The ranks save and
     say so; torchrun's SignalException traceback no longer follows, nor its agent's "Received 2 death signal,
     shutting down workers" above them; the exit code is 128 + SIGINT.
-    Then a rank killed with -9: the survivor's line, one line for the dead rank, 128 + SIGKILL."""
+    Then a rank killed with -9: the survivor's line, one line for the dead rank, 128 + SIGKILL. Neither leaves torch's
+    log dir (with the ranks' error files) in TMPDIR."""
     job = [*TINY, "data.synthetic_train=2048", "train.epochs=20", f"run.out_dir={tmp_path}"]
-    proc = subprocess.Popen(["bash", "launch/torchrun.sh", *job], cwd=REPO, env=clean_env(), text=True,
+    (tmp := tmp_path / "tmp").mkdir()  # TMPDIR: torch's log dir, /tmp/torchelastic_*, was left there by every run
+    proc = subprocess.Popen(["bash", "launch/torchrun.sh", *job], cwd=REPO, env=clean_env(TMPDIR=str(tmp)), text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
     deadline = time.monotonic() + 120
     while not (tmp_path / "metrics.jsonl").is_file() and proc.poll() is None and time.monotonic() < deadline:
@@ -116,10 +118,11 @@ def test_ctrl_c_on_the_torchrun_script_ends_with_our_lines_and_130_and_a_killed_
     assert lines[-2].startswith("stopping on SIGINT: checkpoint ") and lines[-1] == (
         "stopped on SIGINT; run the same command to resume"
     ), out
-    fault = clean_env(DDP_CIFAR_FAULT="step:3:r1")
+    fault = clean_env(DDP_CIFAR_FAULT="step:3:r1", TMPDIR=str(tmp))
     killed = run_script("launch/torchrun.sh", *TINY, f"run.out_dir={tmp_path / 'killed'}", env=fault)
     assert killed.returncode == 128 + signal.SIGKILL and "Traceback" not in killed.stderr, killed.stderr
     assert re.search(r"^error: rank 1 \(pid \d+\) was killed by SIGKILL$", killed.stderr, re.M), killed.stderr
+    assert not list(tmp.glob("torchelastic_*")), list(tmp.iterdir())
 
 
 def test_a_rank_the_kernels_out_of_memory_killer_ends_is_said_to_be_out_of_memory_by_torchrun_and_its_peer(tmp_path):

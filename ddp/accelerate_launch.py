@@ -119,8 +119,8 @@ def _through_mpirun(args: object) -> None:
 def _relay(stream, stops: list[int]) -> None:
     """mpirun's stderr (the ranks' too) to this process's, but its boxes of ranks that ended non-zero or on the signal
     sent to them, after a stop: a rank still in its imports ends on a Ctrl-C (after its line), and mpirun said
-    "exited on signal 2 (Interrupt)" (5 of 9 Ctrl-Cs 3.5-5.5 s into launch/accelerate.sh). Read to its end, whatever
-    this one's stderr does (mpirun would block on a full pipe, and its ranks with it)."""
+    "exited on signal 2 (Interrupt)" (6 of 11 Ctrl-Cs 1.5-8 s into launch/accelerate.sh, each at 3.5-5.5 s). Read to
+    its end, whatever this one's stderr does (mpirun would block on a full pipe, and its ranks with it)."""
     box: list[bytes] = []
     for line in iter(stream.readline, b""):
         if box or line == BOX:

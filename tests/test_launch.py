@@ -495,6 +495,9 @@ def accelerate_launch(mode: str) -> list[str]:
 SLOW_STEPS = [*TINY, "model.name=fast", "train.batch_size=512", "data.synthetic_train=2048", "train.epochs=20"]
 
 
+MPICH = "apt-get install mpich"
+
+
 def mpich(tmp_path: Path) -> str:
     """A PATH whose mpirun is MPICH's (Hydra), beside Open MPI's, the system's mpirun here; Hydra runs the proxy it
     finds beside the mpirun it was started as."""
@@ -503,9 +506,6 @@ def mpich(tmp_path: Path) -> str:
     (tools / "mpirun").symlink_to(require("mpirun.mpich", MPICH))
     (tools / "hydra_pmi_proxy").symlink_to(require("hydra_pmi_proxy", MPICH))
     return f"{tools}{os.pathsep}{os.environ['PATH']}"
-
-
-MPICH = "apt-get install mpich"
 
 
 @pytest.mark.parametrize("mode", ["mpirun", "mpich", "multi_gpu"])

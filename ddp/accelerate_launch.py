@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 from pathlib import Path
 
@@ -52,6 +54,9 @@ def main(argv: list[str]) -> int:
     setattr(args, "bind-to", "socket:overload-allowed")
     accelerates = launch.simple_launcher  # (launch_command calls it for --cpu: through mpirun, or one process)
     launch.simple_launcher = lambda args: (_through_mpirun if args.mpirun_hostfile else accelerates)(args)
+    # torchrun's log dir (--multi_gpu), a /tmp/torchelastic_* left behind every run where none is given: ours, removed
+    ours = None if args.log_dir or args.mpirun_hostfile else tempfile.mkdtemp(prefix="torchelastic_")
+    args.log_dir = args.log_dir or ours
     try:
         launch_command(args)
     except SentToTheRanks as e:  # a stop signal: they saved, and said so
@@ -65,6 +70,9 @@ def main(argv: list[str]) -> int:
     except KeyboardInterrupt:  # a Ctrl-C before mpirun or torchrun's agent took it: what started is waited for
         _wait_for_children()
         return 128 + signal.SIGINT
+    finally:
+        if ours:
+            shutil.rmtree(ours, ignore_errors=True)
     return 0
 
 

@@ -521,10 +521,13 @@ def test_ctrl_c_of_an_accelerate_launch_ends_with_our_lines_and_130_and_a_killed
     ChildFailedError's traceback before; now the lines of the ranks (of mpirun), and 128 + SIGKILL.
     MPICH's mpirun: launch/accelerate.sh gave it Open MPI's hostfile (Hydra: "token slots not supported", exit 255),
     and the Ctrl-C sent to its children reached its proxy, not the ranks, which trained on. A rank killed there: Hydra
-    ends the others at once, and exits 9 (its box: "EXIT STRING: Killed (signal 9)")."""
+    ends the others at once, and exits 9 (its box: "EXIT STRING: Killed (signal 9)"). No run leaves torchrun's log
+    dir in TMPDIR (--multi_gpu left one each)."""
     if mode == "mpirun":
         require("mpirun", "apt-get install openmpi-bin")
-    env = clean_env(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", DDP_CIFAR_FAULT="pause:1:r1")
+    (tmp := tmp_path / "tmp").mkdir()  # TMPDIR: --multi_gpu left torchrun's log dir (torchelastic_*) there each run
+    env = clean_env(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", DDP_CIFAR_FAULT="pause:1:r1",
+                    TMPDIR=str(tmp))  # fmt: skip
     if mode == "mpich":
         env.update(PATH=mpich(tmp_path))
     steps = [*TINY, "data.synthetic_train=2048", "train.epochs=20"] if mode == "mpich" else SLOW_STEPS  # (any step)
@@ -549,6 +552,7 @@ def test_ctrl_c_of_an_accelerate_launch_ends_with_our_lines_and_130_and_a_killed
     env.update(DDP_CIFAR_FAULT="step:3:r1")
     killed = subprocess.run([*accelerate_launch(mode), *TINY, f"run.out_dir={tmp_path / 'killed'}"], cwd=REPO,
                             env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert not list(tmp.glob("torchelastic_*")), list(tmp.iterdir())
     if mode == "mpich":
         said = killed.stdout + killed.stderr
         assert killed.returncode == signal.SIGKILL and "EXIT STRING: Killed (signal 9)" in said, said

@@ -20,11 +20,9 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 from pathlib import Path
 
@@ -54,25 +52,20 @@ def main(argv: list[str]) -> int:
     setattr(args, "bind-to", "socket:overload-allowed")
     accelerates = launch.simple_launcher  # (launch_command calls it for --cpu: through mpirun, or one process)
     launch.simple_launcher = lambda args: (_through_mpirun if args.mpirun_hostfile else accelerates)(args)
-    # torchrun's log dir (--multi_gpu), a /tmp/torchelastic_* left behind every run where none is given: ours, removed
-    ours = None if args.log_dir or args.mpirun_hostfile else tempfile.mkdtemp(prefix="torchelastic_")
-    args.log_dir = args.log_dir or ours
-    try:
-        launch_command(args)
-    except SentToTheRanks as e:  # a stop signal: they saved, and said so
-        return 128 + e.signum
-    except torchrun.SignalException as e:  # the ranks were stopped: their lines are printed
-        return 128 + int(e.sigval)
-    except torchrun.ChildFailedError as e:
-        return torchrun.failed(e)
-    except subprocess.CalledProcessError as e:  # mpirun's exit: a rank's failure (its line said why), or a signal's
-        return e.returncode if e.returncode > 0 else 128 - e.returncode
-    except KeyboardInterrupt:  # a Ctrl-C before mpirun or torchrun's agent took it: what started is waited for
-        _wait_for_children()
-        return 128 + signal.SIGINT
-    finally:
-        if ours:
-            shutil.rmtree(ours, ignore_errors=True)
+    with torchrun.log_dir(args.log_dir, needed=not args.mpirun_hostfile) as args.log_dir:  # (--multi_gpu's agent)
+        try:
+            launch_command(args)
+        except SentToTheRanks as e:  # a stop signal: they saved, and said so
+            return 128 + e.signum
+        except torchrun.SignalException as e:  # the ranks were stopped: their lines are printed
+            return 128 + int(e.sigval)
+        except torchrun.ChildFailedError as e:
+            return torchrun.failed(e)
+        except subprocess.CalledProcessError as e:  # mpirun's exit: a rank's failure (its line said why), or a signal's
+            return e.returncode if e.returncode > 0 else 128 - e.returncode
+        except KeyboardInterrupt:  # a Ctrl-C before mpirun or torchrun's agent took it: what started is waited for
+            _wait_for_children()
+            return 128 + signal.SIGINT
     return 0
 
 

@@ -31,6 +31,7 @@ and its exit code, where torchrun waited out its join timeout (600 s) in silence
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -42,6 +43,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -142,18 +144,28 @@ def main(argv: list[str]) -> int:
         watched = (store, elastic, fixed_nodes_store(args))
         watch = threading.Thread(target=leave_after_the_ranks, args=watched, name="ddp-agent-watch", daemon=True)
         watch.start()
-    # torch's own log dir (its ranks' error files) where none is given: a /tmp/torchelastic_* it left behind every run
-    logs = None if args.log_dir else tempfile.mkdtemp(prefix="torchelastic_")
-    try:
-        torchrun(argv if logs is None else ["--log-dir", logs, *argv])
-    except SignalException as e:  # the ranks were stopped: their lines are printed
-        return 128 + int(e.sigval)
-    except ChildFailedError as e:
-        return failed(e)
-    finally:
-        if logs:
-            shutil.rmtree(logs, ignore_errors=True)
+    with log_dir(args.log_dir) as logs:
+        try:
+            torchrun(argv if logs == args.log_dir else ["--log-dir", logs, *argv])
+        except SignalException as e:  # the ranks were stopped: their lines are printed
+            return 128 + int(e.sigval)
+        except ChildFailedError as e:
+            return failed(e)
     return 0
+
+
+@contextlib.contextmanager
+def log_dir(given: str | None, needed: bool = True) -> Iterator[str | None]:
+    """torchrun's log dir (its ranks' error files): `given`, else (where `needed`) one of ours, removed at the end.
+    torch's own, a /tmp/torchelastic_* where none is given, was left behind by every run."""
+    if given or not needed:
+        yield given
+        return
+    ours = tempfile.mkdtemp(prefix="torchelastic_")
+    try:
+        yield ours
+    finally:
+        shutil.rmtree(ours, ignore_errors=True)
 
 
 def quiet_agent_logs() -> None:

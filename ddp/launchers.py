@@ -189,13 +189,12 @@ def detect_launch(env: Env = os.environ, launcher: str = "auto") -> Launch:
 def _not_plain_mpirun(env: Env) -> None:
     """`mpirun -n 2 python ddp/train.py` (no accelerate): each process ran alone, and the second found the run's
     out_dir "in use by another run" (the first). Before SLURM's variables: mpirun inside an allocation has them too."""
-    for names in _MPI_VARS:
-        if names[0] in env and (size := _counts(env, names)[2]) > 1:
-            raise UsageError(
-                f"mpirun started {size} processes, and ddp-cifar takes its ranks from torchrun, srun or accelerate "
-                f"(which runs mpirun for you): torchrun --standalone --nproc_per_node={size} ddp/train.py ..., or "
-                f"NPROC={size} bash launch/accelerate.sh ..."
-            )
+    if (size := _mpi_size(env)) > 1:
+        raise UsageError(
+            f"mpirun started {size} processes, and ddp-cifar takes its ranks from torchrun, srun or accelerate "
+            f"(which runs mpirun for you): torchrun --standalone --nproc_per_node={size} ddp/train.py ..., or "
+            f"NPROC={size} bash launch/accelerate.sh ..."
+        )
 
 
 def speaks_for_its_machine(env: Env = os.environ) -> bool:
@@ -247,7 +246,14 @@ def has_peers(env: Env = os.environ) -> bool:
     others wait for it, or mpirun, ending all at the first exit, killed it before it had, 1 run in 4 inside sbatch)."""
     if launch := launched(env):
         return launch.world_size > 1
-    return any(env.get(names[2], "").isdigit() and int(env[names[2]]) > 1 for names in _MPI_VARS)
+    with contextlib.suppress(UsageError):  # (its variables make no sense: not known, so no)
+        return _mpi_size(env) > 1
+    return False
+
+
+def _mpi_size(env: Env) -> int:
+    """The processes MPI's variables (Open MPI's, MPICH's) say it started; 0 where there are none."""
+    return next((_counts(env, names)[2] for names in _MPI_VARS if names[0] in env), 0)
 
 
 def launched(env: Env = os.environ) -> Launch | None:

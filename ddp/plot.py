@@ -1,6 +1,6 @@
 """`python -m ddp.plot RUN_DIR [RUN_DIR ...] [--out DIR]`: charts of runs, as PNGs (headless,
-matplotlib's Agg backend) from each run's metrics.jsonl (RUN_DIR, or that file named), into --out (default:
-the first RUN_DIR).
+matplotlib's Agg backend) from each run's metrics.jsonl (RUN_DIR, or that file named: a copy under another name,
+runs/a.jsonl, is the run "a"), into --out (default: the first RUN_DIR, or the directory of the first file).
 
 - curves.png: train loss and test accuracy per epoch, one line per run (e.g. 1 vs 2 vs 4 processes);
 - per_class.png: per-class test accuracy of each run's last evaluated epoch, bars with class names (with more
@@ -24,14 +24,15 @@ from ddp.errors import UsageError
 from ddp.metrics import shown_classes
 
 DPI = 100  # figure sizes below are in inches: PNG pixels = inches x DPI
+SHOWN_LINES = 10  # line numbers named in a note of lines left out; the rest counted
 
 
-def read_run(run_dir: Path) -> list[dict[str, Any]]:
-    """A run's epochs from its metrics.jsonl; a line that is no whole record of one (a run killed while
-    writing it, an edit) is left out, with a note on stderr."""
-    path = rundir.metrics_path(run_dir)
+def read_run(run: Path) -> list[dict[str, Any]]:
+    """A run's epochs from its metrics.jsonl (`run` its out_dir, or the file); a line that is no whole record of one
+    (a run killed while writing it, an edit) is left out, with a note on stderr."""
+    path = run if run.is_file() else rundir.metrics_path(run)
     if not files.existing(path) or not path.is_file():
-        raise UsageError(f"{run_dir}: no metrics.jsonl (is it a run.out_dir of ddp/train.py?)")
+        raise UsageError(f"{run}: no metrics.jsonl (is it a run.out_dir of ddp/train.py?)")
     rows, left_out = [], []
     for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
         row = rundir.metrics_record(line) if line.strip() else None
@@ -39,9 +40,12 @@ def read_run(run_dir: Path) -> list[dict[str, Any]]:
             rows.append(row)
         elif line.strip():
             left_out.append(str(number))
-    bad = f"line {', '.join(left_out)}: not an epoch's whole record"
+    more = f" and {len(left_out) - SHOWN_LINES:,} more" if len(left_out) > SHOWN_LINES else ""
+    bad = f"line {', '.join(left_out[:SHOWN_LINES])}{more}: not an epoch's whole record"
+    if not rows and left_out:  # a file that is no metrics.jsonl (a checkpoint named by mistake): its lines, not a list
+        raise UsageError(f"{path}: {bad}" + (" (is it a run's metrics.jsonl?)" if more else ""))
     if not rows:
-        raise UsageError(f"{path}: {bad}" if left_out else f"{path} is empty: the run has not finished an epoch yet")
+        raise UsageError(f"{path} is empty: the run has not finished an epoch yet")
     if left_out:
         print(f"note: {path}: {bad}, left out", file=sys.stderr)
     return rows
@@ -79,16 +83,21 @@ def _fraction(x: Any) -> bool:
 
 def named(run_dirs: list[Path]) -> list[tuple[str, Path]]:
     """Each run once (one named twice is drawn once), with its name on the charts and in its confusion chart's
-    file: its directory's name, or the least of its path that tells it from the others (runs/a/quick and
-    runs/b/quick: a-quick and b-quick)."""
+    file: its directory's name (a metrics file of another name: that name, less a .jsonl suffix), or the least of its
+    path that tells it from the others (runs/a/quick and runs/b/quick: a-quick and b-quick; runs/a and runs/a.jsonl,
+    whole paths alike: a-... and a-...-2)."""
     first: dict[tuple[str, ...], Path] = {}
     for d in run_dirs:
         first.setdefault(d.resolve().parts, d)
-    paths, depth = list(first), [1] * len(first)
+    stems = [d.with_suffix("") if d.is_file() and d.suffix == ".jsonl" else d for d in first.values()]
+    paths = [d.resolve().parts[1:] for d in stems]  # without the root: a name has no "/" in it
+    depth = [1] * len(paths)
     while True:
         found = ["-".join(parts[-n:]) for parts, n in zip(paths, depth)]
         clash = [i for i, name in enumerate(found) if found.count(name) > 1 and depth[i] < len(paths[i])]
         if not clash:
+            found = [name if found[:i].count(name) == 0 else f"{name}-{found[:i].count(name) + 1}" for i, name in
+                     enumerate(found)]  # fmt: skip
             return list(zip(found, first.values()))
         for i in clash:  # more of their paths, for those of one name only
             depth[i] += 1
@@ -197,7 +206,8 @@ def main(argv: list[str]) -> None:
     if not run_dirs:
         raise UsageError(f"name at least one run: {usage}")
     paths = [Path(d).parent if Path(d).name == "metrics.jsonl" and Path(d).is_file() else Path(d) for d in run_dirs]
-    for path in plot(paths, Path(options["out"]) if options["out"] else paths[0]):
+    first_dir = paths[0].parent if paths[0].is_file() else paths[0]
+    for path in plot(paths, Path(options["out"]) if options["out"] else first_dir):
         cli.show(str(path))
 
 

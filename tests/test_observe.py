@@ -151,6 +151,30 @@ def test_plot_leaves_out_records_whose_classes_accuracies_or_confusion_do_not_fi
     )
 
 
+def test_metrics_files_of_other_names_are_runs_of_those_names_and_a_file_of_no_records_is_one_short_line(
+    tmp_path, capsys
+):
+    """Metrics copied off a cluster under names of their own (runs/a.jsonl, runs/a.txt): each was "no metrics.jsonl";
+    now each is the run of its name, drawn into their directory, and a run's directory of the same name (runs/a) is
+    told apart from the file. A checkpoint named by mistake listed each of its lines' numbers; now the first ten, a
+    count, and what was wanted."""
+    for name in ("a.jsonl", "a.txt"):
+        (tmp_path / name).write_text(EPOCH % 1 + "\n")
+    write_metrics(tmp_path / "a", EPOCH % 1)
+    assert command(plot.main, [str(tmp_path / n) for n in ("a.jsonl", "a.txt", "a/metrics.jsonl")]) == 0
+    parent = "-".join(tmp_path.parts[1:])
+    assert capsys.readouterr().out.splitlines()[-3:] == [
+        f"{tmp_path}/confusion-{name}.png" for name in (f"{parent}-a", "a.txt", f"{parent}-a-2")
+    ]
+    binary = tmp_path / "last.pt"
+    binary.write_bytes(b"PK\x03\x04" + b"\x00\n" * 12)
+    assert command(plot.main, [str(binary)]) == 2
+    assert capsys.readouterr().err == (
+        f"error: {binary}: line 1, 2, 3, 4, 5, 6, 7, 8, 9, 10 and 2 more: not an epoch's whole record (is it a "
+        "run's metrics.jsonl?)\n"
+    )
+
+
 def test_eval_every_evaluates_every_nth_and_the_last_epoch_and_trains_the_same(tmp_path, capsys):
     """train.eval_every=2 over 3 epochs: epochs 2 and 3 evaluate, epoch 1 has its loss and speed only,
     in the epoch line, metrics.jsonl, TensorBoard, the checkpoint's summary and the plots; and the

@@ -11,6 +11,8 @@ matplotlib is an optional extra: pip install 'ddp-cifar[plot]'.
 
 from __future__ import annotations
 
+import os
+import stat
 import sys
 from pathlib import Path
 from typing import Any
@@ -30,7 +32,7 @@ SHOWN_LINES = 10  # line numbers named in a note of lines left out; the rest cou
 def read_run(run: Path) -> list[dict[str, Any]]:
     """A run's epochs from its metrics.jsonl (`run` its out_dir, or the file); a line that is no whole record of one
     (a run killed while writing it, an edit) is left out, with a note on stderr."""
-    path = run if run.is_file() else rundir.metrics_path(run)
+    path = run if _a_file(run) else rundir.metrics_path(run)
     if not files.existing(path) or not path.is_file():
         raise UsageError(f"{run}: no metrics.jsonl (is it a run.out_dir of ddp/train.py?)")
     rows, left_out = [], []
@@ -49,6 +51,15 @@ def read_run(run: Path) -> list[dict[str, Any]]:
     if left_out:
         print(f"note: {path}: {bad}, left out", file=sys.stderr)
     return rows
+
+
+def _a_file(path: Path) -> bool:
+    """Whether a file stands at `path`; False where this user may not look (Path.is_file() raised that before
+    Python 3.14: read_run names the metrics file it could not read, not the run)."""
+    try:
+        return stat.S_ISREG(os.stat(path).st_mode)
+    except OSError:
+        return False
 
 
 def _plottable(row: dict[str, Any]) -> bool:
@@ -89,7 +100,7 @@ def named(run_dirs: list[Path]) -> list[tuple[str, Path]]:
     first: dict[tuple[str, ...], Path] = {}
     for d in run_dirs:
         first.setdefault(d.resolve().parts, d)
-    stems = [d.with_suffix("") if d.is_file() and d.suffix == ".jsonl" else d for d in first.values()]
+    stems = [d.with_suffix("") if _a_file(d) and d.suffix == ".jsonl" else d for d in first.values()]
     paths = [d.resolve().parts[1:] for d in stems]  # without the root: a name has no "/" in it
     depth = [1] * len(paths)
     while True:
@@ -205,8 +216,8 @@ def main(argv: list[str]) -> None:
     options, run_dirs = cli.parse(argv, f"{usage}\n\n{__doc__}", [cli.Option("--out", "DIR")])
     if not run_dirs:
         raise UsageError(f"name at least one run: {usage}")
-    paths = [Path(d).parent if Path(d).name == "metrics.jsonl" and Path(d).is_file() else Path(d) for d in run_dirs]
-    first_dir = paths[0].parent if paths[0].is_file() else paths[0]
+    paths = [Path(d).parent if Path(d).name == "metrics.jsonl" and _a_file(Path(d)) else Path(d) for d in run_dirs]
+    first_dir = paths[0].parent if _a_file(paths[0]) else paths[0]
     for path in plot(paths, Path(options["out"]) if options["out"] else first_dir):
         cli.show(str(path))
 

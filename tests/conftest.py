@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -210,6 +211,24 @@ def _no_launcher_vars(monkeypatch: pytest.MonkeyPatch) -> None:
     """In-process tests are a plain single process, whatever shell pytest was started from."""
     for var in [k for k in os.environ if is_launch_var(k)]:
         monkeypatch.delenv(var, raising=False)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _scratch_in_pytests_temp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """TMPDIR of the suite and every process it starts: a folder in pytest's own temporary directory, which pytest
+    removes a few runs later. In /tmp a suite left 110 torchelastic_* folders (plain torchrun's log dirs) and more
+    of torch's scratch, never removed. One folder for pytest-xdist's workers (torch.compile's cache is in it)."""
+    base = tmp_path_factory.getbasetemp()
+    scratch = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "TMPDIR"
+    scratch.mkdir(exist_ok=True)
+    before = os.environ.get("TMPDIR")
+    os.environ["TMPDIR"], tempfile.tempdir = str(scratch), None  # tempfile reads TMPDIR once, and again after None
+    yield
+    if before is None:
+        del os.environ["TMPDIR"]
+    else:
+        os.environ["TMPDIR"] = before
+    tempfile.tempdir = None
 
 
 @pytest.fixture

@@ -12,14 +12,17 @@ shares, with its quieting of the agent's log lines that repeat the ranks'.
 Through mpirun (`_through_mpirun`), mpirun runs in a process group of its own, and this process sends the ranks the
 stop signals it takes (Ctrl-C, `kill`, a hang-up): mpirun took SIGINT and SIGTERM as its end, and sent each rank
 SIGTERM 1 s later and SIGKILL 1 s after that (Open MPI's odls_base_sigkill_timeout): a rank whose step took longer was
-killed in it, with no checkpoint and no line. After such a stop mpirun's boxes that say a rank ended non-zero, or
-ended on that signal (a rank still starting), are left out: the ranks' lines say why.
+killed in it, with no checkpoint and no line. mpirun's boxes are relayed as lines where lines say more (_relay: Open
+MPI's on stderr, _relay_hydra: MPICH's on stdout): a rank killed is one line, and the boxes of ranks that ended
+non-zero or on the stop signal sent are left out after a stop or a rank's line of why.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -71,7 +74,10 @@ def main(argv: list[str]) -> int:
 
 # The signals the ranks stop on by default (run.stop_signal), and SIGUSR2, which mpirun passed on
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
-BOX = b"-" * 74 + b"\n"  # the first and last line of each of mpirun's boxes
+BOX = b"-" * 74 + b"\n"  # the first and last line of each of Open MPI's boxes
+OPEN_MPI_KILLED = re.compile(rb"mpirun noticed that process rank (\d+) with PID \d+ on node \S+ exited on signal (\d+)")
+HYDRA_RULE = b"=" * 83 + b"\n"  # MPICH's (Hydra's): around its box, on stdout
+HYDRA_KILLED = re.compile(rb"=   PID (\d+) RUNNING AT .*EXIT STRING: .*\(signal (\d+)\)", re.S)
 
 
 class SentToTheRanks(Exception):
@@ -87,7 +93,8 @@ def _through_mpirun(args: object) -> None:
 
     cmd, env = prepare_simple_launcher_cmd_env(args)
     forwarded = [s for s in FORWARDED if signal.getsignal(s) is not signal.SIG_IGN]  # (`&` in a script, nohup: left)
-    stops: list[int] = []
+    seen = Seen()
+    stops = seen.stops
 
     def forward(signum: int, frame: object) -> None:
         stops.append(signum)  # to the ranks (below mpirun), or to mpirun while it starts them
@@ -102,41 +109,94 @@ def _through_mpirun(args: object) -> None:
     signal.pthread_sigmask(signal.SIG_BLOCK, forwarded)  # a stop signal until mpirun has a pid waits, then is sent
     try:
         # (no stdin: mpirun reads it for rank 0, and a process group not in the terminal's foreground is stopped there)
-        mpirun = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=own_group)
+        pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE}  # (relayed: _relay, _relay_hydra)
+        mpirun = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, preexec_fn=own_group, **pipes)
         for signum in forwarded:
             signal.signal(signum, forward)
     finally:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, forwarded)
-    relay = threading.Thread(target=_relay, args=(mpirun.stderr, stops), daemon=True)
-    relay.start()
+    relays = [threading.Thread(target=_relay, args=(mpirun.stderr, seen), daemon=True),
+              threading.Thread(target=_relay_hydra, args=(mpirun.stdout, seen), daemon=True)]  # fmt: skip
+    for relay in relays:
+        relay.start()
     mpirun.wait()
-    relay.join(timeout=5)
+    for relay in relays:
+        relay.join(timeout=5)
     if stops:
         raise SentToTheRanks(stops[0])
-    if mpirun.returncode:
-        raise subprocess.CalledProcessError(mpirun.returncode, cmd)
+    if mpirun.returncode:  # MPICH's mpirun exits with the number of a signal that killed a rank: 128 + it, as elsewhere
+        code = -seen.killed if mpirun.returncode == seen.killed else mpirun.returncode
+        raise subprocess.CalledProcessError(code, cmd)
 
 
-def _relay(stream, stops: list[int]) -> None:
-    """mpirun's stderr (the ranks' too) to this process's, but its boxes of ranks that ended non-zero or on the signal
-    sent to them, after a stop: a rank still in its imports ends on a Ctrl-C (after its line), and mpirun said
-    "exited on signal 2 (Interrupt)" (6 of 11 Ctrl-Cs 1.5-8 s into launch/accelerate.sh, each at 3.5-5.5 s). Read to
-    its end, whatever this one's stderr does (mpirun would block on a full pipe, and its ranks with it)."""
+@dataclasses.dataclass
+class Seen:
+    """What the relays of mpirun's output have seen: the stop signals sent to the ranks, whether a line of ours (a
+    rank's `error: ...`) passed, and the signal that killed a rank, as mpirun's box said."""
+
+    stops: list[int] = dataclasses.field(default_factory=list)
+    said: bool = False
+    killed: int = 0
+
+
+def _relay(stream, seen: Seen) -> None:
+    """mpirun's stderr (the ranks' too) to this process's, but Open MPI's boxes where a line says more: those of
+    ranks that ended non-zero (held to the end) where a rank's line said why (`error: ...`: an out-of-memory rank's
+    line had two boxes beside it) or after a stop, of ranks ended by the signal sent to them (a rank still in its
+    imports ends on a Ctrl-C: "exited on signal 2 (Interrupt)" in 6 of 11 Ctrl-Cs 1.5-8 s into
+    launch/accelerate.sh, each at 3.5-5.5 s); a rank killed by another signal is one line, as ddp/torchrun.py says
+    it. Read to its end, whatever this one's stderr does (mpirun would block on a full pipe, and its ranks with
+    it)."""
     box: list[bytes] = []
+    non_zero: list[bytes] = []  # held to the end: a rank's line may come after mpirun's box of its exit
     for line in iter(stream.readline, b""):
+        seen.said = seen.said or line.startswith(b"error: ")
         if box or line == BOX:
             box.append(line)
             if len(box) == 1 or line != BOX:
                 continue
             line, box = b"".join(box), []
-            if stops and (b"non-zero" in line or any(b"exited on signal %d " % s in line for s in stops)):
+            if b"non-zero" in line:
+                non_zero.append(line)
                 continue
-        with contextlib.suppress(OSError, ValueError):
-            sys.stderr.buffer.write(line)
-            sys.stderr.buffer.flush()
+            if killed := OPEN_MPI_KILLED.search(line):
+                rank, signum = map(int, killed.groups())
+                if signum in seen.stops:
+                    continue
+                seen.killed, line = signum, f"error: {torchrun.killed(f'rank {rank}', signum)}\n".encode()
+        _write(sys.stderr, line)
+    _write(sys.stderr, b"".join(box + ([] if seen.stops or seen.said else non_zero)))  # (and a box not closed)
+
+
+def _relay_hydra(stream, seen: Seen) -> None:
+    """mpirun's stdout (the ranks' too) to this process's, but MPICH's box (Hydra's, on stdout, with the blank line
+    before it) of a rank killed by a signal: one line on stderr, as under Open MPI; none where it is the stop signal
+    sent to the ranks (a rank still in its imports). Read to its end, as _relay is."""
+    held: list[bytes] = []  # a blank line, then a box between two rules; once that is Hydra's, all to mpirun's end
+    for line in iter(stream.readline, b""):
+        rules = held.count(HYDRA_RULE)
+        hydras = rules == 2 and any(b"BAD TERMINATION" in h for h in held)
+        if hydras or (line == HYDRA_RULE and rules < 2) or (rules == 1 and line.startswith(b"=   ")):
+            held.append(line)
+            continue
+        _write(sys.stdout, b"".join(held))  # (no box of Hydra's: a rank's blank line, or its own lines of '=')
+        held = [line] if line in (b"\n", HYDRA_RULE) else []
+        _write(sys.stdout, b"" if held else line)
+    killed = HYDRA_KILLED.search(b"".join(held))
+    if killed and int(killed[2]) in seen.stops:
+        return
+    if killed:
+        seen.killed = int(killed[2])
+        _write(sys.stderr, f"error: {torchrun.killed(f'a rank (pid {int(killed[1])})', seen.killed)}; MPICH's mpirun "
+                           "ended the others\n".encode())  # fmt: skip
+        return
+    _write(sys.stdout, b"".join(held))
+
+
+def _write(stream, data: bytes) -> None:
     with contextlib.suppress(OSError, ValueError):
-        sys.stderr.buffer.write(b"".join(box))  # (a box not closed)
-        sys.stderr.buffer.flush()
+        stream.buffer.write(data)
+        stream.buffer.flush()
 
 
 def _wait_for_children() -> None:

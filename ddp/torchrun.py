@@ -234,12 +234,23 @@ def failed(error: ChildFailedError) -> int:
     for rank, failure in sorted(failures.items()):
         stopped = rank != first and failure.exitcode == -signal.SIGTERM  # torchrun's "closing signal SIGTERM"
         if not os.path.isfile(failure.error_file) and not stopped:
-            how = f"was killed by {failure.signal_name()}" if failure.exitcode < 0 else f"exited {failure.exitcode}"
-            oom = oom_killed() if failure.exitcode == -signal.SIGKILL else None  # (it has no word of its own)
-            how += f": out of memory, most likely ({oom}); {MACHINE_MEMORY_FIX}" if oom else ""
-            print(f"error: rank {rank} (pid {failure.pid}) {how}", file=sys.stderr, flush=True)
+            who = f"rank {rank} (pid {failure.pid})"
+            line = killed(who, -failure.exitcode) if failure.exitcode < 0 else f"{who} exited {failure.exitcode}"
+            print(f"error: {line}", file=sys.stderr, flush=True)
     code = failures[first].exitcode
     return code if code > 0 else 128 - code if code < 0 else EXIT_FAILURE
+
+
+def killed(who: str, signum: int) -> str:
+    """`who` (a rank) killed by signal `signum`, which left no line of its own: by the kernel for memory, most likely,
+    where SIGKILL came as this machine's out-of-memory kills rose."""
+    try:
+        name = signal.Signals(signum).name
+    except ValueError:  # (a real-time signal)
+        name = f"signal {signum}"
+    oom = oom_killed() if signum == signal.SIGKILL else None
+    why = f": out of memory, most likely ({oom}); {MACHINE_MEMORY_FIX}" if oom else ""
+    return f"{who} was killed by {name}{why}"
 
 
 def leave_after_the_ranks(store: tuple[str, int] | None, elastic: bool, nodes: tuple[str, int] | None) -> None:

@@ -213,18 +213,64 @@ ON_SIGINT = MPIRUN_BOX + b"mpirun noticed that process rank 0 with PID 0 on node
 
 @pytest.mark.parametrize("stops", [[], [2]])
 def test_mpiruns_boxes_of_a_non_zero_exit_are_left_out_after_a_stop_signal_and_nothing_else(stops, capfdbinary):
-    """ddp/accelerate_launch.py relays mpirun's stderr (the ranks' lines too). After a stop signal it sent the ranks,
+    """ddp/accelerate_launch.py relays mpirun's stderr (the ranks' too). After a stop signal it sent the ranks,
     the boxes that say a rank ended non-zero (their exit 75) or on that signal (a rank still in its imports) are left
-    out; every other line stays, in its order: a box of a rank killed by another signal, a rank's line of dashes that
-    opens no box that closes (kept at the end)."""
+    out; every other line stays, in its order: a rank killed by another signal as one line of ours, a rank's line of
+    dashes that opens no box that closes (kept at the end)."""
     from ddp import accelerate_launch
 
     rank_line = b"stopping on SIGINT: checkpoint runs/x/checkpoints/step-000000012.pt\n"
     on_sigint = ON_SIGINT + MPIRUN_BOX
     stream = io.BytesIO(rank_line + EXIT_75 + on_sigint + KILLED + b"after\n" + MPIRUN_BOX + b"a rank's own table\n")
-    accelerate_launch._relay(stream, stops)
-    left = b"" if stops else EXIT_75 + on_sigint
-    assert capfdbinary.readouterr().err == rank_line + left + KILLED + b"after\n" + MPIRUN_BOX + b"a rank's own table\n"
+    seen = accelerate_launch.Seen(stops=stops)
+    accelerate_launch._relay(stream, seen)
+    sigint = b"" if stops else b"error: rank 0 was killed by SIGINT\n"
+    killed = b"error: rank 1 was killed by SIGKILL\nafter\n"
+    table = MPIRUN_BOX + b"a rank's own table\n"
+    assert capfdbinary.readouterr().err == rank_line + sigint + killed + table + (b"" if stops else EXIT_75)
+    assert seen.killed == signal.SIGKILL
+
+
+def test_mpiruns_boxes_of_a_non_zero_exit_are_left_out_where_a_ranks_line_said_why_before_or_after_them(capfdbinary):
+    """A rank out of memory said why (`error: rank 1 of 2: out of memory ...`), and so did the rank it left; Open
+    MPI's two boxes that ranks ended non-zero came between and after their lines. A box may come before the line of
+    the rank whose exit it is (mpirun saw the exit before the line came through): each is held to the end."""
+    from ddp import accelerate_launch
+
+    lines = b"error: rank 1 of 2: out of memory\n", b"error: rank 0 of 2: lost contact with rank 1\n"
+    accelerate_launch._relay(io.BytesIO(EXIT_75 + lines[0] + EXIT_75 + lines[1]), accelerate_launch.Seen())
+    assert capfdbinary.readouterr().err == b"".join(lines)
+    accelerate_launch._relay(io.BytesIO(b"a rank's line\n" + EXIT_75), accelerate_launch.Seen())  # no line of ours
+    assert capfdbinary.readouterr().err == b"a rank's line\n" + EXIT_75
+
+
+HYDRA_RULE = b"=" * 83 + b"\n"
+HYDRA_BOX = (b"\n" + HYDRA_RULE + b"=   BAD TERMINATION OF ONE OF YOUR APPLICATION PROCESSES\n=   PID 29169 RUNNING AT "
+             b"localhost\n=   EXIT CODE: 9\n=   CLEANING UP REMAINING PROCESSES\n=   YOU CAN IGNORE THE BELOW CLEANUP "
+             b"MESSAGES\n" + HYDRA_RULE + b"YOUR APPLICATION TERMINATED WITH THE EXIT STRING: Killed (signal 9)\n"
+             b"This typically refers to a problem with your application.\nPlease see the FAQ page for debugging "
+             b"suggestions\n")  # fmt: skip
+
+
+@pytest.mark.parametrize("stops", [[], [signal.SIGKILL]])
+def test_mpichs_box_of_a_killed_rank_is_one_line_and_its_exit_code_the_signals(stops, capfdbinary):
+    """MPICH's mpirun (Hydra) said that a rank was killed in a box on stdout, with its blank line before it, and exited
+    with the signal's number (9), which accelerate_launch passed on: the box is now one line on stderr, as Open MPI's
+    is, and the exit code 128 + 9 (seen.killed). The ranks' own blank lines and rules of '=' stay; after a stop by
+    that signal the box goes without a line."""
+    from ddp import accelerate_launch
+
+    ranks = (b"epoch 1/2\n\n" + HYDRA_RULE + b"a rank's table\n\n\n" + HYDRA_RULE + b"=   a rank's box\n" + HYDRA_RULE +
+             b"end\n" + HYDRA_RULE + HYDRA_RULE + b"\n")  # fmt: skip
+    seen = accelerate_launch.Seen(stops=stops)
+    accelerate_launch._relay_hydra(io.BytesIO(ranks + HYDRA_BOX), seen)
+    out, err = capfdbinary.readouterr()
+    assert out == ranks
+    said = b"error: a rank (pid 29169) was killed by SIGKILL; MPICH's mpirun ended the others\n"
+    assert err == (b"" if stops else said)
+    assert seen.killed == (0 if stops else signal.SIGKILL)
+    accelerate_launch._relay_hydra(io.BytesIO(b"x\n" + HYDRA_RULE), accelerate_launch.Seen())  # no box: kept
+    assert capfdbinary.readouterr().out == b"x\n" + HYDRA_RULE
 
 
 def test_the_ranks_below_mpirun_are_found_as_its_children_or_below_a_proxy(tmp_path):

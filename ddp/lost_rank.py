@@ -298,8 +298,9 @@ def wait_for_everyone(
 def explain(
     world: World, error: BaseException, timeout_s: float, store: dist.Store | None, stopped_s: float = 0.0
 ) -> PeerLost:
-    """The one line for a failed collective: this rank, the rank(s) it lost and their hosts, and the
-    first line of torch's error; `stopped_s`, how long this process was stopped just before (lifeline), if it was."""
+    """The one line for a failed collective: this rank, the rank(s) it lost and their hosts, and the first line of
+    torch's error (but where the rank it lost said why); `stopped_s`, how long this process was stopped just before
+    (lifeline), if it was."""
     first = first_line(error)
     hung = "imed out" in first or "imeout" in first
     what = f"no answer within run.timeout_s={timeout_s:g}: hung" if hung else "its connection closed: it died"
@@ -308,8 +309,8 @@ def explain(
         asked(lambda: store.set(f"{OOM}/{socket.gethostname()}", str(kills)), 1.0)
     silent = silent_ranks(world, store)
     word = asked(lambda: word_left(store, WHY), 2.0) if silent and store is not None else None
-    if word and str(word["rank"]) in map(str, silent):  # it said why (say_why)
-        what = f"it stopped: {word['line']}"
+    if word and str(word["rank"]) in map(str, silent):  # it said why (say_why): torch's words add nothing to it
+        what, first = f"it stopped: {word['line']}", ""
     elif not hung and silent:  # killed without a word: this machine's out-of-memory kills (counted above), and
         here = oom_killed(kills) if socket.gethostname() in silent.values() else None  # those told from others
         told = asked(lambda: _oom_told(store, silent), 2.0) if store is not None else None
@@ -324,4 +325,5 @@ def explain(
         who = f"the other ranks (the rendezvous store does not answer either: is {socket.gethostname()} cut off?)"
     else:  # no store to ask (one rank 0 served is gone with it, or left with it)
         who = f"rank {1 - world.rank}" if world.world_size == 2 else "another rank"
-    return PeerLost(f"rank {world.rank} of {world.world_size}: lost contact with {who} ({what}) [{first}]")
+    torchs = f" [{first}]" if first else ""
+    return PeerLost(f"rank {world.rank} of {world.world_size}: lost contact with {who} ({what}){torchs}")

@@ -386,6 +386,8 @@ def test_a_rank_that_runs_out_of_memory_is_named_with_why_by_the_rank_on_another
     said = "out of memory (CUDA out of memory. Tried to allocate 2.00 GiB (DDP_CIFAR_FAULT=oom:3:r1)); try a smaller"
     assert f"error: rank 1 of 2: {said}" in errors, errors
     assert f"error: rank 0 of 2: lost contact with rank 1 (it stopped: {said}" in errors, errors
+    (lost,) = [line for line in errors.splitlines() if line.startswith("error: rank 0 of 2: lost contact")]
+    assert lost.endswith("(the data off the GPU))"), lost  # without torch's words after it (gloo's, 'GLHF!')
 
 
 @pytest.mark.parametrize("fails", [1, 0])

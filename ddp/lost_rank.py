@@ -7,6 +7,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import re
 import signal
 import socket
 import sys
@@ -37,6 +38,9 @@ from ddp.errors import (
 # Failures of a collective that say nothing more specific than their text (gloo and nccl raise
 # RuntimeError or DistError with these words). gloo's "Application timeout caused pair closure" comes
 # from a collective inside DDP's forward (its buffer broadcast) when a peer's link is down.
+# gloo's words after what happened, in every lost connection's error: "... remote worker crashing. Check the logs of
+# the remote worker before reporting an error. GLHF! 🏖️" (a line that names the rank lost and how says more)
+GLOOS_ADVICE = " This is typically caused by"
 _COMM_WORDS = ("gloo", "NCCL", "Connection reset", "Connection closed", "imed out", "pair closure")
 
 
@@ -303,6 +307,7 @@ def explain(
     (lifeline), if it was."""
     first = first_line(error)
     hung = "imed out" in first or "imeout" in first
+    first = re.sub(r"^\[\S+:\d+\] ", "", first).split(GLOOS_ADVICE)[0]  # (its source file and line: torch's build's)
     what = f"no answer within run.timeout_s={timeout_s:g}: hung" if hung else "its connection closed: it died"
     kills = 0 if hung or store is None else oom_kills_since()
     if kills:  # for the ranks of other machines, which see only a closed connection: before the check-in's wait

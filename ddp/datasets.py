@@ -114,9 +114,10 @@ def _npz(cfg: DataConfig, parts: tuple[str, ...]) -> dict[str, Split | list[str]
             raise UsageError(f"data.path={cfg.path}: x_{part} must be uint8 (N, 32, 32, 3), got {x.dtype} {x.shape}"
                              f"{_layout_fix(x)}")  # fmt: skip
         if y.ndim != 1 or len(y) != len(x):
+            one_hot = y.ndim == 2 and len(y) == len(x) and y.shape[1] > 1  # (N, classes): a row a label
             raise UsageError(
                 f"data.path={cfg.path}: y_{part} has shape {y.shape} but x_{part} holds {len(x)} images: "
-                "one label per image, (N,)"
+                "one label per image, (N,)" + ("; one-hot rows (or scores): y.argmax(axis=1)" if one_hot else "")
             )
         if len(x) == 0:
             raise UsageError(f"data.path={cfg.path}: x_{part} and y_{part} are empty: the {part} split has no images")

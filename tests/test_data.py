@@ -162,6 +162,19 @@ def test_images_in_another_common_layout_are_refused_with_how_to_write_them(tmp_
         datasets.read(DataConfig(dataset="npz", path=str(path)), CPU)
 
 
+@pytest.mark.parametrize("labels, fix", [(np.eye(10)[[1, 2]], "; one-hot rows (or scores): y.argmax(axis=1)"),
+                                         (np.zeros((3,)), ""), (np.zeros((2, 1)), "")])  # fmt: skip
+def test_labels_one_hot_or_of_another_count_are_refused_and_one_hot_ones_with_how_to_write_them(tmp_path, labels, fix):
+    """Labels as Keras keeps them (a one-hot row an image) said what was wanted and what came; they now also say how
+    to write them. A count that is not the images', or one column, has no such fix."""
+    path, images = tmp_path / "d.npz", np.zeros((2, 32, 32, 3), np.uint8)
+    np.savez(path, x_train=images, y_train=labels, x_test=images, y_test=np.zeros(2, np.int64))
+    with pytest.raises(UsageError) as refused:
+        datasets.read(DataConfig(dataset="npz", path=str(path)), CPU)
+    assert str(refused.value) == (f"data.path={path}: y_train has shape {labels.shape} but x_train holds 2 images: one "
+                                  f"label per image, (N,){fix}")  # fmt: skip
+
+
 def test_evaluating_on_data_whose_class_names_are_not_the_models_is_refused():
     """A model's class 3 is not "cat" of data that names its classes in another order: the accuracy would be
     of nothing (was computed without a word). Names made up from indices (data without names) are no names. The

@@ -95,6 +95,7 @@ def _through_mpirun(args: object) -> None:
     forwarded = [s for s in FORWARDED if signal.getsignal(s) is not signal.SIG_IGN]  # (`&` in a script, nohup: left)
     seen = Seen()
     stops = seen.stops
+    hydra = "--hostfile" not in cmd  # accelerate's arguments for an mpirun that is not Open MPI's (MPICH's: Hydra)
 
     def forward(signum: int, frame: object) -> None:
         stops.append(signum)  # to the ranks (below mpirun), or to mpirun while it starts them
@@ -109,14 +110,16 @@ def _through_mpirun(args: object) -> None:
     signal.pthread_sigmask(signal.SIG_BLOCK, forwarded)  # a stop signal until mpirun has a pid waits, then is sent
     try:
         # (no stdin: mpirun reads it for rank 0, and a process group not in the terminal's foreground is stopped there)
-        pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE}  # (relayed: _relay, _relay_hydra)
-        mpirun = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, preexec_fn=own_group, **pipes)
+        out = subprocess.PIPE if hydra else None  # (relayed: _relay, and _relay_hydra under MPICH only: see there)
+        mpirun = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.PIPE,
+                                  preexec_fn=own_group)  # fmt: skip
         for signum in forwarded:
             signal.signal(signum, forward)
     finally:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, forwarded)
-    relays = [threading.Thread(target=_relay, args=(mpirun.stderr, seen), daemon=True),
-              threading.Thread(target=_relay_hydra, args=(mpirun.stdout, seen), daemon=True)]  # fmt: skip
+    relays = [threading.Thread(target=_relay, args=(mpirun.stderr, seen), daemon=True)]
+    if hydra:
+        relays.append(threading.Thread(target=_relay_hydra, args=(mpirun.stdout, seen), daemon=True))
     for relay in relays:
         relay.start()
     mpirun.wait()
@@ -171,7 +174,9 @@ def _relay(stream, seen: Seen) -> None:
 def _relay_hydra(stream, seen: Seen) -> None:
     """mpirun's stdout (the ranks' too) to this process's, but MPICH's box (Hydra's, on stdout, with the blank line
     before it) of a rank killed by a signal: one line on stderr, as under Open MPI; none where it is the stop signal
-    sent to the ranks (a rank still in its imports). Read to its end, as _relay is."""
+    sent to the ranks (a rank still in its imports). Read to its end, as _relay is. Under MPICH only: a kill -9 of
+    this process leaves no reader, and the ranks' lines after it are lost (their stop line, under Open MPI: tests/
+    test_resume.py), as their stderr's are under either."""
     held: list[bytes] = []  # a blank line, then a box between two rules; once that is Hydra's, all to mpirun's end
     for line in iter(stream.readline, b""):
         rules = held.count(HYDRA_RULE)

@@ -75,7 +75,8 @@ def main(argv: list[str]) -> int:
 # The signals the ranks stop on by default (run.stop_signal), and SIGUSR2, which mpirun passed on
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 BOX = b"-" * 74 + b"\n"  # the first and last line of each of Open MPI's boxes
-OPEN_MPI_KILLED = re.compile(rb"mpirun noticed that process rank (\d+) with PID \d+ on node \S+ exited on signal (\d+)")
+# "mpirun noticed that process rank 1 with PID 0 on node vm exited on signal 9 (Killed).", the launcher's name first
+OPEN_MPI_KILLED = re.compile(rb"noticed that process rank (\d+) with PID \d+ on node \S+ exited on signal (\d+)")
 HYDRA_RULE = b"=" * 83 + b"\n"  # MPICH's (Hydra's): around its box, on stdout
 HYDRA_KILLED = re.compile(rb"=   PID (\d+) RUNNING AT .*EXIT STRING: .*\(signal (\d+)\)", re.S)
 

@@ -35,12 +35,12 @@ from ddp.errors import (
     oom_kills_since,
 )
 
-# Failures of a collective that say nothing more specific than their text (gloo and nccl raise
-# RuntimeError or DistError with these words). gloo's "Application timeout caused pair closure" comes
-# from a collective inside DDP's forward (its buffer broadcast) when a peer's link is down.
 # gloo's words after what happened, in every lost connection's error: "... remote worker crashing. Check the logs of
 # the remote worker before reporting an error. GLHF! 🏖️" (a line that names the rank lost and how says more)
 GLOOS_ADVICE = " This is typically caused by"
+# Failures of a collective that say nothing more specific than their text (gloo and nccl raise
+# RuntimeError or DistError with these words). gloo's "Application timeout caused pair closure" comes
+# from a collective inside DDP's forward (its buffer broadcast) when a peer's link is down.
 _COMM_WORDS = ("gloo", "NCCL", "Connection reset", "Connection closed", "imed out", "pair closure")
 
 

@@ -32,6 +32,7 @@ class DataMissing(UsageError):
     """CIFAR is not in data.root and data.download=false: a download would bring it."""
 
 
+CLASS_COUNTS = {"cifar10": 10, "cifar100": 100}  # known before a download: a model of other classes is refused first
 DOWNLOAD_WAIT_S = 3600  # how long the other ranks of a node wait for local rank 0's download
 DOWNLOAD_STALL_S = 60.0  # a download that receives nothing for this long fails (torchvision's has no limit)
 

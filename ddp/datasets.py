@@ -292,6 +292,9 @@ def _unlike(data: list[str], model: list[str]) -> str:
 def read_test(cfg: DataConfig, world: World, classes: list[str]) -> Split:
     """The test split alone, its labels checked against a trained model's classes: evaluating a
     checkpoint needs no training images (their statistics are in the checkpoint)."""
+    if (count := cifar.CLASS_COUNTS.get(cfg.dataset, len(classes))) != len(classes):  # before a download of it
+        raise UsageError(f"{_where(cfg)} has {count} classes, the model {len(classes)} ({_some(classes)}): a label "
+                         "would mean another class; evaluate on data of the model's classes, in its order")  # fmt: skip
     _, test, named = _read_parts(cfg, world, ("test",))
     if len(test.labels) == 0:
         raise UsageError(f"{_where(cfg)}: the test split is empty")

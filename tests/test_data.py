@@ -193,6 +193,18 @@ def test_evaluating_on_data_whose_class_names_are_not_the_models_is_refused():
         assert len(datasets.read_test(cfg, CPU, classes).labels) == 20
 
 
+def test_evaluating_a_model_on_cifar_of_another_class_count_is_refused_before_a_download(tmp_path):
+    """A CIFAR-10 model with data.dataset=cifar100: refused from the count alone, before CIFAR-100 (161 MB) is
+    looked for or downloaded (was: downloaded, then refused by its names)."""
+    cfg = DataConfig(dataset="cifar100", root=str(tmp_path), download=True)
+    with pytest.raises(UsageError) as raised:
+        datasets.read_test(cfg, CPU, ["airplane", "automobile", "bird", *(f"c{i}" for i in range(7))])
+    assert str(raised.value) == ("data.dataset=cifar100 has 100 classes, the model 10 (airplane, automobile, bird, c0, "
+                                 "...): a label would mean another class; evaluate on data of the model's classes, in "
+                                 "its order")  # fmt: skip
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_empty_split_is_an_error():
     with pytest.raises(UsageError, match="the test split is empty"):
         datasets.read(DataConfig(dataset="synthetic", synthetic_test=0), CPU)

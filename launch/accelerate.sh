@@ -60,5 +60,5 @@ if [ "${MACHINE_RANK:-0}" = 0 ]; then  # once, on the first machine; the lock is
   preflight $((machines * nproc)) "$@"
 fi
 cmd+=("$root/ddp/train.py" "$@")
-echo "+ ${cmd[*]}" >&2
+shown "${cmd[@]}" >&2
 exec "${cmd[@]}"  # this script's pid the launcher's: a kill of it stops the run (it killed this shell alone)

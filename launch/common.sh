@@ -16,6 +16,16 @@ omp_threads() {
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$((cores / $1 > 0 ? cores / $1 : 1))}
 }
 
+# shown COMMAND...: "+ COMMAND" as one line a shell reads back as it ran: a word with a space, a quote or another
+# character the shell reads is in single quotes (run.out_dir='runs/my run'), the others as they are.
+shown() {
+  local words=() word plain='^[A-Za-z0-9_./:=,@%+-]+$'
+  for word in "$@"; do
+    if [[ $word =~ $plain ]]; then words+=("$word"); else words+=("'${word//\'/\'\\\'\'}'"); fi
+  done
+  echo "+ ${words[*]}"
+}
+
 # whole NAME VALUE [WHAT]: VALUE is a whole number (0, 1, 2, ... as written by hand: no sign, no leading
 # zero, which bash's arithmetic would read as octal), else one line naming NAME, and exit 2.
 whole() { [[ $2 =~ ^(0|[1-9][0-9]*)$ ]] || { echo "error: $1=$2 must be a whole number${3:+ ($3)}" >&2; exit 2; }; }

@@ -3,6 +3,7 @@
 #   CUDA_VISIBLE_DEVICES=0,1 bash launch/dp.sh --config configs/resnet18.yaml
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
+source "$root/launch/common.sh"
 cmd=(python "$root/ddp/train.py" run.parallel=dp "$@")
-echo "+ ${cmd[*]}" >&2
+shown "${cmd[@]}" >&2
 exec "${cmd[@]}"

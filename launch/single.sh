@@ -3,6 +3,7 @@
 #   bash launch/single.sh --config configs/quick.yaml run.device=cpu
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
+source "$root/launch/common.sh"
 cmd=(python "$root/ddp/train.py" run.parallel=none "$@")
-echo "+ ${cmd[*]}" >&2
+shown "${cmd[@]}" >&2
 exec "${cmd[@]}"

@@ -54,5 +54,5 @@ cmd=(srun --ntasks-per-node=1 --kill-on-bad-exit=1
   python ddp/torchrun.py --nnodes="$SLURM_JOB_NUM_NODES" --nproc_per_node="$nproc" --rdzv_backend=c10d
   --rdzv_endpoint="$(endpoint "$addr" "$port")" --rdzv_id="$job"
   ddp/train.py run.out_dir="${OUT_ROOT:-runs}/slurm-$job" "$@")
-echo "+ ${cmd[*]}"
+shown "${cmd[@]}"
 exec "${cmd[@]}"

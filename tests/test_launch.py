@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -256,6 +257,16 @@ def test_the_rendezvous_store_is_where_torchrun_finds_it_an_ipv6_address_too():
     for addr, endpoint in (("fd00::1", "[fd00::1]:29400"), ("[fd00::1]", "[fd00::1]:29400"), ("h0", "h0:29400")):
         shell = f"root={REPO}; source launch/common.sh; endpoint '{addr}' 29400"
         assert subprocess.run(["bash", "-c", shell], capture_output=True, text=True).stdout == endpoint + "\n"
+
+
+def test_the_command_a_launch_file_shows_is_one_a_shell_runs_as_it_ran():
+    """launch/*.sh and slurm/train.sh show their command ("+ python ..."): a user copies it to run it again. A word
+    with a space or a quote (run.out_dir=runs/my run) was shown bare, and the copy ran another command."""
+    words = ["python", "run.out_dir=/tmp/my run", "it's", "", "$HOME", "*", "optim.lr=0.1"]
+    shell = f'root={REPO}; source launch/common.sh; shown "$@"'
+    line = subprocess.run(["bash", "-c", shell, "-", *words], capture_output=True, text=True).stdout
+    assert line == "+ python 'run.out_dir=/tmp/my run' 'it'\\''s' '' '$HOME' '*' optim.lr=0.1\n"
+    assert shlex.split(line[2:]) == words
 
 
 def test_an_endpoint_torchrun_refuses_is_one_line_before_it_starts(capsys):

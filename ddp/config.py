@@ -1,8 +1,8 @@
 """Typed configuration: the only place defaults live, and the only module that imports yaml.
 
-`load(path, overrides)` resolves defaults < YAML file < `section.key=value` overrides, coercing every
-value to its field's type. Unknown sections or keys, bad values and bad choices raise UsageError with the
-valid alternatives; what a value *means* (a device, a data file, a model) is checked where it is used.
+`load(path, overrides)` resolves defaults < YAML file < `section.key=value` overrides, coercing every value to
+its field's type. Unknown sections or keys, bad values and bad choices raise UsageError with the valid
+alternatives; what a value *means* (a device, a data file, a model) is checked where it is used.
 """
 
 from __future__ import annotations
@@ -49,8 +49,7 @@ PATHS = {"data.root", "data.path", "run.out_dir", "run.resume"}  # ~ expanded: b
 
 
 def opt(default: Any, help: str, choices: tuple[str, ...] = (), valid: Range | None = None) -> Any:
-    """A config field with its one-line help (shown by --help) and its valid values: `choices` for
-    strings, a Range for numbers."""
+    """A config field with its one-line help (shown by --help) and its valid values: choices or a Range."""
     return field(default=default, metadata={"help": help, "choices": choices, "valid": valid})
 
 
@@ -302,7 +301,8 @@ def _section_fields(cfg: Config, section: str, key_for_msg: str) -> dict[str, da
     if section not in names:
         close = difflib.get_close_matches(section, names, n=1)
         hint = f" (did you mean '{close[0]}'?)" if close else ""
-        raise UsageError(f"unknown section '{section}' in '{key_for_msg}'{hint}; sections: {', '.join(names)}")
+        where = f" in '{key_for_msg}'" if key_for_msg != section else ""  # one that sets no key: its name alone
+        raise UsageError(f"unknown section '{section}'{where}{hint}; sections: {', '.join(names)}")
     return {f.name: f for f in dataclasses.fields(getattr(cfg, section))}
 
 
@@ -342,8 +342,8 @@ def _read_yaml(path: str) -> dict[str, Any]:
         where = f" line {mark.line + 1}:" if mark else ""
         said = " ".join(str(getattr(e, "problem", None) or e).split())  # one line (a reader error's is two)
         raise UsageError(f"{path}:{where} invalid YAML: {said}") from None
-    if doc is None:
-        return {}
+    if isinstance(doc := {} if doc is None else doc, dict):  # a section of its keys commented out: an empty one
+        doc = {section: {} if keys is None else keys for section, keys in doc.items()}
     if not isinstance(doc, dict) or not all(isinstance(v, dict) for v in doc.values()):
         raise UsageError(f"{path}: expected sections of keys, e.g. 'optim:\\n  lr: 0.1'")
     return doc
@@ -356,8 +356,7 @@ def load(path: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -
     defaults = to_dict(Config())
     empty = [(s, k) for s, keys in to_dict(cfg).items() for k, value in keys.items() if value == "" != defaults[s][k]]
     if empty:
-        section, key = empty[0]
-        default = defaults[section][key]
+        (section, key), default = empty[0], defaults[empty[0][0]][empty[0][1]]
         raise UsageError(f"{section}.{key} is empty: give it a value, or leave it out for its default {default!r}")
     return cfg
 
@@ -380,6 +379,7 @@ def from_dict(d: dict[str, dict[str, Any]]) -> Config:
     """A Config from sections of keys (a YAML file's, to_dict's output in a checkpoint); unknown keys are errors."""
     cfg = Config()
     for section, values in d.items():
+        _section_fields(cfg, str(section), str(section))  # its name checked, though it set no key
         for key, value in values.items():
             _set(cfg, f"{section}.{key}", value)
     return cfg

@@ -212,6 +212,17 @@ def test_a_config_that_says_a_thing_twice_or_is_no_text_is_refused(text, said, t
     assert (config.load(merged).run.seed, config.load(merged).run.progress) == (7, False)
 
 
+def test_a_section_whose_keys_are_all_commented_out_is_empty_and_its_name_still_checked(tmp_path):
+    """`train:` with its one key commented out was refused as no sections of keys; it sets nothing. A misspelt
+    section that sets nothing is still refused by its name, as one with keys is."""
+    cfg = config.load(write(tmp_path, "train:\n#  epochs: 3\noptim:\n  lr: 0.25\n"))
+    assert (cfg.train.epochs, cfg.optim.lr) == (config.Config().train.epochs, 0.25)
+    with pytest.raises(UsageError) as refused:
+        config.load(write(tmp_path, "trian:\noptim:\n  lr: 0.25\n"))
+    assert str(refused.value) == ("unknown section 'trian' (did you mean 'train'?); sections: data, model, train, "
+                                  "optim, ddp, run")  # fmt: skip
+
+
 @pytest.mark.parametrize("key, kind", [("train.epochs", "int"), ("optim.lr", "float"), ("run.compile", "bool"),
                                        ("data.root", "str")])  # fmt: skip
 def test_a_list_where_a_setting_goes_is_one_short_line_however_many_items_its_aliases_make(key, kind, tmp_path):

@@ -51,6 +51,11 @@ def _interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
 
 
+def interrupted() -> bool:
+    """Whether a Ctrl-C came in the command's imports (and was not raised again yet: lost_interrupt)."""
+    return _interrupted
+
+
 def lost_interrupt() -> None:
     """After a command's imports: the KeyboardInterrupt of a Ctrl-C that came in them and was lost there, raised
     again (it ends the command as it would have then); Python's own handler back."""

@@ -435,6 +435,19 @@ def test_the_startup_hook_speaks_for_local_rank_0_and_keeps_other_tracebacks(rai
     assert proc.returncode == (2 if "tqdm" in raised else 1 if "Error" in raised else -signal.SIGINT)
 
 
+def test_an_error_in_the_imports_after_a_ctrl_c_they_swallowed_is_the_ctrl_c():
+    """A Ctrl-C as a rank under torchrun imported numpy (in torch's import): numpy's module was left half made and
+    the import failed again, `ImportError: cannot load module more than once per process`, a 15-line traceback that
+    reads as a broken install. Now the Ctrl-C's line and its end (killed by SIGINT). Played here: the KeyboardInterrupt
+    swallowed, then that ImportError."""
+    code = ("import os, signal, time\nfrom ddp.launchers import quiet_startup\nquiet_startup(__name__)\ntry:\n"
+            "    os.kill(os.getpid(), signal.SIGINT)\n    time.sleep(5)\nexcept KeyboardInterrupt:\n    pass\n"
+            "raise ImportError('cannot load module more than once per process')")  # fmt: skip
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=clean_env(), capture_output=True, text=True,
+                          timeout=60)  # fmt: skip
+    assert (proc.stderr, proc.returncode) == (f"{errors.INTERRUPTED}\n", -signal.SIGINT), proc.stderr
+
+
 def test_out_of_memory_is_one_line_naming_the_rank_and_what_to_try(tmp_path, capsys, monkeypatch):
     """A failed allocation was torch's traceback: the CPU's and a GPU's (torch.cuda.OutOfMemoryError, raised on
     rank 1 of 2 under torchrun's variables), each in a step. Data too large (3 TB of uint8 images asked for, here

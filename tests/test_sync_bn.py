@@ -4,6 +4,8 @@ The end-to-end equivalence under torchrun is in tests/test_equivalence.py."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -20,8 +22,23 @@ SHAPE = (12, 3, 5, 4)  # N, C, H, W
 mp.set_forkserver_preload(["torch", "torch.distributed", "ddp.devices", "ddp.distributed", "ddp.models", "ddp.sync_bn"])
 
 
-def spawn(worker, *args, nprocs: int) -> None:
-    mp.start_processes(worker, args=args, nprocs=nprocs, start_method="forkserver")
+def spawn(worker, *args, nprocs: int, within_s: float = 120.0) -> None:
+    """The ranks run to their end, or fail the test after within_s: a rank that hung was waited for without end."""
+    ranks = mp.start_processes(worker, args=args, nprocs=nprocs, start_method="forkserver", join=False)
+    deadline = time.monotonic() + within_s
+    while not ranks.join(timeout=1.0):
+        if time.monotonic() > deadline:
+            hung = [p.pid for p in ranks.processes if p.is_alive()]
+            for p in ranks.processes:
+                p.kill()
+            pytest.fail(f"ranks {hung} still ran after {within_s:.0f} s (killed)")
+
+
+def leave_group() -> None:
+    """dist.destroy_process_group, as ddp/distributed.py leaves: after GLOO_PAUSE_S on a torch before 2.8, whose gloo
+    could deadlock there (a rank of this module hung 10 minutes in it under torch 2.4.1, the suite waiting on it)."""
+    time.sleep(distributed.GLOO_PAUSE_S)
+    dist.destroy_process_group()
 
 
 def full_batch():
@@ -65,7 +82,7 @@ def rank_worker(rank, world_size, init_file, sizes, momentum, out):
         dw, db = grads.split(SHAPE[1])
         torch.save({"y": y.detach(), "dx": x.grad, "dw": dw, "db": db, **model[0].state_dict()}, f"{out}/{rank}.pt")
     finally:
-        dist.destroy_process_group()
+        leave_group()
 
 
 @pytest.mark.parametrize(
@@ -124,7 +141,7 @@ def gpu_worker(rank, world_size, init_file, out):
             }
         torch.save(results, f"{out}/{rank}.pt")
     finally:
-        dist.destroy_process_group()
+        leave_group()
 
 
 @pytest.mark.skipif(
@@ -154,7 +171,7 @@ def ddp_worker(rank, world_size, init_file, model_name, out):
             )
         del wrapped
     finally:
-        dist.destroy_process_group()
+        leave_group()
 
 
 def float64_batch():
@@ -191,7 +208,7 @@ def buffers_worker(rank, world_size, init_file, how, out):
         distributed.sync_buffers(bn, world, how)
         torch.save(bn.state_dict(), f"{out}/{rank}.pt")
     finally:
-        dist.destroy_process_group()
+        leave_group()
 
 
 @pytest.mark.parametrize("how, mean, var", [("broadcast", 0.0, 1.0), ("reduce", 1.0, 2.0)])

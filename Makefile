@@ -33,8 +33,11 @@ $(STAMP): pyproject.toml constraints.txt
 	@$(if $(FLOCK),flock -n .venv.lock true || echo "another make is installing into $(VENV): waiting for it")
 	@$(if $(FLOCK),flock .venv.lock) $(MAKE) --no-print-directory install-once
 
+# make -n (a dry run) runs a line that names $(MAKE): this one says what it would do instead of installing
+DRY_RUN = $(findstring n,$(firstword -$(MAKEFLAGS)))
 install-once:
-	@if $(MAKE) -q $(STAMP); then echo "$(VENV): installed by another make meanwhile"; exit 0; fi; \
+	@if [ -n "$(DRY_RUN)" ]; then echo "make -n: would install into $(VENV)"; exit 0; fi; \
+	  if $(MAKE) -q $(STAMP); then echo "$(VENV): installed by another make meanwhile"; exit 0; fi; \
 	  $(MAKE) --no-print-directory venv && echo "installing into $(VENV) (log: $(VENV)/pip.log)" && \
 	  if $(PY) -c 'import torch, torchvision' 2>/dev/null; then pins=; else pins="-c constraints.txt"; fi && \
 	  { $(PY) -m pip install $$pins -e '.[dev]' > $(VENV)/pip.log 2>&1 || { cat $(VENV)/pip.log; exit 1; }; } && \

@@ -213,8 +213,8 @@ def quiet_startup(module: str) -> None:
     (speaks_for_its_machine), not a traceback: a Ctrl-C in them (one torch lost: cli.command's), INTERRUPTED, and the
     interpreter ends as Ctrl-C ends it (128 + SIGINT); a package this Python lacks (no venv, a torch without one of its
     own): which one, this interpreter, and how to install them; exit 2. Any other exception keeps its traceback (a
-    module of ddp's own missing is a bug) unless a Ctrl-C came before it. And errors.standard_streams: a stderr the OS refuses (a hung-up terminal, a
-    full disk) or closed (`2>&-`) loses its lines, not the exit code."""
+    module of ddp's own missing is a bug) unless a Ctrl-C came before it. And errors.standard_streams: a stderr the
+    OS refuses (a hung-up terminal, a full disk) or closed (`2>&-`) loses its lines, not the exit code."""
     if module != "__main__":
         return
     standard_streams()

@@ -63,9 +63,18 @@ TORCHRUN_OPTIONS = {"nproc_per_node", "nnodes", "node_rank", "standalone", "mast
                     "rdzv_endpoint", "rdzv_backend", "rdzv_id", "max_restarts"}  # fmt: skip
 
 
-def parse(argv: list[str], usage: str, options: list[Option]) -> tuple[dict[str, Any], list[str]]:
+def _settings_named(name: str) -> list[str]:
+    """The settings (section.key) whose key is `name`: `--epochs` in a command line meant train.epochs."""
+    return [f"{section}.{key}" for section, keys in config.to_dict(config.Config()).items() for key in keys
+            if key == name.lower()]  # fmt: skip
+
+
+def parse(
+    argv: list[str], usage: str, options: list[Option], settings: bool = False
+) -> tuple[dict[str, Any], list[str]]:
     """({option key: value}, the other words in order). -h/--help prints `usage` and exits 0; an
-    unknown option is a UsageError listing the known ones, and usage's first line."""
+    unknown option is a UsageError listing the known ones, and usage's first line (with `settings`, the command's
+    words are config settings: an option named like one, --epochs 3, is shown as that setting, train.epochs=3)."""
     by_name = {o.name: o for o in options}
     values: dict[str, Any] = {o.key: False if not o.metavar else o.default for o in options}
     words, args, given = [], iter(argv), {}
@@ -89,6 +98,10 @@ def parse(argv: list[str], usage: str, options: list[Option]) -> tuple[dict[str,
             known = ", ".join(f"{o.name} {o.metavar}".strip() for o in options)
             torchrun = name.lstrip("-").replace("-", "_") in TORCHRUN_OPTIONS  # given to a launch file, say
             hint = " (torchrun's option: it goes before ddp/train.py; launch files take NPROC=N)" if torchrun else ""
+            if settings and not torchrun and (named := _settings_named(name.lstrip("-").replace("-", "_"))):
+                value = inline if eq else next(args, None)
+                value = value if value is not None and not value.startswith("-") else "VALUE"
+                hint = f" (settings are section.key=value: {' or '.join(f'{key}={value}' for key in named)})"
             raise UsageError(f"unknown option {arg}{hint}; options are {known}, --help; {usage.splitlines()[0]}")
         else:
             words.append(arg)
@@ -146,7 +159,7 @@ TRAINING_OPTIONS = [
 
 def parse_args(argv: list[str], usage: str) -> Args:
     """train's and doctor's command line; --help prints `usage` and every config key, then exits 0."""
-    values, overrides = parse(argv, usage + config.reference(), TRAINING_OPTIONS)
+    values, overrides = parse(argv, usage + config.reference(), TRAINING_OPTIONS, settings=True)
     if values["preflight"] and _is_pipe(values["config"] or ""):  # read here, it would be gone for the ranks
         raise UsageError(f"--config {values['config']} is {PIPED}")
     return Args(values["config"], overrides, values["print_config"], values["preflight"])

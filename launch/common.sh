@@ -19,9 +19,9 @@ omp_threads() {
 # shown COMMAND...: "+ COMMAND" as one line a shell reads back as it ran: a word with a space, a quote or another
 # character the shell reads is in single quotes (run.out_dir='runs/my run'), the others as they are.
 shown() {
-  local words=() word plain='^[A-Za-z0-9_./:=,@%+-]+$'
+  local words=() word plain='^[A-Za-z0-9_./:=,@%+-]+$' quote="'" escaped="'\\''"  # (in variables: bash 3.2 too)
   for word in "$@"; do
-    if [[ $word =~ $plain ]]; then words+=("$word"); else words+=("'${word//\'/\'\\\'\'}'"); fi
+    if [[ $word =~ $plain ]]; then words+=("$word"); else words+=("'${word//$quote/$escaped}'"); fi
   done
   echo "+ ${words[*]}"
 }

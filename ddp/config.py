@@ -354,9 +354,9 @@ def load(path: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -
     never set empty: `run.out_dir=$DIR` with DIR unset would put the run in the current directory."""
     cfg = override(from_dict(_read_yaml(path)) if path else Config(), overrides)
     defaults = to_dict(Config())
-    empty = [(s, k) for s, keys in to_dict(cfg).items() for k, value in keys.items() if value == "" != defaults[s][k]]
-    if empty:
-        (section, key), default = empty[0], defaults[empty[0][0]][empty[0][1]]
+    if empty := [(s, k) for s, keys in to_dict(cfg).items() for k, v in keys.items() if v == "" != defaults[s][k]]:
+        section, key = empty[0]
+        default = defaults[section][key]
         raise UsageError(f"{section}.{key} is empty: give it a value, or leave it out for its default {default!r}")
     return cfg
 

@@ -100,7 +100,7 @@ def parse(
             hint = " (torchrun's option: it goes before ddp/train.py; launch files take NPROC=N)" if torchrun else ""
             if settings and not torchrun and (named := _settings_named(name.lstrip("-").replace("-", "_"))):
                 value = inline if eq else next(args, None)
-                value = value if value is not None and not value.startswith("-") else "VALUE"
+                value = value if value and not value.startswith("-") else "VALUE"  # (--lr= or --lr --config x)
                 hint = f" (settings are section.key=value: {' or '.join(f'{key}={value}' for key in named)})"
             raise UsageError(f"unknown option {arg}{hint}; options are {known}, --help; {usage.splitlines()[0]}")
         else:

@@ -83,6 +83,7 @@ def test_bad_input_for_want_of_a_gpu_exits_2_with_one_line(args, fragments, tmp_
         (["--epochs", "3"], ["unknown option --epochs (settings are section.key=value: train.epochs=3)"]),
         (["--Batch-Size=256"], ["--Batch-Size=256 (settings are section.key=value: train.batch_size=256)"]),
         (["--lr", "--config", "x"], ["unknown option --lr (settings are section.key=value: optim.lr=VALUE)"]),
+        (["--lr="], ["unknown option --lr= (settings are section.key=value: optim.lr=VALUE)"]),
         (["--nproc-per-node=4"], ["unknown option --nproc-per-node=4 (torchrun's option: it goes before ddp/train.py"]),
         (["run.stop_signal=SIGFOO"], ["run.stop_signal: 'SIGFOO' is not a signal that can be caught"]),
         (["run.stop_signal=KILL"], ["run.stop_signal: 'KILL' is not a signal that can be caught"]),

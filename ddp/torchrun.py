@@ -43,6 +43,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -280,8 +281,9 @@ def leave_after_the_ranks(store: tuple[str, int] | None, elastic: bool, nodes: t
             _leave(f"torchrun's agent on {host}: its rendezvous store {network.host_port(*store)} does not answer "
                    f"{STORE_LOST_S:.0f} s after its ranks ended (is {host} cut off?)")  # fmt: skip
         if waited > GRACE_S:
-            _leave(f"torchrun's agent on {host} still waited {GRACE_S:.0f} s after its ranks ended (for its "
-                   "rendezvous store on another host?)")  # fmt: skip
+            guess = " (its exit barrier waits on another host?)" if store else ""  # (one machine: a hang of its own)
+            _leave(f"torchrun's agent on {host} still ran {GRACE_S:.0f} s after its ranks ended{guess}; it was at "
+                   f"{main_thread_at()}")  # fmt: skip
 
 
 def fixed_nodes_store(args: Any) -> tuple[str, int] | None:
@@ -337,6 +339,18 @@ def node_left(store: tuple[str, int], asking: dict[str, Any]) -> None:
 def _leave(why: str) -> None:
     print(f"error: {why}: left", file=sys.stderr, flush=True)
     os._exit(EXIT_FAILURE)
+
+
+def main_thread_at(frames: int = 3) -> str:
+    """Where this process's main thread is: its innermost `frames` frames (dir/file.py:line in function, the
+    innermost first), for the line of an agent that hangs (seen once in ~190 Ctrl-Cs as ranks started, on one
+    machine, cause not found)."""
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    if frame is None:
+        return "an unknown place (its main thread has ended)"
+    stack = traceback.extract_stack(frame)[-frames:]
+    where = (Path(Path(f.filename).parent.name, Path(f.filename).name) for f in stack)  # (dir/file.py)
+    return " < ".join(f"{path}:{f.lineno} in {f.name}" for path, f in reversed(list(zip(where, stack))))
 
 
 def _ranks_running() -> bool:

@@ -740,3 +740,29 @@ def test_torchruns_exit_barrier_race_is_one_line_and_a_barrier_timeout_is_left_a
     assert [str(r.exc_info[1]) for r in caplog.records] == ["timed out"]
     note = "note: every rank finished; the rendezvous store's host ended before this agent on"
     assert capsys.readouterr().err.count(note) == 1
+
+
+HUNG_AGENT = """
+import subprocess, sys, threading, time
+from ddp import torchrun
+torchrun.STORE_LOST_S, torchrun.GRACE_S = 0.0, 1.0
+subprocess.Popen([sys.executable, "-c", "pass"]).wait()  # (reaped at once: as the agent's ranks ended)
+subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1.5)"])  # (ends, left a zombie: not running)
+threading.Thread(target=torchrun.leave_after_the_ranks, args=(None, False, None), daemon=True).start()
+def close_the_ranks():
+    time.sleep(60)
+close_the_ranks()
+"""
+
+
+def test_an_agent_that_outlives_its_ranks_on_one_machine_says_where_it_hangs_and_leaves():
+    """Seen once in ~190 Ctrl-Cs as ranks started, under load, --standalone: the agent still ran 20 s after its
+    ranks ended, and its line guessed at a rendezvous store on another host, which that job had none of. The
+    line now says where the agent's main thread was, with no such guess."""
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", HUNG_AGENT], cwd=REPO, env=clean_env(), capture_output=True,
+                          text=True, timeout=60)  # fmt: skip
+    assert proc.returncode == 1 and time.monotonic() - started < 30, proc.stderr
+    line = f"error: torchrun's agent on {socket.gethostname()} still ran 1 s after its ranks ended; it was at "
+    assert proc.stderr.startswith(line) and proc.stderr.count("\n") == 1, proc.stderr
+    assert "it was at <string>:9 in close_the_ranks < <string>:10 in <module>: left" in proc.stderr, proc.stderr

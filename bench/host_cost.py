@@ -32,6 +32,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -44,6 +45,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.profiler import ProfilerActivity, profile
 
 from ddp import models
+from ddp.distributed import GLOO_PAUSE_S
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL, WIDTH, BATCH = "fast", 0.25, 32  # small enough to run in seconds on a CPU
@@ -122,6 +124,7 @@ def plain_in_ddp(out: Path) -> dict[str, float]:
     try:
         return plain_loop(True, out)
     finally:
+        time.sleep(GLOO_PAUSE_S)  # (torch before 2.8: gloo's threads first, as ddp/distributed.py leaves)
         dist.destroy_process_group()
 
 

@@ -79,6 +79,7 @@ def main() -> None:
         ])  # fmt: skip
         Path(args.out).write_text(text)
         print(text)
+    time.sleep(distributed.GLOO_PAUSE_S)  # (torch before 2.8: gloo's threads first, as ddp/distributed.py leaves)
     dist.destroy_process_group()
 
 

@@ -18,7 +18,7 @@ import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ddp.launchers import quiet_startup
 
@@ -28,15 +28,13 @@ import torch
 from torch import nn
 
 from ddp import __version__ as ddp_version
-from ddp import cli, config, distributed, files, lifeline, optim, rng, rundir, schema, weights
+from ddp import cli, compatible, config, distributed, files, lifeline, optim, rng, rundir, schema, weights
+from ddp.compatible import RunInfo  # (checkpoint.RunInfo: what a checkpoint records of its run)
 from ddp.config import RunConfig
 from ddp.devices import World
 from ddp.ema import EMA, Lookahead
 from ddp.errors import EXIT_FAILURE, EXIT_OK, CorruptCheckpoint, UsageError, WriteFailed, first_line
 from ddp.metrics import StepStats
-
-if TYPE_CHECKING:  # a type alone: the commands here (inspect, export) read no data
-    from ddp.datasets import Data
 
 
 @dataclass
@@ -59,23 +57,6 @@ class Position:
     epochs_done: int = 0  # epochs finished
     step_in_epoch: int = 0  # global batches done in the next epoch
     global_step: int = 0  # optimizer steps since the start
-
-
-@dataclass(frozen=True)
-class RunInfo:
-    """What a checkpoint records about the run besides the weights, to refuse a wrong continuation."""
-
-    config: dict[str, dict[str, Any]]  # config.to_dict(cfg)
-    world_size: int
-    train_images: int
-    normalize: dict[str, list[float]]  # the training split's per-channel mean and std, as the model saw them
-    classes: list[str]  # the names of the model's outputs, in order
-    data_digest: str | None = None  # datasets.Data.digest's: a resume on other images or labels says so
-
-    @classmethod
-    def of(cls, config: dict[str, dict[str, Any]], world_size: int, data: Data) -> RunInfo:
-        normalize = {"mean": list(data.mean), "std": list(data.std)}
-        return cls(config, world_size, len(data.train.labels), normalize, data.classes, data.digest[2])
 
 
 def build_state(
@@ -173,8 +154,7 @@ class Checkpoints:
         newer one is skipped with a warning), or run.resume's file, into the raw model and the rest of
         `trained` (before compile and wrap) and this rank's `stats`. None: nothing to resume."""
         run, world, auto = self.run, self.world, rundir.resumes_its_own(self.run.resume, self.run.out_dir)
-        paths = rundir.checkpoint_files(run.out_dir) if auto else [] if run.resume == "never" else [Path(run.resume)]
-        path, state, skipped = None, None, [] if auto else None
+        path, state, skipped, paths = None, None, [] if auto else None, resumed_paths(run)
         for path in paths:  # newest first
             with _reading(path, skipped):
                 # Every tensor to the CPU first: a file saved on any GPU loads on a CPU-only machine and on
@@ -193,13 +173,13 @@ class Checkpoints:
             raise UsageError(f"ranks found different checkpoints in {run.out_dir}: is it on a shared filesystem?")
         if state is None:
             return None
-        check_compatible(state, self.info, path, self.trained.optimizer)
+        compatible.check(state, self.info, path, self.trained.optimizer)
         with schema.restoring(path), weights.fitting(state, path):
             restore(state, self.trained)  # model.load_state_dict(...): the raw model, as it was saved
             same_world = restore_rank(state, world, stats)
         accum_steps = state["config"]["train"].get("grad_accum_steps", 1)
         position = Position(state["epoch"], state["step"], state["global_step"])
-        changes = changed(state["config"], self.info.config) + data_changed(state, self.info)
+        changes = compatible.changed(state["config"], self.info.config) + compatible.data_changed(state, self.info)
         return Resumed(path, position, state["metrics"], state["world_size"], accum_steps, same_world, changes)
 
     def due(self, position: Position, steps_per_epoch: int, stopping: bool) -> bool:
@@ -268,43 +248,26 @@ def _reading(path: Path, skipped: list[str] | None = None, source: Path | io.Byt
         skipped.append(f"{path}: {e}")
 
 
-def changed(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
-    """ "section.key old -> new" for every setting of `new` that differs from `old` (a key that `old`'s
-    version did not have yet counts as its default)."""
-    default = config.to_dict(config.Config())
-    was = {s: {k: old.get(s, {}).get(k, default[s][k]) for k in keys} for s, keys in new.items()}
-    return [f"{s}.{k} {was[s][k]!r} -> {v!r}" for s in new for k, v in new[s].items() if was[s][k] != v]
+def check_resume(cfg: config.Config) -> None:
+    """run.resume against run.out_dir (rundir's check), and the settings of the checkpoint a resume would read
+    first against cfg's (compatible.check_settings), before the data is read: a CIFAR-100 run resumed from a
+    CIFAR-10 one downloaded CIFAR-100 (169 MB) first. Its settings alone are read (mmap: the tensors stay on
+    disk); a file that does not read so is left to Checkpoints.resume, which says why."""
+    rundir.check_resume_setting(cfg.run.resume, cfg.run.out_dir)
+    for path in resumed_paths(cfg.run)[:1]:
+        try:
+            old = torch.load(path, map_location="cpu", weights_only=True, mmap=True)["config"]
+        except Exception:  # (damaged, not a checkpoint, no mmap there: resume's reading says which)
+            return
+        compatible.check_settings(old, config.to_dict(cfg), path)
 
 
-def data_changed(state: dict[str, Any], info: RunInfo) -> list[str]:
-    """The resume line's word where the data differs from the checkpoint's (a checkpoint of before 2026-11-28 keeps
-    no digest: nothing to compare)."""
-    other = state.get("data_digest") not in (None, info.data_digest)
-    return ["the data (other images or labels than the checkpoint's)"] if other else []
-
-
-def check_compatible(
-    state: dict[str, Any], info: RunInfo, path: str | Path, optimizer: torch.optim.Optimizer | None = None
-) -> None:
-    """Refuse to continue a run of another model, dataset, batch or optimizer in this one; or one whose
-    optimizer groups the parameters otherwise than `optimizer` (settings changed since: a ValueError in torch)."""
-    defaults = config.to_dict(config.Config())  # for keys a checkpoint of an older version lacks
-    for section, key in (("model", "name"), ("model", "width"), ("data", "dataset"), ("train", "batch_size"),
-                         ("optim", "name")):  # fmt: skip
-        old, new = state["config"][section].get(key, defaults[section][key]), info.config[section][key]
-        if old != new:
-            raise UsageError(
-                f"{path} was trained with {section}.{key}={old} but this run has {section}.{key}={new}; "
-                "set it back to continue, or start a new run.out_dir"
-            )
-    data = [("classes", len(state["classes"]), len(info.classes)), ("training images", state["train_images"],
-            info.train_images)]  # fmt: skip
-    for what, old, new in data:  # another number of training images: the data order cannot continue
-        if old != new:
-            raise UsageError(f"{path} was trained on {old} {what}, this data has {new}: use the same data, or start "
-                             "a new run.out_dir")  # fmt: skip
-    if optimizer is not None:
-        optim.check_groups(state["optimizer"], optimizer, path, changed(state["config"], info.config))
+def resumed_paths(run: RunConfig) -> list[Path]:
+    """The checkpoints a resume tries, newest first: run.out_dir's (run.resume=auto, or its own restart), run.resume's
+    file, or none (never)."""
+    if rundir.resumes_its_own(run.resume, run.out_dir):
+        return rundir.checkpoint_files(run.out_dir)
+    return [] if run.resume == "never" else [Path(run.resume)]
 
 
 def load(path: str | Path, source: Path | io.BytesIO | None = None) -> dict[str, Any]:

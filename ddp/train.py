@@ -117,7 +117,7 @@ def checked(cfg: Config, world: World) -> Iterator[tuple[datasets.Data, Plan]]:
     if cfg.run.tensorboard:
         logs.check_tensorboard()
     with rundir.lock(cfg.run.out_dir, world):  # one run at a time in out_dir
-        rundir.check_resume_setting(cfg.run.resume, cfg.run.out_dir)
+        checkpoint.check_resume(cfg)  # run.resume; the settings of its checkpoint, before the data
         data = datasets.read(cfg.data, world)  # a file that lies stops every rank alike, before the group
         steps = checks.steps_per_epoch(cfg, len(data.train.labels))
         profile_steps = profiling.parse(cfg.run.profile, steps * cfg.train.epochs)

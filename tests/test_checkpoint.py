@@ -223,7 +223,8 @@ def test_an_export_never_replaces_a_file_made_by_a_second_export_meanwhile(tmp_p
 def test_resuming_with_other_settings_lists_every_one_that_changed_and_trains_with_them(tmp_path):
     """The LR, momentum and weight decay typed for the resume are what it steps with (before: the checkpoint's
     own, while the resume line said they had changed); settings that group the parameters otherwise, or another
-    optimizer, are refused in one line (before: torch's ValueError, or a KeyError at the first step)."""
+    optimizer, are refused in one line (before: torch's ValueError, or a KeyError at the first step), another
+    dataset before its data is read."""
     train.main([f"run.out_dir={tmp_path}", *TINY, "train.epochs=1"])
     for setting, refusal in (
         ("optim.norm_bias_lr_scale=4", "optimizer groups the parameters otherwise than this run's settings do "
@@ -232,6 +233,10 @@ def test_resuming_with_other_settings_lists_every_one_that_changed_and_trains_wi
     ):  # fmt: skip
         with pytest.raises(UsageError, match=re.escape(refusal)):
             train.main([f"run.out_dir={tmp_path}", *TINY, setting])
+    root = tmp_path / "cifar"  # another dataset: refused before it is read (it was downloaded first: 169 MB)
+    with pytest.raises(UsageError, match=re.escape("data.dataset=synthetic but this run has data.dataset=cifar100")):
+        train.main([f"run.out_dir={tmp_path}", *TINY, "data.dataset=cifar100", f"data.root={root}"])
+    assert not root.exists()
     changes = ("optim.lr=0.02", "optim.clip_grad_norm=2", "optim.momentum=0.5", "optim.weight_decay=0.001",
                "optim.schedule=constant")  # fmt: skip
     proc = ok(python(str(TRAIN), f"run.out_dir={tmp_path}", *TINY, *changes))

@@ -12,10 +12,17 @@ from test_readme import read_the_code
 
 def layers(package: Path) -> list[tuple[str, list[str]]]:
     """(layer name, its modules) top to bottom, from the package docstring's indented block
-    `    name    module, module, ...` (two spaces or more between the name and the modules)."""
+    `    name    module, module, ...` (two spaces or more between the name and the modules; a row whose modules
+    go on, ending in a comma, goes on in the next line's, which has no name)."""
     doc = ast.get_docstring(ast.parse((package / "__init__.py").read_text())) or ""
-    rows = [re.split(r"\s{2,}", line.strip(), maxsplit=1) for line in doc.splitlines() if line.startswith("    ")]
-    return [(name, [m.strip() for m in modules.split(",")]) for name, modules in rows]
+    found: list[tuple[str, list[str]]] = []
+    for line in (line for line in doc.splitlines() if line.startswith("    ")):
+        if found and found[-1][1][-1] == "":  # (the row above ended in a comma)
+            found[-1][1][-1:] = [m.strip() for m in line.strip().split(",")]
+        else:
+            name, modules = re.split(r"\s{2,}", line.strip(), maxsplit=1)
+            found.append((name, [m.strip() for m in modules.split(",")]))
+    return found
 
 
 def imports(path: Path, package: str, modules: set[str]) -> list[tuple[int, str]]:
@@ -93,7 +100,8 @@ PACKAGE = '''"""pkg: a test package.
 Its layers:
 
     top       c
-    bottom    b, a
+    bottom    b,
+              a
 """
 '''
 

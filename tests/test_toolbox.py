@@ -227,17 +227,17 @@ def test_a_bad_value_from_the_command_line_is_exit_2():
 def test_a_checkpoint_of_another_width_is_refused_on_resume(tmp_path):
     """model.width changes every tensor's shape: continuing is refused with the fix, not a traceback
     from load_state_dict. (A checkpoint from before model.width existed counts as width 1.)"""
-    from ddp import checkpoint
+    from ddp import checkpoint, compatible
 
     saved = config.to_dict(config.load(None, ["model.name=fast", "model.width=0.25"]))
     now = config.to_dict(config.load(None, ["model.name=fast", "model.width=0.5"]))
     state = {"config": saved, "classes": list("abcdefghij"), "train_images": 100}
     info = checkpoint.RunInfo(now, 1, 100, {}, list("abcdefghij"))
     with pytest.raises(UsageError, match="trained with model.width=0.25 but this run has model.width=0.5"):
-        checkpoint.check_compatible(state, info, "old.pt")
+        compatible.check(state, info, "old.pt")
     del saved["model"]["width"]  # an older checkpoint
     info = checkpoint.RunInfo(config.to_dict(config.load(None, ["model.name=fast"])), 1, 100, {}, list("abcdefghij"))
-    checkpoint.check_compatible(state, info, "old.pt")  # width 1 both: nothing raised
+    compatible.check(state, info, "old.pt")  # width 1 both: nothing raised
 
 
 def test_a_profile_resumed_inside_its_steps_traces_the_rest(tmp_path, capsys):

@@ -5,7 +5,7 @@ before it (tests/test_layers.py), so each can be read knowing only what is below
 
     the launcher        accelerate_launch, torchrun, pausing
     the loop            train
-    commands            evaluate, doctor, plot
+    commands            __main__, evaluate, doctor, plot
     a run's state       warmup, profiling, preemption, logs, checkpoint, compatible, schema, weights, faults, rundir,
                         metrics
     data and the step   checks, alike, graphed, loaders, datasets, cifar, mixing, optim, muon

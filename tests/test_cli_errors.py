@@ -9,6 +9,7 @@ import ctypes
 import errno
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -716,3 +717,18 @@ def test_what_a_rank_tells_the_others_when_it_leaves_is_its_own_line_and_exit_co
 
     code = cli.command(main, [])
     assert errors.ending(error) == (code, capsys.readouterr().err.strip().removeprefix("error: "))
+
+
+def test_python_m_ddp_lists_every_command_and_takes_no_arguments():
+    """`python -m ddp` was Python's own "No module named ddp.__main__". It lists the commands: each module that
+    runs as a command (its `__main__` guard) but the launchers' own (torchrun.py, accelerate_launch.py, which the
+    launch files start), and nothing else; with arguments it runs nothing, exit 2."""
+    listed = subprocess.run([sys.executable, "-m", "ddp"], cwd=REPO, env=clean_env(), capture_output=True, text=True)
+    assert listed.returncode == 0 and listed.stderr == "", listed.stderr
+    named = set(re.findall(r"-m ddp\.(\w+)|ddp/(train)\.py", listed.stdout))
+    commands = {p.stem for p in (REPO / "ddp").glob("*.py") if 'if __name__ == "__main__":' in p.read_text()}
+    assert {module or script for module, script in named} == commands - {"__main__", "torchrun", "accelerate_launch"}
+    given = subprocess.run([sys.executable, "-m", "ddp", "train"], cwd=REPO, env=clean_env(), capture_output=True,
+                           text=True)  # fmt: skip
+    assert given.returncode == 2 and given.stdout == "", given
+    assert given.stderr.startswith("error: python -m ddp takes no arguments (it lists the commands); got train\n")

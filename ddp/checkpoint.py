@@ -259,7 +259,8 @@ def check_resume(cfg: config.Config) -> None:
             old = torch.load(path, map_location="cpu", weights_only=True, mmap=True)["config"]
         except Exception:  # (damaged, not a checkpoint, no mmap there: resume's reading says which)
             return
-        compatible.check_settings(old, config.to_dict(cfg), path)
+        if isinstance(old, dict) and not schema.settings_problems(old):  # (else: said by resume's schema.verified)
+            compatible.check_settings(old, config.to_dict(cfg), path)
 
 
 def resumed_paths(run: RunConfig) -> list[Path]:

@@ -34,7 +34,7 @@ def verified(state: Any, path: Path) -> dict[str, Any]:
     if state.get("format") != FORMAT:
         raise UsageError(f"{path} has checkpoint format {state.get('format')}; this ddp-cifar reads format {FORMAT}")
     bad = [k for k, (kind, least) in ENTRIES.items() if not _of(state.get(k), kind, least)]
-    bad = bad or _settings(state["config"]) or _entries(state)
+    bad = bad or settings_problems(state["config"]) or _entries(state)
     if bad:  # its checksum holds: another program wrote it so, not a damaged disk
         raise UsageError(f"{path} is no ddp-cifar checkpoint of format {FORMAT}: {', '.join(bad)} missing or malformed")
     state["checksum"] = stored
@@ -51,7 +51,7 @@ def _of(value: Any, kind: type, least: float | None = None) -> bool:
     return (value < 2**63 if kind is int else math.isfinite(value)) and (least is None or value >= least)
 
 
-def _settings(config: dict[str, Any]) -> list[str]:
+def settings_problems(config: dict[str, Any]) -> list[str]:
     """The sections and keys of a checkpoint's config that every reader takes, missing or not of their kind."""
     bad = [f"config.{s}" for s, v in config.items() if not isinstance(v, dict)]
     bad += [f"config.{s}" for s in SETTINGS if s not in config]

@@ -142,7 +142,7 @@ def test_a_checkpoint_whose_entries_are_not_of_their_kind_is_refused_in_one_line
     (a string config, a string normalize), or went on with a string epoch. Values out of range or that disagree
     (a negative epoch, a step past the epoch's end, ranks of another number than world_size, no classes, metrics that
     are no record) went on too, or were an IndexError, a KeyError or a TypeError traceback in resume and inspect."""
-    from ddp import checkpoint
+    from ddp import checkpoint, train
     from ddp import evaluate as ddp_evaluate
     from ddp.cli import command
 
@@ -150,7 +150,9 @@ def test_a_checkpoint_whose_entries_are_not_of_their_kind_is_refused_in_one_line
     rewritten(
         ddp_run, path, lambda state: state["config"].update(model=value) if "." in key else state.update({key: value})
     )
-    for main, argv in ((checkpoint.main, ["inspect", str(path)]), (ddp_evaluate.main, ["--checkpoint", str(path)])):
+    resume = [*TINY, f"run.out_dir={tmp_path / 'run'}", f"run.resume={path}"]  # (its settings read first: a peek)
+    for main, argv in ((checkpoint.main, ["inspect", str(path)]), (ddp_evaluate.main, ["--checkpoint", str(path)]),
+                       (train.main, resume)):  # fmt: skip
         assert command(main, argv) == 2
         assert (
             capsys.readouterr().err

@@ -1,4 +1,4 @@
-"""Typed configuration: the only place defaults live, and the only module that imports yaml.
+"""Typed configuration: the only place defaults live (config_file.py reads and writes its YAML files).
 
 `load(path, overrides)` resolves defaults < YAML file < `section.key=value` overrides, coercing every value to
 its field's type. Unknown sections or keys, bad values and bad choices raise UsageError with the valid
@@ -11,14 +11,11 @@ import dataclasses
 import difflib
 import math
 import os
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from ddp import files, models
+from ddp import config_file, models
 from ddp.errors import UsageError
 
 
@@ -224,25 +221,6 @@ class Config:
     run: RunConfig = field(default_factory=RunConfig)
 
 
-class _Yaml12Loader(yaml.SafeLoader):
-    """SafeLoader where only true/false are booleans (`amp: off` stays "off"), and a key given twice is an error."""
-
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
-        keys = [(k, self.construct_object(k, deep=deep)) for k, _ in node.value if k.tag != "tag:yaml.org,2002:merge"]
-        for i, (key, name) in enumerate(keys):  # PyYAML would keep the last silently: a section written twice
-            if name in [n for _, n in keys[:i]]:
-                raise yaml.constructor.ConstructorError(None, None, f"{name!r} is given twice", key.start_mark)
-        return super().construct_mapping(node, deep)
-
-
-_Yaml12Loader.yaml_implicit_resolvers = {
-    ch: [(tag, rx) for tag, rx in resolvers if tag != "tag:yaml.org,2002:bool"]
-    for ch, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
-}
-_Yaml12Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")
-)
-
 _TRUE = {"true", "1", "yes", "on"}
 _FALSE = {"false", "0", "no", "off"}
 
@@ -321,38 +299,15 @@ def _set(cfg: Config, dotted: str, value: Any) -> None:
 def is_a_runs(path: Path) -> bool:
     """Whether the YAML file at `path` holds this config's sections only, as a run's config.yaml does (dump's)."""
     try:
-        return set(_read_yaml(str(path))) <= {f.name for f in dataclasses.fields(Config)}
+        return set(config_file.read(str(path))) <= {f.name for f in dataclasses.fields(Config)}
     except UsageError:
         return False
-
-
-def _read_yaml(path: str) -> dict[str, Any]:
-    try:
-        if (data := files.read_small(Path(path).expanduser(), 2**20)) is None:  # a config is a few hundred bytes
-            raise UsageError(f"{path}: more than 1 MiB, not a config file; name a YAML file, e.g. configs/quick.yaml")
-        doc = yaml.load(data.decode(), Loader=_Yaml12Loader)
-    except RecursionError:  # [[[[... or {a: {a: ...: the parser's recursion
-        raise UsageError(f"{path}: invalid YAML: nested too deeply for a config (sections of keys)") from None
-    except FileNotFoundError:
-        raise UsageError(f"config file not found: {path}") from None
-    except OSError as e:  # a directory, no permission to read it
-        raise UsageError(f"--config {path}: {e.strerror}; name a YAML file, e.g. configs/quick.yaml") from None
-    except (yaml.YAMLError, UnicodeDecodeError) as e:  # the second: not a text file
-        mark = getattr(e, "problem_mark", None)
-        where = f" line {mark.line + 1}:" if mark else ""
-        said = " ".join(str(getattr(e, "problem", None) or e).split())  # one line (a reader error's is two)
-        raise UsageError(f"{path}:{where} invalid YAML: {said}") from None
-    if isinstance(doc := {} if doc is None else doc, dict):  # a section of its keys commented out: an empty one
-        doc = {section: {} if keys is None else keys for section, keys in doc.items()}
-    if not isinstance(doc, dict) or not all(isinstance(v, dict) for v in doc.values()):
-        raise UsageError(f"{path}: expected sections of keys, e.g. 'optim:\\n  lr: 0.1'")
-    return doc
 
 
 def load(path: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Defaults < YAML file at `path` < `section.key=value` overrides. A key whose default is not empty is
     never set empty: `run.out_dir=$DIR` with DIR unset would put the run in the current directory."""
-    cfg = override(from_dict(_read_yaml(path)) if path else Config(), overrides)
+    cfg = override(from_dict(config_file.read(path, settings())) if path else Config(), overrides)
     defaults = to_dict(Config())
     if empty := [(s, k) for s, keys in to_dict(cfg).items() for k, v in keys.items() if v == "" != defaults[s][k]]:
         section, key = empty[0]
@@ -375,6 +330,11 @@ def to_dict(cfg: Config) -> dict[str, dict[str, Any]]:
     return dataclasses.asdict(cfg)
 
 
+def settings() -> dict[str, list[str]]:
+    """Every section's keys, in order."""
+    return {section: list(keys) for section, keys in to_dict(Config()).items()}
+
+
 def from_dict(d: dict[str, dict[str, Any]]) -> Config:
     """A Config from sections of keys (a YAML file's, to_dict's output in a checkpoint); unknown keys are errors."""
     cfg = Config()
@@ -386,7 +346,7 @@ def from_dict(d: dict[str, dict[str, Any]]) -> Config:
 
 
 def dump(cfg: Config) -> str:
-    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+    return config_file.write(to_dict(cfg))
 
 
 def reference() -> str:

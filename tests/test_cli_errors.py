@@ -280,7 +280,7 @@ def test_the_same_command_with_run_resume_path_again_continues_its_own_checkpoin
     "text, fragments",
     [
         ("optim:\n  lr: [0.1\nrun:\n  seed: 1\n", ["invalid YAML", "line 3"]),  # the unclosed list
-        ("lr: 0.1\n", ["expected sections of keys, e.g. 'optim:"]),
+        ("lr: 0.1\n", ["expected sections of keys; write 'lr: 0.1' as 'optim:\\n  lr: 0.1'"]),
         ("optim:\n  lr: 0.1\n  momentun: 0.9\n", ["unknown key 'optim.momentun'", "did you mean 'optim.momentum'?"]),
     ],
     ids=["yaml-syntax", "yaml-not-sections", "yaml-typo"],

@@ -212,6 +212,25 @@ def test_a_config_that_says_a_thing_twice_or_is_no_text_is_refused(text, said, t
     assert (config.load(merged).run.seed, config.load(merged).run.progress) == (7, False)
 
 
+@pytest.mark.parametrize(
+    "text, said",
+    [
+        ("epochs: 3\noptim:\n  lr: 0.2\n", "write 'epochs: 3' as 'train:\\n  epochs: 3'"),  # a flat config's
+        ("train.epochs: 3\n", "write 'train.epochs: 3' as 'train:\\n  epochs: 3'"),  # as a command line has it
+        ("name: fast\n", "write 'name: fast' as 'model:\\n  name: fast' or 'optim:\\n  name: fast'"),
+        ("epoks: 3\n", "e.g. 'optim:\\n  lr: 0.1'"),  # no section has the key
+        ("- optim\n", "e.g. 'optim:\\n  lr: 0.1'"),
+    ],
+    ids=["flat", "dotted", "in-two-sections", "unknown", "a-list"],
+)
+def test_a_setting_outside_a_section_is_shown_in_its_section(text, said, tmp_path):
+    """A flat config (`epochs: 3`, as many a script's) or a setting as the command line writes it (`train.epochs: 3`)
+    was refused with an example of a section alone; the line now writes that setting in its section."""
+    with pytest.raises(UsageError) as refused:
+        config.load(write(tmp_path, text))
+    assert str(refused.value) == f"{tmp_path / 'c.yaml'}: expected sections of keys; {said}"
+
+
 def test_a_section_whose_keys_are_all_commented_out_is_empty_and_its_name_still_checked(tmp_path):
     """`train:` with its one key commented out was refused as no sections of keys; it sets nothing. A misspelt
     section that sets nothing is still refused by its name, as one with keys is."""

@@ -156,6 +156,30 @@ def test_what_scontrol_requeue_did_is_said_also_when_the_requeue_ended_it():
     assert preemption.requeue_outcome(ran(1)) == "scontrol exited 1"
 
 
+SIGNALS_SEEN = """
+import signal, subprocess, sys
+sys.path.insert(0, "tests")
+import conftest  # (as pytest imports it in each of its processes)
+print(signal.getsignal(signal.SIGINT) is signal.default_int_handler, signal.getsignal(signal.SIGHUP) == signal.SIG_IGN)
+seen = "import signal as s; print(s.getsignal(s.SIGINT) is s.default_int_handler, int(s.getsignal(s.SIGHUP)))"
+print(subprocess.run([sys.executable, "-c", seen], capture_output=True, text=True).stdout, end="")
+"""
+
+
+def test_a_suite_started_with_ctrl_c_and_hang_ups_ignored_starts_its_runs_with_them_not_ignored():
+    """`nohup make test &` in a script: the suite started with SIGINT and SIGHUP ignored, and so did every run a
+    test started (9 tests of Ctrl-C and hang-ups failed). The runs get the defaults; pytest itself takes a Ctrl-C as
+    Python does, and SIGHUP still leaves it running."""
+
+    def ignoring() -> None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+
+    proc = subprocess.run([sys.executable, "-c", SIGNALS_SEEN], cwd=REPO, env=clean_env(), capture_output=True,
+                          text=True, preexec_fn=ignoring, timeout=120)  # fmt: skip
+    assert proc.stdout == "True False\nTrue 0\n", proc.stderr  # pytest's own; then a run's (0: SIG_DFL)
+
+
 def test_a_run_started_with_ctrl_c_or_hang_ups_ignored_keeps_them_ignored(tmp_path):
     """A script's background job (`python ddp/train.py ... &` in a script) starts with SIGINT ignored, so that
     a Ctrl-C for the script leaves it running; Python leaves it so, and so do we now: SIGINT mid-run is not a

@@ -254,13 +254,14 @@ def check_resume(cfg: config.Config) -> None:
     CIFAR-10 one downloaded CIFAR-100 (169 MB) first. Its settings alone are read (mmap: the tensors stay on
     disk); a file that does not read so is left to Checkpoints.resume, which says why."""
     rundir.check_resume_setting(cfg.run.resume, cfg.run.out_dir)
-    for path in resumed_paths(cfg.run)[:1]:
-        try:
-            old = torch.load(path, map_location="cpu", weights_only=True, mmap=True)["config"]
-        except Exception:  # (damaged, not a checkpoint, no mmap there: resume's reading says which)
-            return
-        if isinstance(old, dict) and not schema.settings_problems(old):  # (else: said by resume's schema.verified)
-            compatible.check_settings(old, config.to_dict(cfg), path)
+    if not (paths := resumed_paths(cfg.run)):
+        return
+    try:
+        old = torch.load(paths[0], map_location="cpu", weights_only=True, mmap=True)["config"]
+    except Exception:  # (damaged, not a checkpoint, no mmap there: resume's reading says which)
+        return
+    if isinstance(old, dict) and not schema.settings_problems(old):  # (else: said by resume's schema.verified)
+        compatible.check_settings(old, config.to_dict(cfg), paths[0])
 
 
 def resumed_paths(run: RunConfig) -> list[Path]:

@@ -350,9 +350,9 @@ def main_thread_at(frames: int = 3) -> str:
     frame = sys._current_frames().get(threading.main_thread().ident)
     if frame is None:
         return "an unknown place (its main thread has ended)"
-    stack = traceback.extract_stack(frame)[-frames:]
-    where = (Path(Path(f.filename).parent.name, Path(f.filename).name) for f in stack)  # (dir/file.py)
-    return " < ".join(f"{path}:{f.lineno} in {f.name}" for path, f in reversed(list(zip(where, stack))))
+    stack = reversed(traceback.extract_stack(frame)[-frames:])
+    return " < ".join(f"{Path(Path(f.filename).parent.name, Path(f.filename).name)}:{f.lineno} in {f.name}"
+                      for f in stack)  # fmt: skip
 
 
 def _ranks_running() -> bool:

@@ -50,6 +50,7 @@ def main(argv: list[str]) -> int:
         return EXIT_USAGE
     torchrun.quiet_agent_logs()
     args = launch_command_parser().parse_args(argv)
+    torchrun.one_machine[:] = [args.num_machines == 1]  # (launch/accelerate.sh's on one machine: how it exits, run)
     # accelerate has mpirun bind each rank to a socket, and Open MPI refused more ranks than the socket's cores
     # (NPROC=4 on 2 cores: its box, exit 1); ranks may share cores, as under torchrun (its option, not an argument)
     setattr(args, "bind-to", "socket:overload-allowed")
@@ -213,4 +214,4 @@ def _wait_for_children() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    torchrun.run(sys.argv[1:], main)

@@ -44,7 +44,7 @@ import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, NoReturn
@@ -360,12 +360,12 @@ def _ranks_running() -> bool:
     return bool(processes.children())
 
 
-def run(argv: list[str]) -> NoReturn:
-    """main, then the exit: on one machine without the interpreter's teardown, as the ranks leave (cli.leave):
-    torch's took 0.4-0.5 s after every run, 1.5-9 s on a loaded machine (where a Ctrl-C took that long to end).
-    A job of several machines exits the usual way: the agent that serves the rendezvous store, leaving sooner,
-    would end it sooner under the agents still reading its exit barrier (pytorch/pytorch#69520)."""
-    code = main(argv)
+def run(argv: list[str], launch: Callable[[list[str]], int] | None = None) -> NoReturn:
+    """`launch` (main; accelerate_launch's), then the exit: on one machine without the interpreter's teardown, as
+    the ranks leave (cli.leave): torch's took 0.4-0.5 s after every run, 1.5-9 s on a loaded machine (where a Ctrl-C
+    took that long to end). A job of several machines exits the usual way: the agent that serves the rendezvous
+    store, leaving sooner, would end it sooner under the agents still reading its exit barrier (pytorch#69520)."""
+    code = (launch or main)(argv)
     if one_machine == [True]:
         cli.leave(code)
     sys.exit(code)

@@ -27,6 +27,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a file: import ddp from the repository, not ddp/'s modules as top-level ones
@@ -122,6 +123,7 @@ def _through_mpirun(args: object) -> None:
     relays = [threading.Thread(target=_relay, args=(mpirun.stderr, seen), daemon=True)]
     if hydra:
         relays.append(threading.Thread(target=_relay_hydra, args=(mpirun.stdout, seen), daemon=True))
+        threading.Thread(target=_note_ranks, args=(mpirun, args.training_script, seen), daemon=True).start()
     for relay in relays:
         relay.start()
     mpirun.wait()
@@ -142,6 +144,7 @@ class Seen:
     stops: list[int] = dataclasses.field(default_factory=list)
     said: bool = False
     killed: int = 0
+    ranks: dict[int, int] = dataclasses.field(default_factory=dict)  # pid: rank, of MPICH's ranks while they ran
 
 
 def _relay(stream, seen: Seen) -> None:
@@ -194,10 +197,21 @@ def _relay_hydra(stream, seen: Seen) -> None:
         return
     if killed:
         seen.killed = int(killed[2])
-        _write(sys.stderr, f"error: {torchrun.killed(f'a rank (pid {int(killed[1])})', seen.killed)}; MPICH's mpirun "
-                           "ended the others\n".encode())  # fmt: skip
+        pid = int(killed[1])
+        who = f"rank {seen.ranks[pid]} (pid {pid})" if pid in seen.ranks else f"a rank (pid {pid})"
+        _write(sys.stderr, f"error: {torchrun.killed(who, seen.killed)}; MPICH's mpirun ended the others\n".encode())
         return
     _write(sys.stdout, b"".join(held))
+
+
+def _note_ranks(mpirun: subprocess.Popen, script: str, seen: Seen) -> None:
+    """Each rank's number by its pid in `seen.ranks` (its PMI_RANK) while mpirun runs, every 0.5 s: MPICH's box of a
+    rank killed names its pid alone (on Linux; elsewhere the line says `a rank (pid N)`)."""
+    while mpirun.poll() is None:
+        for pid in processes.nearest_running(mpirun.pid, script):
+            if pid not in seen.ranks and (rank := processes.environment(pid).get("PMI_RANK", "")).isdigit():
+                seen.ranks[pid] = int(rank)
+        time.sleep(0.5)
 
 
 def _write(stream, data: bytes) -> None:

@@ -48,6 +48,15 @@ def command_line(pid: int) -> list[str] | None:
     return [word.decode(errors="replace") for word in words.removesuffix(b"\0").split(b"\0")] if words else []
 
 
+def environment(pid: int) -> dict[str, str]:
+    """/proc/PID/environ as a dict; {} where it cannot be read (the process gone, another user's, no /proc)."""
+    try:
+        pairs = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return {}
+    return dict(p.decode(errors="replace").partition("=")[::2] for p in pairs if b"=" in p)
+
+
 def nearest_running(parent: int, script: str, depth: int = 3) -> list[int]:
     """The processes below `parent`, nearest to it, that run `script` (a word of their command line): mpirun's ranks,
     its children under Open MPI and its proxy's (hydra_pmi_proxy) under MPICH. None found without /proc."""

@@ -257,7 +257,7 @@ def test_mpichs_box_of_a_killed_rank_is_one_line_and_its_exit_code_the_signals(s
     """MPICH's mpirun (Hydra) said that a rank was killed in a box on stdout, with its blank line before it, and exited
     with the signal's number (9), which accelerate_launch passed on: the box is now one line on stderr, as Open MPI's
     is, and the exit code 128 + 9 (seen.killed). The ranks' own blank lines and rules of '=' stay; after a stop by
-    that signal the box goes without a line."""
+    that signal the box goes without a line. The rank's number where its pid was seen (`seen.ranks`)."""
     from ddp import accelerate_launch
 
     ranks = (b"epoch 1/2\n\n" + HYDRA_RULE + b"a rank's table\n\n\n" + HYDRA_RULE + b"=   a rank's box\n" + HYDRA_RULE +
@@ -271,6 +271,8 @@ def test_mpichs_box_of_a_killed_rank_is_one_line_and_its_exit_code_the_signals(s
     assert seen.killed == (0 if stops else signal.SIGKILL)
     accelerate_launch._relay_hydra(io.BytesIO(b"x\n" + HYDRA_RULE), accelerate_launch.Seen())  # no box: kept
     assert capfdbinary.readouterr().out == b"x\n" + HYDRA_RULE
+    accelerate_launch._relay_hydra(io.BytesIO(HYDRA_BOX), accelerate_launch.Seen(ranks={29169: 1}))  # (its PMI_RANK)
+    assert capfdbinary.readouterr().err == said.replace(b"a rank (pid", b"rank 1 (pid")
 
 
 def test_the_ranks_below_mpirun_are_found_as_its_children_or_below_a_proxy(tmp_path):

@@ -53,12 +53,14 @@ def read(path: str, settings: dict[str, list[str]] | None = None) -> dict[str, A
         where = f" line {mark.line + 1}:" if mark else ""
         said = " ".join(str(getattr(e, "problem", None) or e).split())  # one line (a reader error's is two)
         raise UsageError(f"{path}:{where} invalid YAML: {said}") from None
-    if isinstance(doc := {} if doc is None else doc, dict):  # a section of its keys commented out: an empty one
-        doc = {section: {} if keys is None else keys for section, keys in doc.items()}
-    loose = [(str(k), v) for k, v in doc.items() if not isinstance(v, dict)] if isinstance(doc, dict) else []
-    if not isinstance(doc, dict) or loose:  # a flat config (epochs: 10), or train.epochs: 10 as a command line has it
-        nested = " or ".join(_in_its_section(*loose[0], settings or {})) if loose else ""
-        hint = f"write '{loose[0][0]}: {loose[0][1]}' as {nested}" if nested else "e.g. 'optim:\\n  lr: 0.1'"
+    example = "e.g. 'optim:\\n  lr: 0.1'"
+    if not isinstance(doc := {} if doc is None else doc, dict):
+        raise UsageError(f"{path}: expected sections of keys; {example}")
+    doc = {section: {} if keys is None else keys for section, keys in doc.items()}  # (its keys all commented out)
+    if loose := [(str(k), v) for k, v in doc.items() if not isinstance(v, dict)]:  # epochs: 10, or train.epochs: 10
+        value = "..." if isinstance(loose[0][1], list) else loose[0][1]  # (YAML's aliases make a billion items)
+        nested = " or ".join(_in_its_section(loose[0][0], value, settings or {}))
+        hint = f"write '{loose[0][0]}: {value}' as {nested}" if nested else example
         raise UsageError(f"{path}: expected sections of keys; {hint}")
     return doc
 

@@ -362,8 +362,8 @@ def _ranks_running() -> bool:
 
 def run(argv: list[str], launch: Callable[[list[str]], int] | None = None) -> NoReturn:
     """`launch` (main; accelerate_launch's), then the exit: on one machine without the interpreter's teardown, as
-    the ranks leave (cli.leave): torch's took 0.4-0.5 s after every run, 1.5-9 s on a loaded machine (where a Ctrl-C
-    took that long to end). A job of several machines exits the usual way: the agent that serves the rendezvous
+    the ranks leave (cli.leave): torch's took 0.4-0.5 s after every run, 1.5-2.8 s beside a test suite (a Ctrl-C there
+    took up to 7.4 s to end). A job of several machines exits the usual way: the agent that serves the rendezvous
     store, leaving sooner, would end it sooner under the agents still reading its exit barrier (pytorch#69520)."""
     code = (launch or main)(argv)
     if one_machine == [True]:

@@ -771,8 +771,8 @@ def test_an_agent_that_outlives_its_ranks_on_one_machine_says_where_it_hangs_and
 @pytest.mark.parametrize("flags, skips_teardown", [(["--standalone"], True), (["--nnodes=1"], True),
                                                    (["--nnodes=2", "--rdzv_endpoint=h:29400"], False)])  # fmt: skip
 def test_the_agent_of_a_job_on_one_machine_exits_without_the_interpreters_teardown(flags, skips_teardown, monkeypatch):
-    """Torch's teardown took the agent 0.4-0.5 s after every run here (1.5-9 s on a loaded machine, where a Ctrl-C
-    took that long to end): on one machine it leaves as the ranks do (cli.leave). An agent of a job of several
+    """Torch's teardown took the agent 0.4-0.5 s after every run here (1.5-2.8 s beside a test suite, where a Ctrl-C
+    took up to 7.4 s to end): on one machine it leaves as the ranks do (cli.leave). An agent of a job of several
     machines exits the usual way: it may serve the rendezvous store that the other agents still read."""
 
     def leave(code: int) -> None:

@@ -65,8 +65,7 @@ TORCHRUN_OPTIONS = {"nproc_per_node", "nnodes", "node_rank", "standalone", "mast
 
 def _settings_named(name: str) -> list[str]:
     """The settings (section.key) whose key is `name`: `--epochs` in a command line meant train.epochs."""
-    return [f"{section}.{key}" for section, keys in config.to_dict(config.Config()).items() for key in keys
-            if key == name.lower()]  # fmt: skip
+    return [f"{section}.{name.lower()}" for section, keys in config.settings().items() if name.lower() in keys]
 
 
 def parse(

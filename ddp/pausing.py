@@ -127,11 +127,8 @@ def _handles_sigtstp(pid: int) -> bool:
 
 
 def _rank_name(pid: int) -> str:
-    try:
-        rank = next(v for v in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if v.startswith(b"RANK="))
-        return f"rank {rank[5:].decode()}"
-    except (OSError, StopIteration):
-        return f"process {pid}"
+    rank = processes.environment(pid).get("RANK")
+    return f"process {pid}" if rank is None else f"rank {rank}"
 
 
 def _signal(pid: int, sig: signal.Signals, group: bool) -> None:

@@ -40,7 +40,7 @@ from conftest import (
     wait_for_checkpoint,
 )
 
-from ddp import checkpoint, rundir
+from ddp import checkpoint, processes, rundir
 
 # A job with BatchNorm and random crops/flips on (both must resume exactly): 512 synthetic train
 # images, global batch 32 -> 16 steps per epoch, 3 epochs = 48 steps; a checkpoint every 5 steps.
@@ -121,11 +121,8 @@ def test_killed_with_the_toolbox_on_then_resumes_bitwise(toolbox_reference, tmp_
 
 def rank_of(pid: int) -> int | None:
     """The RANK a worker was started with; None while it has none (torchrun's fork before the exec) or is gone."""
-    try:
-        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    except OSError:
-        return None
-    return next((int(e.split(b"=")[1]) for e in env if e.startswith(b"RANK=")), None)
+    rank = processes.environment(pid).get("RANK")
+    return None if rank is None else int(rank)
 
 
 def kill_job(proc: subprocess.Popen) -> None:

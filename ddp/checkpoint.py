@@ -2,7 +2,7 @@
 (`Checkpoints.save`: rank 0, all or nothing, with a checksum) and continuing from one
 (`Checkpoints.resume`, `load`); the only torch.save and torch.load of a run.
 
-    python -m ddp.checkpoint inspect PATH       epoch, step, world size, metrics, size, checksum
+    python -m ddp.checkpoint inspect PATH       epoch, step, world size, metrics, size, checksum (an export: its model)
     python -m ddp.checkpoint export PATH OUT [--raw] [--state-dict]
         the model weights alone, for inference: the moving average's if the run kept one (--raw: the
         trained ones); --state-dict writes the bare state dict that model.load_state_dict(torch.load(OUT)) takes;
@@ -290,8 +290,9 @@ def export(path: str | Path, out: str | Path, raw: bool = False, state_dict: boo
         raise UsageError("OUT=- writes the weights to stdout, a terminal here: pipe it, e.g. | ssh host 'cat > m.pt'")
     if not str(out):  # (Path("") is ".", a directory)
         raise UsageError("OUT is empty: name the file to write, e.g. model.pt")
-    if Path(out).is_dir():
-        raise UsageError(f"OUT={out} is a directory: name the file to write, e.g. {Path(out) / 'model.pt'}")
+    if Path(out).is_dir() or str(out).endswith("/"):  # ("new/": Path drops the slash, and wrote a file "new")
+        is_one = "is a directory" if Path(out).is_dir() else "names a directory"
+        raise UsageError(f"OUT={out} {is_one}: name the file to write, e.g. {Path(out) / 'model.pt'}")
     if str(out) != "-" and Path(out).exists():
         raise UsageError(f"OUT={out} exists, and export never replaces a file: name a new one, or remove it first")
     state = load(path)
@@ -307,13 +308,15 @@ def export(path: str | Path, out: str | Path, raw: bool = False, state_dict: boo
 
 
 def describe(path: str | Path) -> tuple[str, bool]:
-    """What `inspect` prints about a checkpoint file, and whether it is whole."""
+    """What `inspect` prints about a checkpoint file (or an export), and whether it is whole."""
     source = files.seekable(Path(path))
-    size = f"{path}: {files.size_of(source) / 1e6:.1f} MB, checksum"
+    size = f"{path}: {files.size_of(source) / 1e6:.1f} MB"
     try:
         state = load(path, source)
     except CorruptCheckpoint as e:
-        return f"{size} FAILED: {e}", False
+        exported = _export_of(source)
+        return (f"{size}, {exported}", True) if exported else (f"{size}, checksum FAILED: {e}", False)
+    size = f"{size}, checksum"
     config, metrics = state["config"], state["metrics"]
     lines = [
         f"{size} ok",
@@ -328,6 +331,26 @@ def describe(path: str | Path) -> tuple[str, bool]:
     if state.get("ema"):
         lines.append(f"  moving average of the weights: {state['ema']['updates']} updates (evaluate/export take it)")
     return "\n".join(lines), True
+
+
+def _export_of(source: Path | io.BytesIO) -> str:
+    """What `export` wrote, as inspect says it ("checksum FAILED" before: an export has none); "" for another file."""
+    with contextlib.suppress(Exception):
+        if isinstance(source, io.BytesIO):
+            source.seek(0)
+        state = torch.load(source, map_location="cpu", weights_only=True)
+        if isinstance(state, dict) and state.get("format") == "ddp-cifar-weights/1":
+            tensors, what = state["model"], f"model {state['model_name']} at width {state['width']}, "
+            what += f"{len(state['classes'])} classes"
+        elif isinstance(state, dict) and state and all(isinstance(v, torch.Tensor) for v in state.values()):
+            tensors, what = state, "a bare state dict (as export --state-dict writes it)"
+        else:
+            return ""
+        values = sum(t.numel() for t in tensors.values())
+        return f"an export, the weights alone (no checksum, no training state): {what}; {len(tensors)} tensors, " + (
+            f"{values / 1e6:.2f}M values"
+        )
+    return ""
 
 
 USAGE = "usage: python -m ddp.checkpoint inspect PATH | export PATH OUT [--raw] [--state-dict]"

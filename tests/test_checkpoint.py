@@ -180,6 +180,25 @@ def test_inspect_and_export(run_dir, tmp_path):
     assert python("-m", "ddp.checkpoint", "frobnicate").returncode == 2
 
 
+def test_inspect_says_what_an_export_is(run_dir, tmp_path, capsys):
+    """An export (the weights alone) was "checksum FAILED: ... not a ddp-cifar checkpoint", exit 1: it has no
+    checksum to fail. Now what it holds, exit 0; a file that is neither still fails."""
+    from ddp.cli import command
+
+    last, tensors = rundir.last_path(run_dir), len(torch.load(rundir.last_path(run_dir), weights_only=True)["model"])
+    for name, options, holds in [("w.pt", [], "model small at width 1.0, 10 classes"),
+                                 ("sd.pt", ["--state-dict"], "a bare state dict")]:  # fmt: skip
+        assert command(checkpoint.main, ["export", str(last), str(tmp_path / name), *options]) == 0
+        capsys.readouterr()
+        assert command(checkpoint.main, ["inspect", str(tmp_path / name)]) == 0
+        shown = capsys.readouterr().out
+        assert f"an export, the weights alone (no checksum, no training state): {holds}" in shown, shown
+        assert f"; {tensors} tensors, " in shown and "FAILED" not in shown, shown
+    torch.save({"step": torch.tensor(1), "note": "mine"}, tmp_path / "other.pt")
+    assert command(checkpoint.main, ["inspect", str(tmp_path / "other.pt")]) == 1
+    assert "checksum FAILED" in capsys.readouterr().out
+
+
 def readme_python(containing: str) -> str:
     """The README's python block that contains `containing`."""
     blocks = (REPO / "README.md").read_text().split("```python\n")[1:]
@@ -406,6 +425,7 @@ def test_export_never_replaces_a_file_a_typo_named(run_dir, tmp_path, capsys):
         (older, f"exists, and export never replaces a file{refused}"),
         (notes, f"exists, and export never replaces a file{refused}"),
         (tmp_path, f"is a directory: name the file to write, e.g. {tmp_path / 'model.pt'}"),
+        (f"{tmp_path}/new/", f"names a directory: name the file to write, e.g. {tmp_path / 'new/model.pt'}"),
     ]:
         assert command(checkpoint.main, ["export", str(last), str(out), "--state-dict"]) == 2, out
         assert capsys.readouterr().err == f"error: OUT={out} {said}\n"
@@ -414,7 +434,7 @@ def test_export_never_replaces_a_file_a_typo_named(run_dir, tmp_path, capsys):
     assert capsys.readouterr().err == f"error: cannot write {under}: {notes} is a file, not a directory\n"
     assert command(checkpoint.main, ["export", str(last), ""]) == 2  # (it said "OUT= is a directory": ".")
     assert capsys.readouterr().err == "error: OUT is empty: name the file to write, e.g. model.pt\n"
-    assert {p: p.read_bytes() for p in before} == before
+    assert {p: p.read_bytes() for p in before} == before and not (tmp_path / "new").exists()  # (a file "new" was)
     for path in (run_dir, last.parent):  # PATH: a run, or its checkpoints/
         for argv in (["inspect", str(path)], ["export", str(path), str(tmp_path / "model.pt")]):
             assert command(checkpoint.main, argv) == 2, argv

@@ -392,9 +392,9 @@ def stop_if_diverged(job: Job, position: Position) -> None:
 
 
 def cli(argv: list[str] | None = None) -> int:
-    """The command line: ddp/train.py's exit code (ddp.errors)."""
-    return command(main, argv)
+    """The command line: ddp/train.py's exit code (ddp.errors); with no argv (ddp-train, ddp/train.py), its exit."""
+    return command(main, argv) if argv is not None else leave(command(main, argv))
 
 
 if __name__ == "__main__":
-    leave(cli())
+    cli()

@@ -350,6 +350,24 @@ def test_a_command_leaves_with_its_code_after_its_exit_handlers_and_all_its_outp
     assert (proc.returncode, proc.stdout, proc.stderr) == (3, "buffered, no newline", "handler ran\n")
 
 
+def test_ddp_train_the_installed_command_trains_and_leaves_as_ddp_train_py_does(tmp_path, monkeypatch, capsys):
+    """pyproject's console script `ddp-train` (sys.exit(train.cli())) went through the interpreter's teardown, where
+    `python ddp/train.py` leaves without it (cli.leave): train.cli() with no argv, as the script calls it, leaves."""
+    script = Path(sys.executable).parent / "ddp-train"  # (pip install -e . puts it beside the interpreter)
+    proc = subprocess.run([str(script), *TINY, "train.epochs=1", f"run.out_dir={tmp_path}"], capture_output=True,
+                          text=True, cwd=tmp_path, env=clean_env(), timeout=120)  # fmt: skip
+    assert proc.returncode == 0 and len(metrics(tmp_path)) == 1, proc.stderr
+
+    def leave(code: int) -> None:
+        raise RuntimeError(f"left {code} without the teardown")
+
+    monkeypatch.setattr(train, "leave", leave)
+    monkeypatch.setattr(sys, "argv", ["ddp-train", "--print-config"])
+    with pytest.raises(RuntimeError, match="left 0 without the teardown"):
+        train.cli()
+    assert "epochs:" in capsys.readouterr().out
+
+
 def test_a_failed_rank_with_a_thread_given_up_inside_a_call_leaves_without_the_teardown_that_would_end_it():
     """A rank of several that failed exits the usual way, unless a thread given up on (lost_rank.asked: torch's
     store client) is still inside its call: the teardown would end it, and torch's C++ would abort the process

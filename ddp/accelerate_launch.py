@@ -51,7 +51,6 @@ def main(argv: list[str]) -> int:
         return EXIT_USAGE
     torchrun.quiet_agent_logs()
     args = launch_command_parser().parse_args(argv)
-    torchrun.one_machine[:] = [args.num_machines == 1]  # (launch/accelerate.sh's on one machine: how it exits, run)
     # accelerate has mpirun bind each rank to a socket, and Open MPI refused more ranks than the socket's cores
     # (NPROC=4 on 2 cores: its box, exit 1); ranks may share cores, as under torchrun (its option, not an argument)
     setattr(args, "bind-to", "socket:overload-allowed")
@@ -59,7 +58,7 @@ def main(argv: list[str]) -> int:
     launch.simple_launcher = lambda args: (_through_mpirun if args.mpirun_hostfile else accelerates)(args)
     with torchrun.log_dir(args.log_dir, needed=not args.mpirun_hostfile) as args.log_dir:  # (--multi_gpu's agent)
         try:
-            launch_command(args)
+            launch_command(args)  # (it sets args.num_machines from --config_file's when the command line has none)
         except SentToTheRanks as e:  # a stop signal: they saved, and said so
             return 128 + e.signum
         except torchrun.SignalException as e:  # the ranks were stopped: their lines are printed
@@ -71,6 +70,8 @@ def main(argv: list[str]) -> int:
         except KeyboardInterrupt:  # a Ctrl-C before mpirun or torchrun's agent took it: what started is waited for
             _wait_for_children()
             return 128 + signal.SIGINT
+        finally:  # on one machine, how it exits (torchrun.run): its flag's word, or its config file's
+            torchrun.one_machine[:] = [args.num_machines == 1]
     return 0
 
 

@@ -793,3 +793,26 @@ def test_the_agent_of_a_job_on_one_machine_exits_without_the_interpreters_teardo
         assert str(ended.value) == "left 0 without the teardown"
     else:
         assert ended.value.code == 0
+
+
+@pytest.mark.parametrize("config, skips_teardown", [("one-machine.yaml", True), ("multi-machine.yaml", False)])
+def test_accelerate_launch_on_one_machine_by_its_config_file_exits_without_the_teardown(config, skips_teardown,
+                                                                                        monkeypatch):  # fmt: skip
+    """ddp/accelerate_launch.py took `--num_machines` from its command line alone: with launch/accelerate.sh's GPU
+    config (num_machines: 1 in the file, not a flag) it exited through the teardown. It asks accelerate's own reading
+    of the file. Accelerate's launcher of the ranks (torchrun's agent) is left out here: every rank done."""
+    from accelerate.commands import launch
+
+    from ddp import accelerate_launch
+
+    def leave(code: int) -> None:
+        raise RuntimeError(f"left {code} without the teardown")
+
+    monkeypatch.setattr(launcher, "one_machine", [])
+    monkeypatch.setattr(launch, "multi_gpu_launcher", lambda args: None)
+    monkeypatch.setattr(launch, "simple_launcher", launch.simple_launcher)  # (main wraps it: put back after)
+    monkeypatch.setattr(launcher.cli, "leave", leave)
+    argv = ["--config_file", str(REPO / "launch" / "accelerate" / config), "--num_processes", "2", str(TRAIN)]
+    with pytest.raises(RuntimeError if skips_teardown else SystemExit) as ended:
+        launcher.run(argv, accelerate_launch.main)
+    assert str(ended.value) == "left 0 without the teardown" if skips_teardown else ended.value.code == 0

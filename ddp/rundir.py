@@ -247,7 +247,8 @@ def resumes_its_own(resume: str, out_dir: str) -> bool:
 def check_own_files(out_dir: str) -> None:
     """A UsageError where run.out_dir holds files of the names a run writes that no run wrote: a project's own
     config.yaml, metrics.jsonl or checkpoints/last.pt (run.out_dir=. in it, say), which the run replaced. A run's
-    directory has its config.yaml (this config's sections), written before any of the others."""
+    directory has its config.yaml (this config's sections), written before any of the others and after checkpoints/:
+    one of this config's sections alone is a user's (`--config runs/a/config.yaml run.out_dir=runs/a`: replaced)."""
     settings = config_path(out_dir)  # files only: a folder of one of these names is in the way, said as such
     names = (settings, metrics_path(out_dir), last_path(out_dir))
     try:
@@ -258,11 +259,13 @@ def check_own_files(out_dir: str) -> None:
     if odd:  # metrics.jsonl as /dev/zero was read whole (MemoryError, the OOM killer), as a pipe waited for good
         raise UsageError(f"run.out_dir={out_dir}: {odd[0]} is a pipe or a device (or a link to one) where a run keeps "
                          "a file of its own: remove it, or choose another run.out_dir")  # fmt: skip
-    if settings in found and config.is_a_runs(settings):
+    ours = settings in found and config.is_a_runs(settings)
+    if ours and checkpoint_dir(out_dir).is_dir():
         return
     if settings in found:
-        raise UsageError(f"run.out_dir={out_dir} holds a config.yaml that is not a run's (a run writes its settings "
-                         f"there, replacing it): choose another run.out_dir, or move {settings} away")  # fmt: skip
+        why = "no checkpoints/ beside it, which a run makes first" if ours else "not ddp-cifar's settings"
+        raise UsageError(f"run.out_dir={out_dir} holds a config.yaml that is not a run's ({why}; a run writes its "
+                         f"settings there, replacing it): choose another run.out_dir, or move {settings} away")
     if found:
         names = " and ".join(str(p.relative_to(out_dir)) for p in found)
         raise UsageError(f"run.out_dir={out_dir} holds {names} but no run's config.yaml, which a run "

@@ -231,9 +231,11 @@ def test_a_resume_keeps_the_saved_epochs_of_metrics_jsonl_and_drops_what_is_no_r
 def test_a_folder_whose_files_no_run_wrote_is_refused_and_left_as_it_was(tmp_path, capsys):
     """run.out_dir=. in a project (or any folder of another program's): its config.yaml, metrics.jsonl and
     checkpoints/last.pt were replaced by the run's, silently. Refused now on every rank before the lock, nothing
-    written (no lock file left); the doctor says it. A run's own config.yaml (this config's sections) is no bar."""
+    written (no lock file left); the doctor says it. A run's own config.yaml (this config's sections, checkpoints/
+    beside it) is no bar; a user's config of ddp-cifar's (`--config runs/a/config.yaml run.out_dir=runs/a`) was one."""
     yaml, jsonl = "model: {layers: 50}\nlr: 0.1\n", '{"loss": 1}\n'  # another program's
     cases = {"foreign-yaml": {"config.yaml": yaml}, "not-yaml": {"config.yaml": "\x00\x01 : ["},
+             "users-own": {"config.yaml": "train:\n  epochs: 3  # mine\n"},
              "metrics": {"metrics.jsonl": jsonl},
              "metrics-and-last": {"checkpoints/last.pt": "x", "metrics.jsonl": jsonl}}  # fmt: skip
     for name, made in cases.items():
@@ -244,9 +246,10 @@ def test_a_folder_whose_files_no_run_wrote_is_refused_and_left_as_it_was(tmp_pat
         assert train.cli([f"run.out_dir={folder}", *TINY]) == 2, name
         err = capsys.readouterr().err
         if "config.yaml" in made:
-            assert err == (f"error: run.out_dir={folder} holds a config.yaml that is not a run's (a run writes its "
-                           f"settings there, replacing it): choose another run.out_dir, or move {folder}/config.yaml "
-                           "away\n")  # fmt: skip
+            why = "no checkpoints/ beside it, which a run makes first" if name == "users-own" else "not ddp-cifar's "
+            assert err == (f"error: run.out_dir={folder} holds a config.yaml that is not a run's ({why}"
+                           f"{'settings' if name != 'users-own' else ''}; a run writes its settings there, replacing "
+                           f"it): choose another run.out_dir, or move {folder}/config.yaml away\n")  # fmt: skip
         else:
             names = " and ".join(sorted(made, key=lambda p: p != "metrics.jsonl"))
             assert err.startswith(f"error: run.out_dir={folder} holds {names} but no run's config.yaml"), err
@@ -254,7 +257,7 @@ def test_a_folder_whose_files_no_run_wrote_is_refused_and_left_as_it_was(tmp_pat
         assert all((folder / path).read_text() == text for path, text in made.items())
     assert doctor.run_files_problem(str(tmp_path / "foreign-yaml")).startswith("run.out_dir=")
     ours = tmp_path / "ours"  # a run's config.yaml: the run goes on (here: its first epoch, then another run's)
-    rundir.config_path(ours).parent.mkdir()
+    rundir.checkpoint_dir(ours).mkdir(parents=True)
     rundir.config_path(ours).write_text("data:\n  dataset: synthetic\nrun:\n  seed: 3\n")
     assert train.cli([f"run.out_dir={ours}", *TINY, "train.epochs=1"]) == 0 and len(metrics(ours)) == 1
 

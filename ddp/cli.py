@@ -87,10 +87,10 @@ def parse(
             value = os.path.expanduser(inline) if eq else next(args, None)  # --out=~/x: bash left the ~
             if not value and option.convert is _text:  # `--out` last, or `--out=`: not the default, not "."
                 raise UsageError(f"{name} needs a value: {name} {option.metavar}; {usage.splitlines()[0]}")
+            converted = option.convert(value)  # (first: `--config a.yaml --config` is an empty one, not a second)
             if name in given:  # which one was meant? (a second --config is no merge of the two)
                 raise UsageError(f"{name} is given twice ({given[name]} and {value}): give it once")
-            given[name] = value
-            values[option.key] = option.convert(value)
+            given[name], values[option.key] = value, converted
         elif arg in by_name:
             values[by_name[arg].key] = True
         elif arg.startswith("-") and arg != "-":  # "-": stdout, a word

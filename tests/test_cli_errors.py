@@ -148,6 +148,7 @@ def test_bad_input_for_want_of_a_gpu_exits_2_with_one_line(args, fragments, tmp_
         (["run.amp=fp16-weights", "optim.muon_lr=0.2"],
          ["optim.muon_lr does not work with run.amp=fp16-weights (its loss scale is undone in SGD's LR, and Muon's "
           "step has none)"]),
+        (["--config", "configs/quick.yaml", "--config"], ["--config needs a file: --config configs/quick.yaml"]),
         (["optim.muon_lr=-0.1"], ["optim.muon_lr=-0.1 is out of range: it must be >= 0"]),
         (["optim.muon_lr=nan"], ["optim.muon_lr: expected a finite float, got 'nan'"]),
         (["optim.muon_momentum=1"], ["optim.muon_momentum=1.0 is out of range: it must be in [0, 1)"]),

@@ -296,6 +296,7 @@ def export(path: str | Path, out: str | Path, raw: bool = False, state_dict: boo
     if str(out) != "-" and Path(out).exists():
         raise UsageError(f"OUT={out} exists, and export never replaces a file: name a new one, or remove it first")
     state = load(path)
+    weights.check_fit(state, path, raw)  # (its settings name the model that rebuilds it: they must fit)
     exported = {k: v.float() if v.dtype == torch.float16 else v for k, v in weights.pick(state, raw).items()}
     if not state_dict:
         model = state["config"]["model"]  # models.build(model_name, len(classes), dropout, width) rebuilds it

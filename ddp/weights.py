@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 
-from ddp import __version__
+from ddp import __version__, models
 from ddp.errors import UsageError
 
 
@@ -27,6 +27,17 @@ def load(state: dict[str, Any], model: nn.Module, path: str | Path, raw: bool = 
     any device, also when saved from a DataParallel/DDP ("module.") or compiled ("_orig_mod.") wrapper."""
     with fitting(state, path):
         model.load_state_dict(unprefixed(pick(state, raw)))
+
+
+def check_fit(state: dict[str, Any], path: str | Path, raw: bool = False) -> None:
+    """A UsageError where pick()'s weights do not fit the model the checkpoint's own settings build: a file whose
+    settings lie (another program wrote them, checksum and all) exported weights that no model of theirs took.
+    Built on the meta device: the shapes alone, no memory (assign: the file's tensors are not copied into it)."""
+    m = state["config"]["model"]
+    with torch.device("meta"):
+        model = models.build(m["name"], len(state["classes"]), m.get("dropout", 0.0), m.get("width", 1.0))
+    with fitting(state, path):
+        model.load_state_dict(unprefixed(pick(state, raw)), assign=True)
 
 
 def unprefixed(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

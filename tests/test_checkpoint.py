@@ -226,7 +226,8 @@ def test_an_export_never_replaces_a_file_made_by_a_second_export_meanwhile(tmp_p
     """Two exports to one name at once (two terminals, a script run twice): both found no OUT, and the second
     rename replaced the first's file. The last step is a hard link, which never replaces: the second fails."""
     out = tmp_path / "model.pt"
-    state = {"model": {"w": torch.zeros(1)}, "ema": None, "classes": ["a"], "normalize": {"mean": [0], "std": [1]},
+    weights = models.build("small", 1).state_dict()  # (export checks that they fit the model named)
+    state = {"model": weights, "ema": None, "classes": ["a"], "normalize": {"mean": [0], "std": [1]},
              "config": {"model": {"name": "small", "width": 1.0, "dropout": 0.0}}}  # fmt: skip
 
     def load_while_another_export_finishes(path):

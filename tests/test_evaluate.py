@@ -130,6 +130,12 @@ def test_weights_that_do_not_fit_the_model_are_one_line_in_evaluate_and_in_resum
     err = capsys.readouterr().err
     assert "weights do not fit model.name=small as ddp-cifar" in err
     assert 'Unexpected key(s) in state_dict: "head.extra"); ddp-cifar' in err
+    from ddp import checkpoint  # export wrote them, for a models.build(...).load_state_dict that then failed
+
+    rewritten(ddp_run, tmp_path / "wider.pt", lambda state: state["config"]["model"].update(width=2.0))
+    for name in ("old.pt", "more.pt", "wider.pt"):
+        assert command(checkpoint.main, ["export", str(tmp_path / name), str(tmp_path / "model.pt")]) == 2, name
+        assert "weights do not fit model.name=small" in capsys.readouterr().err and not (tmp_path / "model.pt").exists()
 
 
 @pytest.mark.parametrize("key, value", [("config", "quick"), ("epoch", "2"), ("normalize", None), ("ranks", {}),

@@ -264,8 +264,10 @@ def check_own_files(out_dir: str) -> None:
         return
     if settings in found:
         why = "no checkpoints/ beside it, which a run makes first" if ours else "not ddp-cifar's settings"
-        raise UsageError(f"run.out_dir={out_dir} holds a config.yaml that is not a run's ({why}; a run writes its "
-                         f"settings there, replacing it): choose another run.out_dir, or move {settings} away")
+        raise UsageError(
+            f"run.out_dir={out_dir} holds a config.yaml that is not a run's ({why}; a run writes its "
+            f"settings there, replacing it): choose another run.out_dir, or move {settings} away"
+        )
     if found:
         names = " and ".join(str(p.relative_to(out_dir)) for p in found)
         raise UsageError(f"run.out_dir={out_dir} holds {names} but no run's config.yaml, which a run "

@@ -82,6 +82,7 @@ BOX = b"-" * 74 + b"\n"  # the first and last line of each of Open MPI's boxes
 OPEN_MPI_KILLED = re.compile(rb"noticed that process rank (\d+) with PID \d+ on node \S+ exited on signal (\d+)")
 HYDRA_RULE = b"=" * 83 + b"\n"  # MPICH's (Hydra's): around its box, on stdout
 HYDRA_KILLED = re.compile(rb"=   PID (\d+) RUNNING AT .*EXIT STRING: .*\(signal (\d+)\)", re.S)
+INTEL_KILLED = re.compile(rb"=   RANK (\d+) PID (\d+) RUNNING AT .*KILLED BY SIGNAL: (\d+)", re.S)  # its Hydra's
 
 
 class SentToTheRanks(Exception):
@@ -132,8 +133,8 @@ def _through_mpirun(args: object) -> None:
         relay.join(timeout=5)
     if stops:
         raise SentToTheRanks(stops[0])
-    if mpirun.returncode:  # MPICH's mpirun exits with the number of a signal that killed a rank: 128 + it, as elsewhere
-        code = -seen.killed if mpirun.returncode == seen.killed else mpirun.returncode
+    if mpirun.returncode:  # a rank killed by a signal: 128 + it, as elsewhere (MPICH's mpirun exits with its number,
+        code = -seen.killed if seen.killed else mpirun.returncode  # Intel MPI's with 255)
         raise subprocess.CalledProcessError(code, cmd)
 
 
@@ -193,16 +194,18 @@ def _relay_hydra(stream, seen: Seen) -> None:
         _write(sys.stdout, b"".join(held))  # (no box of Hydra's: a rank's blank line, or its own lines of '=')
         held = [line] if line in (b"\n", HYDRA_RULE) else []
         _write(sys.stdout, b"" if held else line)
-    killed = HYDRA_KILLED.search(b"".join(held))
-    if killed and int(killed[2]) in seen.stops:
+    if intel := INTEL_KILLED.search(b"".join(held)):  # (its box names the rank)
+        rank, pid, signum, mpi = int(intel[1]), int(intel[2]), int(intel[3]), "Intel MPI's"
+    elif mpich := HYDRA_KILLED.search(b"".join(held)):
+        pid, signum, mpi = int(mpich[1]), int(mpich[2]), "MPICH's"
+        rank = seen.ranks.get(pid)
+    else:
+        _write(sys.stdout, b"".join(held))
         return
-    if killed:
-        seen.killed = int(killed[2])
-        pid = int(killed[1])
-        who = f"rank {seen.ranks[pid]} (pid {pid})" if pid in seen.ranks else f"a rank (pid {pid})"
-        _write(sys.stderr, f"error: {torchrun.killed(who, seen.killed)}; MPICH's mpirun ended the others\n".encode())
-        return
-    _write(sys.stdout, b"".join(held))
+    if signum not in seen.stops:
+        seen.killed = signum
+        who = f"a rank (pid {pid})" if rank is None else f"rank {rank} (pid {pid})"
+        _write(sys.stderr, f"error: {torchrun.killed(who, signum)}; {mpi} mpirun ended the others\n".encode())
 
 
 def _note_ranks(mpirun: subprocess.Popen, script: str, seen: Seen) -> None:

@@ -59,12 +59,15 @@ def environment(pid: int) -> dict[str, str]:
 
 def nearest_running(parent: int, script: str, depth: int = 3) -> list[int]:
     """The processes below `parent`, nearest to it, that run `script` (a word of their command line): mpirun's ranks,
-    its children under Open MPI and its proxy's (hydra_pmi_proxy) under MPICH. None found without /proc."""
+    its children under Open MPI and its proxy's (hydra_pmi_proxy) under MPICH and Intel MPI. Not an MPI launcher whose
+    arguments name it: Intel MPI's mpirun is a shell script that starts mpiexec.hydra with them (which took the Ctrl-C
+    sent to it as its own, and a second one as "force abort": the ranks killed, none saved). None without /proc."""
     found, below = [], children(parent)
     for _ in range(depth):
         level, below = below, []
         for pid in level:
-            if script in (command_line(pid) or []):
+            words = command_line(pid) or []
+            if script in words and not Path(words[0]).name.startswith(("mpirun", "mpiexec")):
                 found.append(pid)
             else:
                 below += children(pid)

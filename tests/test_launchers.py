@@ -275,22 +275,40 @@ def test_mpichs_box_of_a_killed_rank_is_one_line_and_its_exit_code_the_signals(s
     assert capfdbinary.readouterr().err == said.replace(b"a rank (pid", b"rank 1 (pid")
 
 
+def test_intel_mpis_box_of_a_killed_rank_is_one_line_naming_the_rank_and_its_exit_code_the_signals(capfdbinary):
+    """Intel MPI's mpirun (its Hydra) boxes a killed rank otherwise than MPICH's (the rank, its pid, "KILLED BY
+    SIGNAL") and exits 255: the box was passed on as it was, and exit 255. Now one line, and 128 + 9 (seen.killed)."""
+    from ddp import accelerate_launch
+
+    box = (b"\n" + HYDRA_RULE + b"=   BAD TERMINATION OF ONE OF YOUR APPLICATION PROCESSES\n=   RANK 1 PID 17922 "
+           b"RUNNING AT localhost\n=   KILLED BY SIGNAL: 9 (Killed)\n" + HYDRA_RULE)  # fmt: skip
+    seen = accelerate_launch.Seen()
+    accelerate_launch._relay_hydra(io.BytesIO(b"epoch 1/2\n" + box), seen)
+    assert capfdbinary.readouterr() == (b"epoch 1/2\n", b"error: rank 1 (pid 17922) was killed by SIGKILL; Intel MPI's "
+                                        b"mpirun ended the others\n")  # fmt: skip
+    assert seen.killed == signal.SIGKILL
+
+
 def test_the_ranks_below_mpirun_are_found_as_its_children_or_below_a_proxy(tmp_path):
     """The ranks a stop signal is sent to: mpirun's children (Open MPI), or its proxy's (MPICH's hydra_pmi_proxy:
-    the Ctrl-C sent to the proxy ended it, and the ranks trained on). A rank's own children are not ranks."""
+    the Ctrl-C sent to the proxy ended it, and the ranks trained on). A rank's own children are not ranks, nor is
+    an MPI launcher whose arguments name the script: Intel MPI's mpirun (a shell script) starts mpiexec.hydra so,
+    which took the Ctrl-C as its own ("Press Ctrl-C again to force abort": a second one killed the ranks unsaved)."""
     rank = "sh -c 'sleep 60; :' rank /x/train.py"  # (`; :`: sh stays, its command line naming the script)
+    (tmp_path / "hydra.sh").write_text(f"{rank} &\nwait\n:\n")  # its child: the rank
+    hydra = f"bash -c 'exec -a mpiexec.hydra sh {tmp_path / 'hydra.sh'} /x/train.py'"
     tree = tmp_path / "tree.sh"
-    tree.write_text(f"{rank} &\nsh -c \"{rank} & wait; :\" proxy &\nsh -c 'sleep 60; :' other &\nwait\n")
+    tree.write_text(f"{rank} &\nsh -c \"{rank} & wait; :\" proxy &\nsh -c 'sleep 60; :' other &\n{hydra} &\nwait\n")
     top = subprocess.Popen(["sh", str(tree)], start_new_session=True)
     try:
         deadline = time.monotonic() + 10
-        while len(found := processes.nearest_running(top.pid, "/x/train.py")) < 2:
+        while len(found := processes.nearest_running(top.pid, "/x/train.py")) < 3:
             assert time.monotonic() < deadline, found
             time.sleep(0.05)
         time.sleep(0.2)  # (nothing more comes)
         found = processes.nearest_running(top.pid, "/x/train.py")
         words = [processes.command_line(pid) for pid in found]
-        assert len(found) == 2 and all(w[-2:] == ["rank", "/x/train.py"] for w in words), words
+        assert len(found) == 3 and all(w[-2:] == ["rank", "/x/train.py"] for w in words), words
         assert processes.nearest_running(top.pid, "/x/train.py", depth=1) == found[:1]  # (mpirun's own child)
         assert processes.nearest_running(top.pid, "/y/train.py") == []
     finally:

@@ -500,7 +500,7 @@ def test_plain_mpirun_of_two_ranks_is_one_line_and_no_run(tmp_path):
 
 def accelerate_launch(mode: str) -> list[str]:
     """launch/accelerate.sh's on a machine without GPUs (mpirun); its launch with GPUs (multi_gpu), on the CPU."""
-    if mode in ("mpirun", "mpich"):
+    if mode in ("mpirun", "mpich", "intel-mpi"):
         return ["bash", "launch/accelerate.sh"]  # (it takes a free port)
     flags = "--multi_gpu --num_processes 2 --num_machines 1 --mixed_precision no --dynamo_backend no".split()
     return [sys.executable, "ddp/accelerate_launch.py", *flags, "--main_process_port", str(free_port()), str(TRAIN)]
@@ -523,7 +523,16 @@ def mpich(tmp_path: Path) -> str:
     return f"{tools}{os.pathsep}{BIN}{os.pathsep}{os.environ['PATH']}"  # (then this environment's, as clean_env)
 
 
-@pytest.mark.parametrize("mode", ["mpirun", "mpich", "multi_gpu"])
+INTEL_MPI = Path("/opt/ddp-cifar/intel-mpi")  # PyPI's impi-rt, as tests/system_packages.sh installs it
+
+
+def intel_mpi() -> str:
+    """A PATH whose mpirun is Intel MPI's (a shell script that starts its mpiexec.hydra), before Open MPI's."""
+    mpirun = require(str(INTEL_MPI / "bin" / "mpirun"), f"pip install --target {INTEL_MPI} impi-rt==2021.13.1")
+    return f"{Path(mpirun).parent}{os.pathsep}{BIN}{os.pathsep}{os.environ['PATH']}"
+
+
+@pytest.mark.parametrize("mode", ["mpirun", "mpich", "intel-mpi", "multi_gpu"])
 def test_ctrl_c_of_an_accelerate_launch_ends_with_our_lines_and_130_and_a_killed_rank_with_137(tmp_path, mode):
     """Ctrl-C (SIGINT to the whole process group) of accelerate launch: the ranks saved and said so, and
     accelerate's traceback followed, 20 lines (mpirun's: a KeyboardInterrupt, printed before the ranks' lines, exit
@@ -538,15 +547,18 @@ def test_ctrl_c_of_an_accelerate_launch_ends_with_our_lines_and_130_and_a_killed
     MPICH's mpirun: launch/accelerate.sh gave it Open MPI's hostfile (Hydra: "token slots not supported", exit 255),
     and the Ctrl-C sent to its children reached its proxy, not the ranks, which trained on. A rank killed there: Hydra
     ends the others at once, and exited 9 with an 11-line box on stdout ("EXIT STRING: Killed (signal 9)"): now one
-    line and 128 + SIGKILL. No run leaves torchrun's log dir in TMPDIR (--multi_gpu left one each)."""
+    line and 128 + SIGKILL. No run leaves torchrun's log dir in TMPDIR (--multi_gpu left one each). Intel MPI's
+    mpirun (PyPI's impi-rt): the Ctrl-C went to its mpiexec.hydra, which said "Press Ctrl-C again to force abort"
+    (a second one killed the ranks unsaved); its box of a killed rank was passed on as it was, and exit 255."""
     if mode == "mpirun":
         require("mpirun", "apt-get install openmpi-bin")
     (tmp := tmp_path / "tmp").mkdir()  # TMPDIR: --multi_gpu left torchrun's log dir (torchelastic_*) there each run
     env = clean_env(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", DDP_CIFAR_FAULT="pause:1:r1",
                     TMPDIR=str(tmp))  # fmt: skip
-    if mode == "mpich":
-        env.update(PATH=mpich(tmp_path))
-    steps = [*TINY, "data.synthetic_train=2048", "train.epochs=20"] if mode == "mpich" else SLOW_STEPS  # (any step)
+    if mode in ("mpich", "intel-mpi"):
+        env.update(PATH=mpich(tmp_path) if mode == "mpich" else intel_mpi())
+    short = [*TINY, "data.synthetic_train=2048", "train.epochs=20"]  # (any step)
+    steps = short if mode in ("mpich", "intel-mpi") else SLOW_STEPS
     cmd = [*accelerate_launch(mode), *steps, f"run.out_dir={tmp_path}"]
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             start_new_session=True)  # fmt: skip
@@ -562,6 +574,7 @@ def test_ctrl_c_of_an_accelerate_launch_ends_with_our_lines_and_130_and_a_killed
     finally:
         kill_orphans(session(proc.pid))
     assert proc.returncode == 130 and "Traceback" not in out and "non-zero" not in out, out
+    assert "Press Ctrl-C again to force abort" not in out, out  # (Intel MPI's mpiexec.hydra, given the Ctrl-C)
     assert re.search(r"^stopped on SIG(INT|TERM); run the same command to resume$", out, re.M), out  # (torchrun: TERM)
     saved = re.search(r"^stopping on SIG(INT|TERM): checkpoint (\S+)$", out, re.M)
     assert saved and Path(saved[2]).is_file(), out
@@ -571,8 +584,9 @@ def test_ctrl_c_of_an_accelerate_launch_ends_with_our_lines_and_130_and_a_killed
     assert not list(tmp.glob("torchelastic_*")), list(tmp.iterdir())
     assert killed.returncode == 128 + signal.SIGKILL and "Traceback" not in killed.stderr, killed.stderr
     assert "BAD TERMINATION" not in killed.stdout and "non-zero" not in killed.stderr, killed.stdout + killed.stderr
-    if mode == "mpich":  # (Hydra ended rank 0 at once: no line of its; rank 1's number: its PMI_RANK, as it ran)
-        assert re.search(r"^error: rank 1 \(pid \d+\) was killed by SIGKILL; MPICH's mpirun ended the others$",
+    if mode in ("mpich", "intel-mpi"):  # (Hydra ended rank 0 at once; MPICH's rank 1: its PMI_RANK, as it ran)
+        mpi = "MPICH's" if mode == "mpich" else "Intel MPI's"  # (Intel's box: a rank's number; it exited 255)
+        assert re.search(rf"^error: rank 1 \(pid \d+\) was killed by SIGKILL; {mpi} mpirun ended the others$",
                          killed.stderr, re.M), killed.stderr  # fmt: skip
         return
     assert "error: rank 0 of 2: lost contact with rank 1" in killed.stderr, killed.stderr

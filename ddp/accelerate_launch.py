@@ -37,7 +37,7 @@ from ddp.launchers import quiet_startup  # noqa: E402
 
 quiet_startup(__name__)  # a Ctrl-C or a missing package in the imports: one line, not a traceback
 
-from ddp import processes, torchrun  # noqa: E402
+from ddp import cli, processes, torchrun  # noqa: E402
 from ddp.errors import EXIT_USAGE  # noqa: E402
 
 
@@ -205,7 +205,8 @@ def _relay_hydra(stream, seen: Seen) -> None:
     if signum not in seen.stops:
         seen.killed = signum
         who = f"a rank (pid {pid})" if rank is None else f"rank {rank} (pid {pid})"
-        _write(sys.stderr, f"error: {torchrun.killed(who, signum)}; {mpi} mpirun ended the others\n".encode())
+        said = f"error: {torchrun.killed(who, signum)}, the first end {mpi} mpirun saw; it ended the others\n"
+        _write(sys.stderr, said.encode())  # (at times one it ended so: MPICH's, under load)
 
 
 def _note_ranks(mpirun: subprocess.Popen, script: str, seen: Seen) -> None:
@@ -220,8 +221,7 @@ def _note_ranks(mpirun: subprocess.Popen, script: str, seen: Seen) -> None:
 
 def _write(stream, data: bytes) -> None:
     with contextlib.suppress(OSError, ValueError):
-        stream.buffer.write(data)
-        stream.buffer.flush()
+        cli.write_all(stream, data)  # (a stop signal in the write: the rest of the ranks' lines too)
 
 
 def _wait_for_children() -> None:

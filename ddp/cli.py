@@ -206,12 +206,30 @@ def show(text: str, end: str = "\n") -> None:
 
 @contextlib.contextmanager
 def stdout_bytes() -> Iterator[io.BytesIO]:
-    """`with stdout_bytes() as f: write(f)`: what is written to f goes to stdout (a pipe) once whole (_stdout_taken)."""
+    """`with stdout_bytes() as f: write(f)`: what is written to f goes to stdout (a pipe) once whole (_stdout_taken),
+    every byte (write_all), or a WriteFailed where its reader ended first. Under PYTHONUNBUFFERED=1 stdout's write
+    took what the pipe took before its reader ended (`| ssh` lost, say): the rest was dropped without a word, and
+    the export said "wrote stdout", exit 0."""
     buffer = io.BytesIO()
     yield buffer
     with _stdout_taken():
-        sys.stdout.buffer.write(buffer.getbuffer())
-        sys.stdout.buffer.flush()
+        try:
+            write_all(sys.stdout, buffer.getbuffer())
+        except BrokenPipeError:
+            silence_stdout()
+            total = len(buffer.getbuffer())
+            raise WriteFailed(
+                f"stdout's reader ended before it had the {total:,} bytes: they did not arrive whole"
+            ) from None
+
+
+def write_all(stream: Any, data: bytes | memoryview) -> None:
+    """Every byte of `data` to a text stream's binary buffer, flushed: a buffered one takes it all in a write (or
+    raises), the file itself (PYTHONUNBUFFERED=1) what the OS took, a part where a signal came or a reader ended."""
+    left = memoryview(data)
+    while left:
+        left = left[stream.buffer.write(left) :]
+    stream.buffer.flush()
 
 
 def silence_stdout() -> None:

@@ -11,6 +11,7 @@ import struct
 import subprocess
 import sys
 import time
+import types
 import zipfile
 
 import numpy as np
@@ -519,3 +520,34 @@ def test_inspect_into_a_closed_pipe_ends_without_a_traceback(run_dir):
     proc = subprocess.run(cmd, cwd=REPO, env=clean_env(), stdout=write, stderr=subprocess.PIPE, text=True, timeout=120)
     os.close(write)
     assert proc.returncode == 1 and proc.stderr == "", proc.stderr
+
+
+def test_an_export_to_a_pipe_whose_reader_ends_midway_says_so_and_one_that_takes_it_in_pieces_gets_it_whole(
+    run_dir, monkeypatch
+):
+    """`export PATH - | ssh host 'cat > m.pt'` with ssh gone midway: under PYTHONUNBUFFERED=1 (clean_env's, and many
+    a container's) stdout's write took the 64 KiB the pipe held and the rest was dropped; the export said "wrote
+    stdout", exit 0. Now one line, exit 1. A stdout that takes a write in pieces (a signal in the write) gets it all."""
+    last = str(rundir.last_path(run_dir))
+    cmd = [sys.executable, "-m", "ddp.checkpoint", "export", last, "-"]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=clean_env(PYTHONUNBUFFERED="1"), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)  # fmt: skip
+    proc.stdout.read(10)  # what `head -c 10` reads, then its end
+    proc.stdout.close()
+    assert proc.wait(timeout=120) == 1
+    assert proc.stderr.read().decode().startswith("error: stdout's reader ended before it had the "), proc.stderr
+
+    class Piecemeal(io.RawIOBase):
+        def __init__(self) -> None:
+            self.taken = bytearray()
+
+        def write(self, data) -> int:
+            self.taken += bytes(data[:1000])
+            return min(len(data), 1000)
+
+    piecemeal = Piecemeal()
+    monkeypatch.setattr(sys, "stdout", types.SimpleNamespace(buffer=piecemeal, isatty=lambda: False))
+    checkpoint.export(last, "-", state_dict=True)
+    assert set(torch.load(io.BytesIO(bytes(piecemeal.taken)), weights_only=True)) == set(
+        models.build("small", 10).state_dict()
+    )

@@ -586,8 +586,10 @@ def test_ctrl_c_of_an_accelerate_launch_ends_with_our_lines_and_130_and_a_killed
     assert "BAD TERMINATION" not in killed.stdout and "non-zero" not in killed.stderr, killed.stdout + killed.stderr
     if mode in ("mpich", "intel-mpi"):  # (Hydra ended rank 0 at once; MPICH's rank 1: its PMI_RANK, as it ran)
         mpi = "MPICH's" if mode == "mpich" else "Intel MPI's"  # (Intel's box: a rank's number; it exited 255)
-        assert re.search(rf"^error: rank 1 \(pid \d+\) was killed by SIGKILL; {mpi} mpirun ended the others$",
-                         killed.stderr, re.M), killed.stderr  # fmt: skip
+        # (rank 0 at times, under load: 2 runs in 4 with two test workers; Hydra's box names the first end it saw,
+        # which may be rank 0's, killed by Hydra itself as rank 1 died)
+        assert re.search(rf"^error: rank [01] \(pid \d+\) was killed by SIGKILL, the first end {mpi} mpirun saw; it "
+                         "ended the others$", killed.stderr, re.M), killed.stderr  # fmt: skip
         return
     assert "error: rank 0 of 2: lost contact with rank 1" in killed.stderr, killed.stderr
     assert re.search(r"^error: rank 1( \(pid \d+\))? was killed by SIGKILL$", killed.stderr, re.M), killed.stderr

@@ -280,6 +280,9 @@ def load(path: str | Path, source: Path | io.BytesIO | None = None) -> dict[str,
         return schema.verified(torch.load(source, map_location="cpu", weights_only=True), Path(path))
 
 
+EXPORT_FORMAT = "ddp-cifar-weights/1"  # what `export` writes (without --state-dict), as inspect tells it
+
+
 def export(path: str | Path, out: str | Path, raw: bool = False, state_dict: bool = False) -> dict[str, Any]:
     """The model alone, for inference: with what rebuilding it needs (name, classes, normalisation),
     or with `state_dict` the bare state dict of the tutorial's `net.load_state_dict(torch.load(PATH))`.
@@ -300,7 +303,7 @@ def export(path: str | Path, out: str | Path, raw: bool = False, state_dict: boo
     exported = {k: v.float() if v.dtype == torch.float16 else v for k, v in weights.pick(state, raw).items()}
     if not state_dict:
         model = state["config"]["model"]  # models.build(model_name, len(classes), dropout, width) rebuilds it
-        exported = {"format": "ddp-cifar-weights/1", "model_name": model["name"], "width": model.get("width", 1.0),
+        exported = {"format": EXPORT_FORMAT, "model_name": model["name"], "width": model.get("width", 1.0),
                     "dropout": model.get("dropout", 0.0), "classes": state["classes"], "normalize": state["normalize"],
                     "model": exported}  # fmt: skip
     with files.atomic(Path(out), exclusive=True) if str(out) != "-" else cli.stdout_bytes() as f:
@@ -340,17 +343,15 @@ def _export_of(source: Path | io.BytesIO) -> str:
         if isinstance(source, io.BytesIO):
             source.seek(0)
         state = torch.load(source, map_location="cpu", weights_only=True)
-        if isinstance(state, dict) and state.get("format") == "ddp-cifar-weights/1":
-            tensors, what = state["model"], f"model {state['model_name']} at width {state['width']}, "
-            what += f"{len(state['classes'])} classes"
+        if isinstance(state, dict) and state.get("format") == EXPORT_FORMAT:
+            tensors = state["model"]
+            what = f"model {state['model_name']} at width {state['width']}, {len(state['classes'])} classes"
         elif isinstance(state, dict) and state and all(isinstance(v, torch.Tensor) for v in state.values()):
             tensors, what = state, "a bare state dict (as export --state-dict writes it)"
         else:
             return ""
-        values = sum(t.numel() for t in tensors.values())
-        return f"an export, the weights alone (no checksum, no training state): {what}; {len(tensors)} tensors, " + (
-            f"{values / 1e6:.2f}M values"
-        )
+        count = f"{len(tensors)} tensors, {sum(t.numel() for t in tensors.values()) / 1e6:.2f}M values"
+        return f"an export, the weights alone (no checksum, no training state): {what}; {count}"
     return ""
 
 

@@ -52,6 +52,7 @@ def read(path: str, settings: dict[str, list[str]] | None = None) -> dict[str, A
         mark = getattr(e, "problem_mark", None)
         where = f" line {mark.line + 1}:" if mark else ""
         said = " ".join(str(getattr(e, "problem", None) or e).split())  # one line (a reader error's is two)
+        said += " (YAML takes spaces there, never tabs)" if "'\\t'" in said else ""  # (an editor's tab key)
         raise UsageError(f"{path}:{where} invalid YAML: {said}") from None
     example = "e.g. 'optim:\\n  lr: 0.1'"
     if not isinstance(doc := {} if doc is None else doc, dict):

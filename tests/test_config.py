@@ -196,8 +196,21 @@ def test_bad_yaml_names_the_line(tmp_path):
         ),  # fmt: skip
         ("run: " + "[" * 5000, "invalid YAML: nested too deeply for a config (sections of keys)"),
         (b"run: {}\n" + b"#" * 2**20, "more than 1 MiB, not a config file; name a YAML file, e.g. configs/quick.yaml"),
+        (
+            "train:\n\tepochs: 3\n",
+            "line 2: invalid YAML: found character '\\t' that cannot start any token (YAML takes "
+            "spaces there, never tabs)",
+        ),
     ],
-    ids=["a-section-twice", "a-key-twice", "not-text", "text-but-not-yaml", "nested-too-deep", "larger-than-1MiB"],
+    ids=[
+        "a-section-twice",
+        "a-key-twice",
+        "not-text",
+        "text-but-not-yaml",
+        "nested-too-deep",
+        "larger-than-1MiB",
+        "a-tab",
+    ],
 )
 def test_a_config_that_says_a_thing_twice_or_is_no_text_is_refused(text, said, tmp_path):
     """PyYAML keeps the last of a key given twice: the first optim section's lr was dropped without a word.

@@ -225,10 +225,8 @@ def stdout_bytes() -> Iterator[io.BytesIO]:
 
 def write_all(stream: Any, data: bytes | memoryview) -> None:
     """Every byte of `data` to a text stream's binary buffer, flushed: a buffered one takes it all in a write (or
-    raises), the file itself (PYTHONUNBUFFERED=1) what the OS took, a part where a signal came or a reader ended."""
-    left = memoryview(data)
-    while left:
-        left = left[stream.buffer.write(left) :]
+    raises), the file itself (PYTHONUNBUFFERED=1) what the OS took (files.write_all)."""
+    files.write_all(stream.buffer.write, data)
     stream.buffer.flush()
 
 

@@ -16,7 +16,7 @@ import stat
 import sys
 import tempfile
 import zipfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
@@ -56,10 +56,12 @@ def _umask() -> int:
     return mask
 
 
-def _write_all(fd: int, data: bytes | memoryview) -> None:
+def write_all(write: Callable[[memoryview], int], data: bytes | memoryview) -> None:
+    """Every byte of `data` through `write` (os.write on a file descriptor, an unbuffered stream's write), which
+    may take a part of it: a signal in the write, a pipe whose reader ended (the next write raises)."""
     view = memoryview(data)
     while view:
-        view = view[os.write(fd, view) :]
+        view = view[write(view) :]
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -80,7 +82,7 @@ def replace(path: Path, data: bytes | memoryview, exclusive: bool = False) -> No
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
         try:
             os.fchmod(fd, 0o666 & ~_umask())  # as open() would make it, not mkstemp's 0600
-            _write_all(fd, data)
+            write_all(lambda view: os.write(fd, view), data)
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -150,7 +152,7 @@ def append(path: Path, text: str) -> None:
         raise failure(path, len(data), e) from None
     try:
         size = os.fstat(fd).st_size
-        _write_all(fd, data)
+        write_all(lambda view: os.write(fd, view), data)
         os.fsync(fd)
     except OSError as e:
         os.ftruncate(fd, size)  # a half-written line would not parse

@@ -61,7 +61,7 @@ def nearest_running(parent: int, script: str, depth: int = 3) -> list[int]:
     """The processes below `parent`, nearest to it, that run `script` (a word of their command line): mpirun's ranks,
     its children under Open MPI and its proxy's (hydra_pmi_proxy) under MPICH and Intel MPI. Not an MPI launcher whose
     arguments name it: Intel MPI's mpirun is a shell script that starts mpiexec.hydra with them (which took the Ctrl-C
-    sent to it as its own, and a second one as "force abort": the ranks killed, none saved). None without /proc."""
+    sent to it as its own, and a second one as "force abort": the ranks ended, none saved). None without /proc."""
     found, below = [], children(parent)
     for _ in range(depth):
         level, below = below, []

@@ -549,7 +549,7 @@ def test_ctrl_c_of_an_accelerate_launch_ends_with_our_lines_and_130_and_a_killed
     ends the others at once, and exited 9 with an 11-line box on stdout ("EXIT STRING: Killed (signal 9)"): now one
     line and 128 + SIGKILL. No run leaves torchrun's log dir in TMPDIR (--multi_gpu left one each). Intel MPI's
     mpirun (PyPI's impi-rt): the Ctrl-C went to its mpiexec.hydra, which said "Press Ctrl-C again to force abort"
-    (a second one killed the ranks unsaved); its box of a killed rank was passed on as it was, and exit 255."""
+    (a second one ended the ranks unsaved); its box of a killed rank was passed on as it was, and exit 255."""
     if mode == "mpirun":
         require("mpirun", "apt-get install openmpi-bin")
     (tmp := tmp_path / "tmp").mkdir()  # TMPDIR: --multi_gpu left torchrun's log dir (torchelastic_*) there each run

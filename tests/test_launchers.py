@@ -293,7 +293,7 @@ def test_the_ranks_below_mpirun_are_found_as_its_children_or_below_a_proxy(tmp_p
     """The ranks a stop signal is sent to: mpirun's children (Open MPI), or its proxy's (MPICH's hydra_pmi_proxy:
     the Ctrl-C sent to the proxy ended it, and the ranks trained on). A rank's own children are not ranks, nor is
     an MPI launcher whose arguments name the script: Intel MPI's mpirun (a shell script) starts mpiexec.hydra so,
-    which took the Ctrl-C as its own ("Press Ctrl-C again to force abort": a second one killed the ranks unsaved)."""
+    which took the Ctrl-C as its own ("Press Ctrl-C again to force abort": a second one ended the ranks unsaved)."""
     rank = "sh -c 'sleep 60; :' rank /x/train.py"  # (`; :`: sh stays, its command line naming the script)
     (tmp_path / "hydra.sh").write_text(f"{rank} &\nwait\n:\n")  # its child: the rank
     hydra = f"bash -c 'exec -a mpiexec.hydra sh {tmp_path / 'hydra.sh'} /x/train.py'"

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
 import re
 import sys
 from collections.abc import Iterator
@@ -296,8 +297,11 @@ def export(path: str | Path, out: str | Path, raw: bool = False, state_dict: boo
     if Path(out).is_dir() or str(out).endswith("/"):  # ("new/": Path drops the slash, and wrote a file "new")
         is_one = "is a directory" if Path(out).is_dir() else "names a directory"
         raise UsageError(f"OUT={out} {is_one}: name the file to write, e.g. {Path(out) / 'model.pt'}")
-    if str(out) != "-" and Path(out).exists():
-        raise UsageError(f"OUT={out} exists, and export never replaces a file: name a new one, or remove it first")
+    if str(out) != "-" and os.path.lexists(out):  # a symbolic link to nothing too: it said "File exists", exit 1
+        link = f" (a symbolic link to {os.readlink(out)})" if Path(out).is_symlink() else ""
+        raise UsageError(
+            f"OUT={out} exists{link}, and export never replaces a file: name a new one, or remove it first"
+        )
     state = load(path)
     weights.check_fit(state, path, raw)  # (its settings name the model that rebuilds it: they must fit)
     exported = {k: v.float() if v.dtype == torch.float16 else v for k, v in weights.pick(state, raw).items()}

@@ -420,12 +420,15 @@ def test_export_never_replaces_a_file_a_typo_named(run_dir, tmp_path, capsys):
     last, older = rundir.last_path(run_dir), rundir.step_files(run_dir)[1]
     notes = tmp_path / "notes.txt"
     notes.write_text("mine")
+    dangling = tmp_path / "mine.pt"  # a link to a file not there: "File exists", exit 1, after the check said none
+    dangling.symlink_to(f"{notes}.gone")
     before = {p: p.read_bytes() for p in (last, older, notes)}
     refused = ": name a new one, or remove it first"
     for out, said in [
         (last, f"exists, and export never replaces a file{refused}"),
         (older, f"exists, and export never replaces a file{refused}"),
         (notes, f"exists, and export never replaces a file{refused}"),
+        (dangling, f"exists (a symbolic link to {notes}.gone), and export never replaces a file{refused}"),
         (tmp_path, f"is a directory: name the file to write, e.g. {tmp_path / 'model.pt'}"),
         (f"{tmp_path}/new/", f"names a directory: name the file to write, e.g. {tmp_path / 'new/model.pt'}"),
     ]:
@@ -437,6 +440,7 @@ def test_export_never_replaces_a_file_a_typo_named(run_dir, tmp_path, capsys):
     assert command(checkpoint.main, ["export", str(last), ""]) == 2  # (it said "OUT= is a directory": ".")
     assert capsys.readouterr().err == "error: OUT is empty: name the file to write, e.g. model.pt\n"
     assert {p: p.read_bytes() for p in before} == before and not (tmp_path / "new").exists()  # (a file "new" was)
+    assert os.readlink(dangling) == f"{notes}.gone" and not os.path.exists(dangling)
     for path in (run_dir, last.parent):  # PATH: a run, or its checkpoints/
         for argv in (["inspect", str(path)], ["export", str(path), str(tmp_path / "model.pt")]):
             assert command(checkpoint.main, argv) == 2, argv

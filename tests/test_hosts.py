@@ -5,7 +5,9 @@ The failures of real clusters end with one line, in bounded time, and the run re
 from __future__ import annotations
 
 import contextlib
+import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -65,10 +67,26 @@ def store_up(master: Host, node0: subprocess.Popen, port: str = PORT, timeout: f
 
 
 def finish(*procs: subprocess.Popen, timeout: float = 180) -> list[tuple[int, str, str]]:
-    """(exit code, stdout, stderr) of each, in order."""
+    """(exit code, stdout, stderr) of each, in order. One that runs past `timeout`: every one's processes
+    (each in a session of its own) as they ran, then killed, and every one's output in the failure: a job
+    that hung on one host showed only the first host's launcher's output, which said nothing."""
     results = []
     for proc in procs:
-        out, err = proc.communicate(timeout=timeout)
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            running = subprocess.run(
+                ["ps", "-o", "pid,sid,stat,etime,args", "--sort", "sid", "-s", ",".join(str(p.pid) for p in procs)],
+                capture_output=True,
+                text=True,
+            ).stdout
+            for other in procs:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(other.pid, signal.SIGKILL)
+            said = [(p.communicate(), p.returncode) for p in procs]
+            said = [f"--- {i} (exit {code}): stdout\n{out[-1500:]}--- stderr\n{err[-3000:]}" for i, ((out, err), code)
+                    in enumerate(said)]  # fmt: skip
+            raise AssertionError(f"{timeout:.0f} s passed; running then:\n{running}" + "\n".join(said)) from None
         results.append((proc.returncode, out, err))
     return results
 

@@ -2,7 +2,6 @@
 augmentation, the device-resident path against the DataLoader path."""
 
 import math
-import multiprocessing
 import os
 import signal
 
@@ -98,24 +97,12 @@ def test_augmentation_is_a_function_of_seed_and_epoch():
 
 
 @pytest.mark.parametrize(
-    "world_size, workers, kind",
-    [(1, 0, "torch"), (2, 0, "torch"), (3, 2, "torch"), (1, 0, "device"), (3, 0, "device"), (1, 1, "forkserver")],
+    "world_size, workers, kind", [(1, 0, "torch"), (2, 0, "torch"), (3, 2, "torch"), (1, 0, "device"), (3, 0, "device")]
 )
 def test_an_image_gets_the_same_crop_whatever_the_world_size_workers_or_resume_step(world_size, workers, kind):
     """Rank r of world_size, with loader workers or on the device, started at step 2: each image id
     maps to the same augmented pixels as with the torch loader in one process from the start; with
-    the standard augmentation and with airbench's (2-px reflect translation, alternating flip).
-    "forkserver": the torch loader's workers started as Python 3.14 starts processes on Linux by default (macOS:
-    spawn), each unpickling what it is given (a lambda there would fail only there)."""
-    if kind == "forkserver":
-        before = multiprocessing.get_start_method(allow_none=True)
-        multiprocessing.set_start_method("forkserver", force=True)
-        try:
-            return test_an_image_gets_the_same_crop_whatever_the_world_size_workers_or_resume_step(
-                world_size, workers, "torch"
-            )
-        finally:
-            multiprocessing.set_start_method(before, force=True)
+    the standard augmentation and with airbench's (2-px reflect translation, alternating flip)."""
     n, batch = 36, 6
     split = datasets.Split(
         torch.randint(0, 256, (n, 3, 32, 32), generator=torch.Generator().manual_seed(0), dtype=torch.uint8),

@@ -217,6 +217,7 @@ def eval_loader(split: Split, per_rank_batch: int, world: World, workers: int, k
             shard,
             batch_size=per_rank_batch,
             num_workers=workers,
+            persistent_workers=workers > 0,
             worker_init_fn=_leave_stopping_to_the_main_process,
             pin_memory=world.device.type == "cuda",
             generator=torch.Generator(),  # leaves the global RNG alone

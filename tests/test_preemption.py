@@ -852,7 +852,8 @@ def test_a_paused_job_whose_agent_is_killed_stops_with_a_checkpoint_and_frees_it
     finally:
         agent.kill()
         kill_orphans(ranks + workers)
-    assert len(ranks) == 2 and paused == [True] * (3 if how == "paused" else 5), (ranks, paused)
+    assert len(ranks) == 2 and paused == [True] * (3 + len(workers)), (ranks, paused)
+    assert len(workers) == (0 if how == "paused" else 4), workers  # each rank's training and evaluation worker
     assert "stopped on the launcher's end" in err, err
     # the stop's checkpoint (the step's own: an epoch's end may have saved it just before)
     saved = re.search(r"stopping on the launcher's end \(its process \d+ is gone\): checkpoint (\S+)", out)

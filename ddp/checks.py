@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ddp import fsdp, mixing, models
+from ddp import cpus, fsdp, mixing, models
 from ddp.config import Config, DdpConfig
 from ddp.devices import World
 from ddp.errors import UsageError
@@ -99,6 +99,19 @@ def precision(amp: str, device: torch.device, global_batch: int) -> tuple[torch.
     return None, torch.float16, float(2 ** min(round(math.log2(global_batch)), MAX_LOSS_SCALE_LOG2))
 
 
+def settings(cfg: Config, world: World) -> tuple[int, tuple[torch.dtype | None, torch.dtype, float]]:
+    """The settings alone, checked as a run on `world` takes them (train.checked's first checks, the doctor's): this
+    rank's share of the global batch, and precision's (autocast, weights, loss scale). train.micro_batch_size sets
+    cfg.train.grad_accum_steps for this world size."""
+    t = cfg.train
+    if t.micro_batch_size:  # the accumulation follows from the world size this run (or restart) got
+        t.grad_accum_steps = accumulation(t.batch_size, world.world_size, t.micro_batch_size)
+    per_rank_batch = split_batch(t.batch_size, world.world_size, "train.batch_size", t.grad_accum_steps)
+    chosen = precision(cfg.run.amp, world.device, t.batch_size)  # autocast, weights, loss scale
+    check_combinations(cfg, world)
+    return per_rank_batch, chosen
+
+
 def check_combinations(cfg: Config, world: World) -> None:
     """Settings that each parse but do not work together."""
     models.check(cfg.model.name, cfg.model.dropout, cfg.model.width, cfg.model.whiten)
@@ -111,6 +124,7 @@ def check_combinations(cfg: Config, world: World) -> None:
     if cfg.optim.muon_lr > 0 and cfg.optim.name != "sgd":
         raise UsageError(f"optim.muon_lr={cfg.optim.muon_lr:g}: Muon steps the filters beside SGD, which steps the "
                          f"rest: use optim.name=sgd (not {cfg.optim.name}), or optim.muon_lr=0")  # fmt: skip
+    check_workers(cfg)
     if cfg.train.sync_bn and world.parallel == "dp":
         raise UsageError(
             "train.sync_bn=true needs DDP (nn.DataParallel computes BatchNorm per GPU): "
@@ -133,6 +147,23 @@ def check_combinations(cfg: Config, world: World) -> None:
             "ddp.static_graph=true with train.grad_accum_steps>1: DDP's static graph breaks under no_sync "
             "(an internal assert, then gradients that are no longer all-reduced: pytorch/pytorch#143580); "
             "use one of the two"
+        )
+
+
+WORKERS_PER_CPU = 4  # data.workers beyond this many per usable CPU (and beyond 8) are refused
+
+
+def check_workers(cfg: Config) -> None:
+    """data.workers that no machine here could run: the data is in memory and a worker augments on one CPU, so more
+    than the CPUs never helps, and each worker holds memory of its own. data.workers=1000 (a typo) was a machine
+    frozen by a thousand forks a rank, or an out-of-memory kill with no line (seen: exit 137 in a 3 GiB cgroup)."""
+    usable, workers = cpus.usable(), cfg.data.workers
+    if cfg.data.loader == "torch" and workers > (most := max(8, WORKERS_PER_CPU * usable)):
+        raise UsageError(
+            f"data.workers={workers}: {workers:,} DataLoader worker processes a rank, {2 * workers:,} with "
+            f"evaluation's, on a machine where this process may use {usable} CPU{'s' * (usable > 1)}: at most {most} "
+            f"are taken (a worker augments in-memory images on one CPU); use data.workers={min(usable, 8)}, or "
+            "data.loader=device"
         )
 
 

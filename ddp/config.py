@@ -64,8 +64,8 @@ class DataConfig:
                     "other in even ones (airbench) | none", ("random", "alternate", "none"))  # fmt: skip
     loader: str = opt("device", "device = the split on the training device, batched augmentation there | torch = "
                       "DataLoader workers", ("device", "torch"))  # fmt: skip
-    workers: int = opt(2, "DataLoader worker processes per rank for loader=torch (0 = load in the main process)",
-                       valid=NATURAL)  # fmt: skip
+    workers: int = opt(2, "DataLoader worker processes per rank for loader=torch (0 = load in the main process; up "
+                       "to 4 per CPU this process may use, and up to 8 on any machine)", valid=NATURAL)  # fmt: skip
     mixup_alpha: float = opt(
         0.0, "MixUp: blend each training image with another, weight ~ Beta(alpha, alpha) (0 = off)", valid=Range(0)
     )

@@ -18,6 +18,7 @@ ddp/train.py would stop with.
 from __future__ import annotations
 
 import collections
+import copy
 import errno
 import os
 import shutil
@@ -37,6 +38,7 @@ import torch.distributed as dist
 
 from ddp import (
     alike,
+    checks,
     cifar,
     config,
     cpus,
@@ -317,6 +319,7 @@ def main(argv: list[str]) -> int:
     args = parse_args(argv, USAGE)
     cfg = config.load(args.config, args.overrides)
     cfg.run = launchers.accelerate_flags(cfg.run)
+    checks.settings(copy.deepcopy(cfg), devices.resolve(cfg.run))  # those ddp/train.py refuses first: its line, exit 2
     problems = diagnose(cfg.run, cfg.data, alike.described(cfg))
     for p in problems:
         print(f"doctor: PROBLEM: {p}", file=sys.stderr)

@@ -107,12 +107,7 @@ def checked(cfg: Config, world: World) -> Iterator[tuple[datasets.Data, Plan]]:
     """Everything checked before joining the process group, so that a mistake stops every rank alike instead of
     leaving some waiting, cheapest first: the settings; run.out_dir, locked for this run while inside (rank 0
     holds it), against run.resume; the data (read here) and what depends on it. Yields the data and the Plan."""
-    t = cfg.train
-    if t.micro_batch_size:  # the accumulation follows from the world size this run (or restart) got
-        t.grad_accum_steps = checks.accumulation(t.batch_size, world.world_size, t.micro_batch_size)
-    per_rank_batch = checks.split_batch(t.batch_size, world.world_size, "train.batch_size", t.grad_accum_steps)
-    precision = checks.precision(cfg.run.amp, world.device, t.batch_size)  # autocast, weights, loss scale
-    checks.check_combinations(cfg, world)
+    per_rank_batch, precision = checks.settings(cfg, world)  # autocast, weights, loss scale
     stop_signals = tuple(preemption.parse_signals(cfg.run.stop_signal))
     if cfg.run.tensorboard:
         logs.check_tensorboard()

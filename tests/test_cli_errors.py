@@ -150,6 +150,10 @@ def test_bad_input_for_want_of_a_gpu_exits_2_with_one_line(args, fragments, tmp_
           "step has none)"]),
         (["--config", "configs/quick.yaml", "--config"], ["--config needs a file: --config configs/quick.yaml"]),
         (["optim.muon_lr=-0.1"], ["optim.muon_lr=-0.1 is out of range: it must be >= 0"]),
+        (["data.loader=torch", "data.workers=1000"],
+         ["data.workers=1000: 1,000 DataLoader worker processes a rank, 2,000 with evaluation's, on a machine where "
+          "this process may use", "CPU", "use data.workers=", "or data.loader=device"]),
+        (["data.loader=torch", "data.workers=-1"], ["data.workers=-1 is out of range: it must be >= 0"]),
         (["optim.muon_lr=nan"], ["optim.muon_lr: expected a finite float, got 'nan'"]),
         (["optim.muon_momentum=1"], ["optim.muon_momentum=1.0 is out of range: it must be in [0, 1)"]),
         (["optim.muon_lr=0.2", "optim.name=adamw"],

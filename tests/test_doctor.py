@@ -148,6 +148,23 @@ def test_half_set_launcher_variables_are_a_usage_error():
 
 
 @pytest.mark.parametrize(
+    "args, said",
+    [(["optim.muon_lr=0.2", "optim.name=adamw"], "optim.muon_lr=0.2: Muon steps the filters beside SGD"),
+     (["data.loader=torch", "data.workers=1000"], "data.workers=1000: 1,000 DataLoader worker processes a rank"),
+     (["train.micro_batch_size=3"], "train.batch_size=256 is not a multiple of world_size x train.micro_batch_size")],
+)  # fmt: skip
+def test_settings_that_ddp_train_refuses_are_its_usage_error(args, said, tmp_path, capsys):
+    """Settings that parse but do not go together (or that no machine runs): the doctor said OK, and the run then
+    stopped on them. Now its exit 2 with ddp/train.py's line, before any check of the machine."""
+    from ddp.cli import command
+
+    assert command(ddp_doctor.main, [*SYNTHETIC, f"run.out_dir={tmp_path}", *args], prog="doctor") == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"doctor: error: {said}") and err.count("\n") == 1, err
+    assert not list(tmp_path.iterdir())  # nothing checked, nothing written
+
+
+@pytest.mark.parametrize(
     "master, said",
     [("127.0.0.1:29500", "MASTER_ADDR=127.0.0.1:29500 holds a port: MASTER_ADDR=127.0.0.1 MASTER_PORT=29500"),
      ("[::1]:29500", "MASTER_ADDR=[::1]:29500 holds a port: MASTER_ADDR=::1 MASTER_PORT=29500"),

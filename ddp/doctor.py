@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 from ddp import (
     alike,
+    checkpoint,
     checks,
     cifar,
     config,
@@ -47,9 +48,12 @@ from ddp import (
     distributed,
     files,
     launchers,
+    logs,
     lost_rank,
     metrics,
     network,
+    preemption,
+    profiling,
     rundir,
 )
 from ddp.cli import command, leave, parse_args, show
@@ -124,9 +128,12 @@ def run_files_problem(out_dir: str) -> str | None:
     return None
 
 
-def check_data(data: DataConfig, world: World) -> tuple[str, str | None, datasets.Data | None]:
+def check_data(
+    data: DataConfig, world: World, cfg: config.Config | None = None
+) -> tuple[str, str | None, datasets.Data | None]:
     """(a line on the data ddp/train.py would read, a problem or None, the data or None): read here as the run
-    would, without a download (one the run would make is said)."""
+    would, without a download (one the run would make is said); with `cfg`, its steps checked against that data
+    as the run checks them (a batch larger than the split, run.profile beyond the run's steps)."""
     try:
         found = datasets.read(replace(data, download=False), world)
     except cifar.DataMissing as e:
@@ -142,7 +149,13 @@ def check_data(data: DataConfig, world: World) -> tuple[str, str | None, dataset
             raise
         return "data: unusable", line, None
     train, test = len(found.train.labels), len(found.test.labels)
-    return f"data: {train} training and {test} test images, {len(found.classes)} classes", None, found
+    line = f"data: {train} training and {test} test images, {len(found.classes)} classes"
+    try:
+        if cfg is not None:
+            profiling.parse(cfg.run.profile, checks.steps_per_epoch(cfg, train) * cfg.train.epochs)
+    except UsageError as e:
+        return line, str(e), found
+    return line, None, found
 
 
 SHM_NEEDED_MIB = 1024  # NVIDIA's containers are started with docker run --shm-size=1g
@@ -235,10 +248,10 @@ def machine_problems(reports: list[tuple[Any, ...]], mismatch: str | None) -> li
     return sorted({m for _, _, m, _ in reports if m and m != mismatch}) + sorted(shm) + sorted(unlike)
 
 
-def one_process(run: config.RunConfig, data: DataConfig, world: World) -> list[str]:
+def one_process(cfg: config.Config, world: World) -> list[str]:
     """diagnose's problems where no launcher started ranks: this machine's report, the rendezvous it would use,
     run.out_dir and the data."""
-    problems = []
+    run, problems = cfg.run, []
     print_report(here := report(world, run.out_dir))
     problems += [p] if (p := shared_memory_problem(here)) else []
     addr, port, source = launchers.planned_rendezvous()
@@ -255,27 +268,30 @@ def one_process(run: config.RunConfig, data: DataConfig, world: World) -> list[s
     if token:
         (Path(run.out_dir) / token).unlink()
         show(f"run.out_dir {Path(run.out_dir).resolve()}: writable")
-    line, problem, _ = check_data(data, world)
+    line, problem, _ = check_data(cfg.data, world, cfg)
     show(line)
     return problems + ([problem] if problem else [])
 
 
-def diagnose(run: config.RunConfig, data: DataConfig, mine: dict[str, Any]) -> list[str]:
+def diagnose(cfg: config.Config, mine: dict[str, Any]) -> list[str]:
     """Problems on this rank and, under a launcher, across ranks (`mine`: alike.described's); prints the reports."""
+    run, data = cfg.run, cfg.data
     world = devices.resolve(run)
     devices.share_cpus(run)  # the threads a run here would take
     problems = []
     if mismatch := launchers.slurm_gpu_problem(torch.cuda.device_count()):
         problems.append(mismatch)
     if not world.grouped:
-        return problems + one_process(run, data, world)
+        return problems + one_process(cfg, world)
     with distributed.setup(world, run.timeout_s) as world:
         token, problem = check_out_dir(run.out_dir) if world.is_main else (None, None)
         shared = distributed.gather_objects((token, problem), world)[0]
         # Every rank looks for rank 0's file: missing means another filesystem (not shared across nodes).
         sees = shared[0] is not None and (Path(run.out_dir) / shared[0]).is_file()
         reduced = distributed.all_reduce_sum(torch.tensor([float(world.rank)], device=world.device), world)
-        line, problem, found = check_data(data, world) if world.is_local_main else (None, None, None)  # one a machine
+        line, problem, found = (
+            check_data(data, world, cfg) if world.is_local_main else (None, None, None)
+        )  # one a machine
         mine = mine | alike.data_of(data, found) if found else mine  # the data's digest, where this machine read it
         checked = (line, problem) if line else None
         reports = distributed.gather_objects((report(world, run.out_dir, mine), sees, mismatch, checked), world)
@@ -320,7 +336,11 @@ def main(argv: list[str]) -> int:
     cfg = config.load(args.config, args.overrides)
     cfg.run = launchers.accelerate_flags(cfg.run)
     checks.settings(copy.deepcopy(cfg), devices.resolve(cfg.run))  # those ddp/train.py refuses first: its line, exit 2
-    problems = diagnose(cfg.run, cfg.data, alike.described(cfg))
+    preemption.parse_signals(cfg.run.stop_signal)
+    if cfg.run.tensorboard:
+        logs.check_tensorboard()
+    checkpoint.check_resume(cfg)  # run.resume, and the settings of the checkpoint it would read
+    problems = diagnose(cfg, alike.described(cfg))
     for p in problems:
         print(f"doctor: PROBLEM: {p}", file=sys.stderr)
     if not problems and launchers.detect_launch(launcher=cfg.run.launcher).rank == 0:

@@ -17,7 +17,7 @@ from ddp import cpus, launchers, lost_rank, network
 from ddp import doctor as ddp_doctor
 from ddp.errors import UsageError
 
-SYNTHETIC = ("data.dataset=synthetic", "data.synthetic_train=64", "data.synthetic_test=32")
+SYNTHETIC = ("data.dataset=synthetic", "data.synthetic_train=64", "data.synthetic_test=32", "train.batch_size=32")
 
 
 def doctor(*args: str, **env: str) -> subprocess.CompletedProcess:
@@ -110,7 +110,14 @@ def test_a_download_is_said_where_its_address_answers_and_a_problem_where_it_doe
 def test_data_the_run_could_not_read_is_a_problem_and_data_it_can_is_counted(tmp_path):
     images = np.arange(6 * 32 * 32 * 3).astype(np.uint8).reshape(6, 32, 32, 3)  # any pattern: not one colour
     np.savez(tmp_path / "good.npz", x_train=images[:4], y_train=np.arange(4), x_test=images[4:], y_test=np.arange(2))
-    proc = ok(doctor(f"run.out_dir={tmp_path / 'run'}", "data.dataset=npz", f"data.path={tmp_path / 'good.npz'}"))
+    proc = ok(
+        doctor(
+            f"run.out_dir={tmp_path / 'run'}",
+            "data.dataset=npz",
+            f"data.path={tmp_path / 'good.npz'}",
+            "train.batch_size=4",
+        )
+    )
     assert "data: 4 training and 2 test images, 4 classes" in proc.stdout
     for args, problem in [
         (("data.dataset=npz",), "data.dataset=npz needs data.path=FILE.npz"),
@@ -151,17 +158,29 @@ def test_half_set_launcher_variables_are_a_usage_error():
     "args, said",
     [(["optim.muon_lr=0.2", "optim.name=adamw"], "optim.muon_lr=0.2: Muon steps the filters beside SGD"),
      (["data.loader=torch", "data.workers=1000"], "data.workers=1000: 1,000 DataLoader worker processes a rank"),
-     (["train.micro_batch_size=3"], "train.batch_size=256 is not a multiple of world_size x train.micro_batch_size")],
+     (["train.micro_batch_size=3"], "train.batch_size=32 is not a multiple of world_size x train.micro_batch_size"),
+     (["run.resume=/no/such.pt"], "run.resume=/no/such.pt: no such checkpoint file"),
+     (["run.stop_signal=SIGFOO"], "run.stop_signal: 'SIGFOO' is not a signal that can be caught")],
 )  # fmt: skip
 def test_settings_that_ddp_train_refuses_are_its_usage_error(args, said, tmp_path, capsys):
-    """Settings that parse but do not go together (or that no machine runs): the doctor said OK, and the run then
-    stopped on them. Now its exit 2 with ddp/train.py's line, before any check of the machine."""
+    """Settings that parse but do not go together (or that no machine runs), or a run.resume that is not there: the
+    doctor said OK, and the run then stopped on them. Now its exit 2 with ddp/train.py's line, before any check of
+    the machine. Those that the data decides (a batch beyond its images, run.profile beyond the run's steps) are
+    problems of the data, exit 1."""
     from ddp.cli import command
 
     assert command(ddp_doctor.main, [*SYNTHETIC, f"run.out_dir={tmp_path}", *args], prog="doctor") == 2
     err = capsys.readouterr().err
     assert err.startswith(f"doctor: error: {said}") and err.count("\n") == 1, err
     assert not list(tmp_path.iterdir())  # nothing checked, nothing written
+    if args[0] != "run.resume=/no/such.pt":
+        return  # (the data's problems, once)
+    beyond_the_data = [("train.batch_size=128", "train.batch_size=128 exceeds the 64 training images"),
+                       ("run.profile=9:12", "run.profile=9:12: the run has 2 steps; profile within 1:3")]  # fmt: skip
+    for beyond, problem in beyond_the_data:
+        argv = [*SYNTHETIC, f"run.out_dir={tmp_path}", "train.batch_size=32", "train.epochs=1", beyond]
+        assert command(ddp_doctor.main, argv, prog="doctor") == 1, beyond
+        assert f"doctor: PROBLEM: {problem}\n" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
@@ -224,8 +243,7 @@ def test_an_out_dir_that_cannot_be_written_is_a_problem(tmp_path):
 
 
 def test_under_torchrun_every_rank_reports_and_an_all_reduce_runs(tmp_path):
-    synthetic = ("data.dataset=synthetic", "data.synthetic_train=64", "data.synthetic_test=32")
-    proc = ok(torchrun(2, "-m", "ddp.doctor", f"run.out_dir={tmp_path}", *synthetic))
+    proc = ok(torchrun(2, "-m", "ddp.doctor", f"run.out_dir={tmp_path}", *SYNTHETIC))
     assert "rank 0/2  local_rank 0" in proc.stdout and "rank 1/2  local_rank 1" in proc.stdout
     assert proc.stdout.count("  data: 64 training and 32 test images, 10 classes") == 1  # one machine: once
     assert "RANK=1" in proc.stdout and "launcher torchrun" in proc.stdout

@@ -290,8 +290,21 @@ def path_refused(error: OSError) -> str | None:
     if error.errno in (errno.EACCES, errno.EPERM):
         return (f"{error.filename}: permission denied to user {_user()}: it, or a folder above it, is not open to "
                 "this user (ls -ld each folder on the way); ask its owner to open it, or name another")  # fmt: skip
-    if error.errno == errno.ELOOP:
-        return f"{error.filename}: a symbolic link on the way loops (ls -l each link on the way); name the file itself"
+    if error.errno == errno.ELOOP:  # the link itself, wherever on the way the OS met the loop (a folder below it)
+        where = loop_on_the_way(str(error.filename)) or error.filename
+        return f"{where}: a symbolic link on the way loops (ls -l each link on the way); name the file itself"
+    return None
+
+
+def loop_on_the_way(path: str) -> str | None:
+    """The first of `path` and the folders above it, from the root (or the working directory) down, whose symbolic
+    links loop, as `path` spells it; None if none does."""
+    parts = path.split(os.sep)
+    for place in [os.sep.join(parts[: i + 1]) or os.sep for i in range(len(parts))]:
+        try:
+            os.stat(place)
+        except OSError as e:
+            return place if e.errno == errno.ELOOP else None  # (below a missing one, none is there)
     return None
 
 

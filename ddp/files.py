@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from ddp.errors import UsageError, WriteFailed
+from ddp.errors import UsageError, WriteFailed, loop_on_the_way
 
 TEMPORARY = ".*.tmp"  # what a writer killed before its rename leaves beside the target (never a final name)
 
@@ -48,21 +48,11 @@ def in_the_way(directory: Path, error: OSError) -> str:
     on the way that loops (mkdir says EEXIST of it, ELOOP below it) raises OSError ELOOP naming it, which every
     command says in errors.path_refused's line: "File exists" of it misled, from Python 3.13 in every command
     (pathlib's resolve() had said the loop before)."""
-    if error.errno in (errno.EEXIST, errno.ENOTDIR, errno.ELOOP) and (link := _loop_on_the_way(directory)):
+    if error.errno in (errno.EEXIST, errno.ENOTDIR, errno.ELOOP) and (link := loop_on_the_way(str(directory))):
         raise OSError(errno.ELOOP, os.strerror(errno.ELOOP), str(link))
     paths = (directory, *directory.parents) if error.errno in (errno.EEXIST, errno.ENOTDIR) else ()
     file = next((p for p in paths if os.path.exists(p) and not os.path.isdir(p)), None)
     return f"{file} is a file, not a directory" if file else error.strerror or str(error)
-
-
-def _loop_on_the_way(path: Path) -> Path | None:
-    """The first of `path` and its parents, from the root down, whose symbolic links loop; None if none does."""
-    for place in (*reversed(path.parents), path):
-        try:
-            os.stat(place)
-        except OSError as e:
-            return place if e.errno == errno.ELOOP else None  # (below a missing one, none is there)
-    return None
 
 
 def _umask() -> int:

@@ -47,10 +47,15 @@ def in_the_way(directory: Path, error: OSError) -> str:
     where a parent cannot be searched (a user not root under /root), where Path.exists raises. A symbolic link
     on the way that loops (mkdir says EEXIST of it, ELOOP below it) raises OSError ELOOP naming it, which every
     command says in errors.path_refused's line: "File exists" of it misled, from Python 3.13 in every command
-    (pathlib's resolve() had said the loop before)."""
+    (pathlib's resolve() had said the loop before). A link to nothing on the way (runs/ linked to a scratch
+    folder not made yet, or on a filesystem not mounted) is named with where it points: "File exists" misled too;
+    the folder it names is not made here (on a filesystem not mounted, it would fill the one beneath)."""
     if error.errno in (errno.EEXIST, errno.ENOTDIR, errno.ELOOP) and (link := loop_on_the_way(str(directory))):
         raise OSError(errno.ELOOP, os.strerror(errno.ELOOP), str(link))
     paths = (directory, *directory.parents) if error.errno in (errno.EEXIST, errno.ENOTDIR) else ()
+    if dangling := next((p for p in reversed(paths) if os.path.islink(p) and not os.path.exists(p)), None):
+        return (f"{dangling} is a symbolic link to {os.readlink(dangling)}, which is not there: make that "
+                "directory, mount its filesystem, or point the link at one")  # fmt: skip
     file = next((p for p in paths if os.path.exists(p) and not os.path.isdir(p)), None)
     return f"{file} is a file, not a directory" if file else error.strerror or str(error)
 

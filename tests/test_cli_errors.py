@@ -227,13 +227,23 @@ def test_resuming_another_model_is_refused(tmp_path, capsys):
 
 
 def test_unwritable_out_dir(tmp_path, capsys):
-    """A file where out_dir or a parent of it would be is named (and left as it was)."""
-    blocker = tmp_path / "file"
+    """A file where out_dir or a parent of it would be is named (and left as it was). So is a symbolic link to
+    nothing there (runs/ linked to a scratch folder not made yet, or on a filesystem not mounted), with where it
+    points: it was "File exists". The folder it names is not made (it would fill the filesystem beneath a mount)."""
+    from ddp import plot
+
+    blocker, scratch = tmp_path / "file", tmp_path / "scratch"
     blocker.write_text("")
-    for out in (blocker / "run", blocker):
+    (tmp_path / "runs").symlink_to(scratch / "runs")
+    linked = f"{tmp_path / 'runs'} is a symbolic link to {scratch / 'runs'}, which is not there: make that directory"
+    a_file = f"{blocker} is a file, not a directory"
+    for out, said in [(blocker / "run", a_file), (blocker, a_file), (tmp_path / "runs" / "a", linked)]:
         assert train.cli([f"run.out_dir={out}", *TINY]) == 2
-        assert f"cannot write to run.out_dir={out} ({blocker} is a file, not a directory)" in capsys.readouterr().err
-    assert blocker.read_text() == ""
+        assert f"cannot write to run.out_dir={out} ({said}" in capsys.readouterr().err
+    (tmp_path / "metrics.jsonl").write_text('{"epoch": 1, "train_loss": 1.0}\n')  # plot's charts into runs/
+    assert cli.command(plot.main, [str(tmp_path), "--out", str(tmp_path / "runs")]) == 1
+    assert f"cannot write {tmp_path / 'runs' / 'curves.png'}: {linked}" in capsys.readouterr().err
+    assert blocker.read_text() == "" and not scratch.exists()
 
 
 def test_bad_npz_format(tmp_path, capsys):

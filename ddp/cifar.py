@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ddp import models
+from ddp import files, models
 from ddp.config import DataConfig
 from ddp.devices import World
 from ddp.errors import UsageError, first_line
@@ -120,6 +120,9 @@ def read(cfg: DataConfig, world: World) -> tuple[Arrays, Arrays, list[str]]:
                          f"root={Path(cfg.root).parent}, and set data.download=true to unpack it there")  # fmt: skip
     if Path(cfg.root).is_file():  # make train DATA=file that does not end in .npz, say
         raise UsageError(f"data.root={cfg.root} is a file, not a directory; {offline_fix}")
+    if to_nothing := files.link_to_nothing(Path(cfg.root)):  # "not found", or a download's "File exists"
+        raise UsageError(f"data.root={cfg.root}: {to_nothing}: mount its filesystem, make that directory, or point "
+                         "the link at the data")  # fmt: skip
     for place in (Path(cfg.root), Path(cfg.root) / folder):  # torchvision says "not found" of a folder not open
         if place.is_dir() and not os.access(place, os.R_OK | os.X_OK):  # to this user, and a download followed
             raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(place))  # cli's line for it

@@ -83,7 +83,8 @@ def _npz(cfg: DataConfig, parts: tuple[str, ...]) -> dict[str, Split | list[str]
         raise UsageError(f"data.path={cfg.path} is a directory: name the .npz file")
     if not path.is_file():
         odd = "not a regular file (a pipe or a device: every rank and the launch file's check read it; save it to one)"
-        raise UsageError(f"data.path={cfg.path}: " + (odd if files.existing(path) else "no such file"))
+        link = f" ({to_nothing})" if (to_nothing := files.link_to_nothing(path)) else ""
+        raise UsageError(f"data.path={cfg.path}: " + (odd if files.existing(path) else f"no such file{link}"))
     try:
         path.open("rb").close()  # else zipfile.is_zipfile says False for a file it may not read
     except OSError as e:

@@ -53,11 +53,19 @@ def in_the_way(directory: Path, error: OSError) -> str:
     if error.errno in (errno.EEXIST, errno.ENOTDIR, errno.ELOOP) and (link := loop_on_the_way(str(directory))):
         raise OSError(errno.ELOOP, os.strerror(errno.ELOOP), str(link))
     paths = (directory, *directory.parents) if error.errno in (errno.EEXIST, errno.ENOTDIR) else ()
-    if dangling := next((p for p in reversed(paths) if os.path.islink(p) and not os.path.exists(p)), None):
-        return (f"{dangling} is a symbolic link to {os.readlink(dangling)}, which is not there: make that "
-                "directory, mount its filesystem, or point the link at one")  # fmt: skip
+    if paths and (dangling := link_to_nothing(directory)):
+        return f"{dangling}: make that directory, mount its filesystem, or point the link at one"
     file = next((p for p in paths if os.path.exists(p) and not os.path.isdir(p)), None)
     return f"{file} is a file, not a directory" if file else error.strerror or str(error)
+
+
+def link_to_nothing(path: Path) -> str | None:
+    """ "L is a symbolic link to T, which is not there" of the first of `path` and the folders above it, from the top
+    down, that is a link to nothing (a scratch folder not made yet, a filesystem not mounted); None where none is."""
+    for place in (*reversed(path.parents), path):
+        if os.path.islink(place) and not os.path.exists(place):
+            return f"{place} is a symbolic link to {os.readlink(place)}, which is not there"
+    return None
 
 
 def _umask() -> int:

@@ -227,23 +227,40 @@ def test_resuming_another_model_is_refused(tmp_path, capsys):
 
 
 def test_unwritable_out_dir(tmp_path, capsys):
-    """A file where out_dir or a parent of it would be is named (and left as it was). So is a symbolic link to
-    nothing there (runs/ linked to a scratch folder not made yet, or on a filesystem not mounted), with where it
-    points: it was "File exists". The folder it names is not made (it would fill the filesystem beneath a mount)."""
+    """A file where out_dir or a parent of it would be is named (and left as it was)."""
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    for out in (blocker / "run", blocker):
+        assert train.cli([f"run.out_dir={out}", *TINY]) == 2
+        assert f"cannot write to run.out_dir={out} ({blocker} is a file, not a directory)" in capsys.readouterr().err
+    assert blocker.read_text() == ""
+
+
+def test_a_symbolic_link_to_nothing_on_the_way_is_named_with_where_it_points(tmp_path, capsys):
+    """runs/ or data/ linked to a scratch folder not made yet, or on a filesystem not mounted: run.out_dir (and plot's
+    --out) said "File exists", data.path "no such file", data.root "not found" (a download: "File exists"). Each now
+    names the link and where it points. The folder it names is not made (it would fill the filesystem beneath)."""
     from ddp import plot
 
-    blocker, scratch = tmp_path / "file", tmp_path / "scratch"
-    blocker.write_text("")
-    (tmp_path / "runs").symlink_to(scratch / "runs")
-    linked = f"{tmp_path / 'runs'} is a symbolic link to {scratch / 'runs'}, which is not there: make that directory"
-    a_file = f"{blocker} is a file, not a directory"
-    for out, said in [(blocker / "run", a_file), (blocker, a_file), (tmp_path / "runs" / "a", linked)]:
-        assert train.cli([f"run.out_dir={out}", *TINY]) == 2
-        assert f"cannot write to run.out_dir={out} ({said}" in capsys.readouterr().err
+    scratch = tmp_path / "scratch"
+    for name in ("runs", "data"):
+        (tmp_path / name).symlink_to(scratch / name)
+    runs, data = (f"{tmp_path / n} is a symbolic link to {scratch / n}, which is not there" for n in ("runs", "data"))
+    made = ": make that directory, mount its filesystem, or point the link at one"
     (tmp_path / "metrics.jsonl").write_text('{"epoch": 1, "train_loss": 1.0}\n')  # plot's charts into runs/
-    assert cli.command(plot.main, [str(tmp_path), "--out", str(tmp_path / "runs")]) == 1
-    assert f"cannot write {tmp_path / 'runs' / 'curves.png'}: {linked}" in capsys.readouterr().err
-    assert blocker.read_text() == "" and not scratch.exists()
+    cases = [(train.main, [*TINY, f"run.out_dir={tmp_path / 'runs' / 'a'}"],
+              f"cannot write to run.out_dir={tmp_path / 'runs' / 'a'} ({runs}{made})"),
+             (plot.main, [str(tmp_path), "--out", str(tmp_path / "runs")],
+              f"cannot write {tmp_path / 'runs' / 'curves.png'}: {runs}{made}"),
+             (train.main, [*TINY, "data.dataset=npz", f"data.path={tmp_path / 'data' / 'c.npz'}"],
+              f"data.path={tmp_path / 'data' / 'c.npz'}: no such file ({data})"),
+             (train.main, [*TINY, "data.dataset=cifar10", f"data.root={tmp_path / 'data'}", "data.download=true"],
+              f"data.root={tmp_path / 'data'}: {data}: mount its filesystem, make that directory, or point the link at "
+              "the data")]  # fmt: skip
+    for main, argv, said in cases:
+        assert cli.command(main, [f"run.out_dir={tmp_path / 'o'}", *argv] if main is train.main else argv) in (1, 2)
+        assert capsys.readouterr().err == f"error: {said}\n"
+    assert not scratch.exists()
 
 
 def test_bad_npz_format(tmp_path, capsys):

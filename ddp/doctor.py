@@ -289,9 +289,8 @@ def diagnose(cfg: config.Config, mine: dict[str, Any]) -> list[str]:
         # Every rank looks for rank 0's file: missing means another filesystem (not shared across nodes).
         sees = shared[0] is not None and (Path(run.out_dir) / shared[0]).is_file()
         reduced = distributed.all_reduce_sum(torch.tensor([float(world.rank)], device=world.device), world)
-        line, problem, found = (
-            check_data(data, world, cfg) if world.is_local_main else (None, None, None)
-        )  # one a machine
+        # One a machine (local rank 0):
+        line, problem, found = check_data(data, world, cfg) if world.is_local_main else (None, None, None)
         mine = mine | alike.data_of(data, found) if found else mine  # the data's digest, where this machine read it
         checked = (line, problem) if line else None
         reports = distributed.gather_objects((report(world, run.out_dir, mine), sees, mismatch, checked), world)

@@ -60,8 +60,8 @@ def in_the_way(directory: Path, error: OSError) -> str:
 
 
 def link_to_nothing(path: Path) -> str | None:
-    """ "L is a symbolic link to T, which is not there" of the first of `path` and the folders above it, from the top
-    down, that is a link to nothing (a scratch folder not made yet, a filesystem not mounted); None where none is."""
+    """The first of `path` and the folders above it, from the top down, that is a link to nothing (a scratch folder
+    not made yet, a filesystem not mounted), said as "L is a symbolic link to T, which is not there"; None if none."""
     for place in (*reversed(path.parents), path):
         if os.path.islink(place) and not os.path.exists(place):
             return f"{place} is a symbolic link to {os.readlink(place)}, which is not there"

@@ -11,7 +11,6 @@ matplotlib is an optional extra: pip install 'ddp-cifar[plot]'.
 
 from __future__ import annotations
 
-import errno
 import os
 import stat
 import sys
@@ -56,14 +55,10 @@ def read_run(run: Path) -> list[dict[str, Any]]:
 
 def _a_file(path: Path) -> bool:
     """Whether a file stands at `path`; False where this user may not look (Path.is_file() raised that before
-    Python 3.14: read_run names the metrics file it could not read, not the run). A symbolic link that loops is
-    said of `path` itself (OSError ELOOP), as pathlib's resolve() said it before Python 3.13: since, a loop named
-    as the run was said of RUN/metrics.jsonl."""
+    Python 3.14: read_run names the metrics file it could not read, not the run)."""
     try:
         return stat.S_ISREG(os.stat(path).st_mode)
-    except OSError as e:
-        if e.errno == errno.ELOOP:
-            raise
+    except OSError:
         return False
 
 

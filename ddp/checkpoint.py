@@ -281,9 +281,6 @@ def load(path: str | Path, source: Path | io.BytesIO | None = None) -> dict[str,
         return schema.verified(torch.load(source, map_location="cpu", weights_only=True), Path(path))
 
 
-EXPORT_FORMAT = "ddp-cifar-weights/1"  # what `export` writes (without --state-dict), as inspect tells it
-
-
 def export(path: str | Path, out: str | Path, raw: bool = False, state_dict: bool = False) -> dict[str, Any]:
     """The model alone, for inference: with what rebuilding it needs (name, classes, normalisation),
     or with `state_dict` the bare state dict of the tutorial's `net.load_state_dict(torch.load(PATH))`.
@@ -307,8 +304,10 @@ def export(path: str | Path, out: str | Path, raw: bool = False, state_dict: boo
     exported = {k: v.float() if v.dtype == torch.float16 else v for k, v in weights.pick(state, raw).items()}
     if not state_dict:
         model = state["config"]["model"]  # models.build(model_name, len(classes), dropout, width) rebuilds it
-        exported = {"format": EXPORT_FORMAT, "model_name": model["name"], "width": model.get("width", 1.0),
+        train = state["config"].get("train", {})  # its test-time augmentation: evaluate's of the export
+        exported = {"format": weights.EXPORT_FORMAT, "model_name": model["name"], "width": model.get("width", 1.0),
                     "dropout": model.get("dropout", 0.0), "classes": state["classes"], "normalize": state["normalize"],
+                    "tta": {"flip": train.get("tta_flip", False), "translate": train.get("tta_translate", False)},
                     "model": exported}  # fmt: skip
     with files.atomic(Path(out), exclusive=True) if str(out) != "-" else cli.stdout_bytes() as f:
         torch.save(exported, f)
@@ -322,7 +321,7 @@ def describe(path: str | Path) -> tuple[str, bool]:
     try:
         state = load(path, source)
     except CorruptCheckpoint as e:
-        exported = _export_of(source)
+        exported = _export_of(source, path)
         return (f"{size}, {exported}", True) if exported else (f"{size}, checksum FAILED: {e}", False)
     size = f"{size}, checksum"
     config, metrics = state["config"], state["metrics"]
@@ -341,22 +340,21 @@ def describe(path: str | Path) -> tuple[str, bool]:
     return "\n".join(lines), True
 
 
-def _export_of(source: Path | io.BytesIO) -> str:
+def _export_of(source: Path | io.BytesIO, path: str | Path) -> str:
     """What `export` wrote, as inspect says it ("checksum FAILED" before: an export has none); "" for another file."""
-    with contextlib.suppress(Exception):
-        if isinstance(source, io.BytesIO):
-            source.seek(0)
-        state = torch.load(source, map_location="cpu", weights_only=True)
-        if isinstance(state, dict) and state.get("format") == EXPORT_FORMAT:
-            tensors = state["model"]
-            what = f"model {state['model_name']} at width {state['width']}, {len(state['classes'])} classes"
-        elif isinstance(state, dict) and state and all(isinstance(v, torch.Tensor) for v in state.values()):
-            tensors, what = state, "a bare state dict (as export --state-dict writes it)"
-        else:
+    if state := weights.exported(source, path):
+        tensors = state["model"]
+        what = f"model {state['model_name']} at width {state['width']}, {len(state['classes'])} classes"
+    else:  # (or a bare state dict)
+        with contextlib.suppress(Exception):
+            if isinstance(source, io.BytesIO):
+                source.seek(0)
+            state = torch.load(source, map_location="cpu", weights_only=True)
+        if not (isinstance(state, dict) and state and all(isinstance(v, torch.Tensor) for v in state.values())):
             return ""
-        count = f"{len(tensors)} tensors, {sum(t.numel() for t in tensors.values()) / 1e6:.2f}M values"
-        return f"an export, the weights alone (no checksum, no training state): {what}; {count}"
-    return ""
+        tensors, what = state, "a bare state dict (as export --state-dict writes it)"
+    count = f"{len(tensors)} tensors, {sum(t.numel() for t in tensors.values()) / 1e6:.2f}M values"
+    return f"an export, the weights alone (no checksum, no training state): {what}; {count}"
 
 
 USAGE = "usage: python -m ddp.checkpoint inspect PATH | export PATH OUT [--raw] [--state-dict]"

@@ -6,34 +6,61 @@ names (as the PyTorch CIFAR-10 tutorial prints it), the confusion matrix and ima
 
 The model, dataset and normalisation come from the checkpoint (saved in any mode: plain, DataParallel,
 DDP, compiled); data.* overrides point at another copy of the data (e.g. data.path=... offline). A run
-that kept a moving average of its weights (train.ema_decay) is evaluated with those, unless --raw.
+that kept a moving average of its weights (train.ema_decay) is evaluated with those, unless --raw. What
+`python -m ddp.checkpoint export` wrote (the weights alone) evaluates too, on the data that data.* names.
 With more than 20 classes (CIFAR-100) the table lists the 10 best and the 10 worst classes.
 """
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 from ddp.launchers import quiet_startup
 
 quiet_startup(__name__)  # run as a command: a Ctrl-C or a missing package in the imports below is one line
 
-from ddp import __version__, checkpoint, cli, config, datasets, devices, loaders, metrics, models, weights
+from ddp import __version__, checkpoint, cli, config, datasets, devices, files, loaders, metrics, models, weights
 from ddp.config import RunConfig
-from ddp.errors import UsageError
+from ddp.errors import CorruptCheckpoint, UsageError
+
+
+def _read(path: str) -> tuple[dict[str, Any], config.Config]:
+    """The checkpoint at `path` and its settings; or what `export` wrote there, as a checkpoint of its model whose
+    data settings are the defaults (data.* name the data) and whose epoch is None."""
+    source = files.seekable(Path(path))  # (a pipe: read whole, once)
+    try:
+        state = checkpoint.load(path, source)
+    except CorruptCheckpoint:
+        if (export := weights.exported(source, path)) is None:
+            raise
+        tta = export.get("tta") or {}  # (an export made before it was kept: none)
+        model = {"name": export["model_name"], "width": export["width"], "dropout": export["dropout"]}
+        try:  # its settings, checked as a config's (a name this version builds, in range)
+            train = {"tta_flip": tta.get("flip", False), "tta_translate": tta.get("translate", False)}
+            cfg = config.from_dict({"model": model, "train": train})
+        except UsageError as e:
+            raise UsageError(f"{path}: an export whose settings this ddp-cifar does not take: {e}") from None
+        state = {"model": export["model"], "classes": export["classes"], "normalize": export["normalize"],
+                 "epoch": None, "config": {"model": {"name": cfg.model.name}}, "versions": {}}  # fmt: skip
+        return state, cfg
+    try:
+        return state, config.from_dict(state["config"])
+    except UsageError as e:  # a key this version does not know: a checkpoint of a newer ddp-cifar
+        written = state.get("versions", {}).get("ddp_cifar", "another version")
+        raise UsageError(f"{path} was written by ddp-cifar {written}, this is {__version__}: {e}") from None
 
 
 def measure(path: str, device: str, batch_size: int, overrides: list[str], raw: bool = False) -> dict[str, Any]:
     """The checkpoint at `path` evaluated on `device` over the whole test set: accuracy, per class, confusion."""
-    state = checkpoint.load(path)
-    try:
-        cfg = config.from_dict(state["config"])
-    except UsageError as e:  # a key this version does not know: a checkpoint of a newer ddp-cifar
-        written = state.get("versions", {}).get("ddp_cifar", "another version")
-        raise UsageError(f"{path} was written by ddp-cifar {written}, this is {__version__}: {e}") from None
+    state, cfg = _read(path)
     if bad := [o for o in overrides if not o.startswith("data.")]:
         raise UsageError(f"{', '.join(bad)}: only data.* settings can change for evaluation (e.g. data.path=FILE)")
+    named = any(o.startswith(("data.path=", "data.root=", "data.dataset=")) for o in overrides)
+    if state["epoch"] is None and not named:  # (the defaults' CIFAR-10 download was tried)
+        raise UsageError(f"{path} is an export, which names no data: give its test data, e.g. data.dataset=npz "
+                         "data.path=FILE.npz, or data.dataset=cifar10 data.root=DIR")  # fmt: skip
     config.override(cfg, overrides)
     try:
         world = devices.resolve(run := RunConfig(device=device, parallel="none", launcher="none"))
@@ -44,7 +71,7 @@ def measure(path: str, device: str, batch_size: int, overrides: list[str], raw: 
     try:
         test = datasets.read_test(cfg.data, world, classes)  # no training set needed
     except UsageError as e:  # the run's data settings, as it named them where it ran (a relative path, say)
-        if any(o.startswith(("data.path=", "data.root=", "data.dataset=")) for o in overrides):
+        if named:
             raise
         key = "data.path=FILE.npz" if cfg.data.dataset == "npz" else "data.root=DIR"
         raise UsageError(f"{e} (the run's data, as its checkpoint names it: give this machine's, {key})") from None
@@ -64,7 +91,7 @@ def measure(path: str, device: str, batch_size: int, overrides: list[str], raw: 
         "dataset": cfg.data.dataset,
         "device": str(world.device),
         "epoch": state["epoch"],
-        "weights": "raw" if raw or not state.get("ema") else "ema",
+        "weights": "exported" if state["epoch"] is None else "raw" if raw or not state.get("ema") else "ema",
         "test_images": int(confusion.sum()),
         "accuracy": metrics.accuracy(confusion),
         "classes": classes,
@@ -74,10 +101,14 @@ def measure(path: str, device: str, batch_size: int, overrides: list[str], raw: 
     }
 
 
+WEIGHTS = {"ema": "moving average weights", "raw": "trained weights", "exported": "exported weights"}
+
+
 def table(r: dict[str, Any]) -> str:
     lines = [
-        f"{r['checkpoint']}: {r['model']} ({'moving average' if r['weights'] == 'ema' else 'trained'} weights) "
-        f"after {r['epoch']} epoch(s), on {r['dataset']} ({r['test_images']} test "
+        f"{r['checkpoint']}: {r['model']} ({WEIGHTS[r['weights']]}) "
+        + (f"after {r['epoch']} epoch(s)" if r["epoch"] is not None else "(an export)")
+        + f", on {r['dataset']} ({r['test_images']} test "
         f"images), {r['device']}, {r['images_per_s']:.0f} images/s",
         f"Accuracy of the network on the {r['test_images']} test images: {100 * r['accuracy']:.1f} %",
     ]

@@ -5,6 +5,7 @@ file and what else it holds are checkpoint.py's."""
 from __future__ import annotations
 
 import contextlib
+import io
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,25 @@ from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 
 from ddp import __version__, models
 from ddp.errors import UsageError
+
+EXPORT_FORMAT = "ddp-cifar-weights/1"  # what `python -m ddp.checkpoint export` writes (without --state-dict)
+EXPORT_ENTRIES = {"model_name": str, "width": (int, float), "dropout": (int, float), "classes": list,
+                  "normalize": dict, "model": dict}  # fmt: skip
+
+
+def exported(source: Path | io.BytesIO, path: str | Path) -> dict[str, Any] | None:
+    """What `export` wrote at `path` (evaluate and inspect read it), or None for another file; one whose entries are
+    not of their kinds (another program wrote it) is a UsageError naming them."""
+    state = None
+    with contextlib.suppress(Exception):  # (not a torch file, or not one that loads without code)
+        if isinstance(source, io.BytesIO):
+            source.seek(0)
+        state = torch.load(source, map_location="cpu", weights_only=True)
+    if not (isinstance(state, dict) and state.get("format") == EXPORT_FORMAT):
+        return None
+    if bad := [k for k, kind in EXPORT_ENTRIES.items() if not isinstance(state.get(k), kind)]:
+        raise UsageError(f"{path} is an export ({EXPORT_FORMAT}) whose {', '.join(bad)} are missing or malformed")
+    return state
 
 
 def pick(state: dict[str, Any], raw: bool = False) -> dict[str, torch.Tensor]:
@@ -56,9 +76,11 @@ def fitting(state: dict[str, Any], path: str | Path) -> Iterator[None]:
     except RuntimeError as e:
         if "Error(s) in loading state_dict" not in str(e):
             raise
+        written = state["versions"].get("ddp_cifar")  # (an export keeps none)
         reasons = str(e).partition("\n")[2]  # under torch's heading, one a line
         problem = " ".join(reasons.split("\n")[0].split()).rstrip(".")
         raise UsageError(
             f"{path}'s weights do not fit model.name={state['config']['model'].get('name')} as ddp-cifar "
-            f"{__version__} builds it ({problem[:300]}); ddp-cifar {state['versions'].get('ddp_cifar')} wrote them"
+            f"{__version__} builds it ({problem[:300]}); "
+            + (f"ddp-cifar {written} wrote them" if written else "an export whose settings name another model")
         ) from None

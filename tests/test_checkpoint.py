@@ -177,7 +177,7 @@ def test_inspect_and_export(run_dir, tmp_path):
     weights = torch.load(out, map_location="cpu", weights_only=True)
     assert weights["model_name"] == "small" and len(weights["classes"]) == 10
     models.build(weights["model_name"], len(weights["classes"])).load_state_dict(weights["model"])
-    assert set(weights) == {"format", "model_name", "width", "dropout", "classes", "normalize", "model"}
+    assert set(weights) == {"format", "model_name", "width", "dropout", "classes", "normalize", "tta", "model"}
     assert python("-m", "ddp.checkpoint", "frobnicate").returncode == 2
 
 

@@ -1,12 +1,16 @@
 """python -m ddp.evaluate: any checkpoint, any device, the tutorial's per-class table, --json."""
 
 import json
+import re
 import subprocess
+import sys
 
 import numpy as np
 import pytest
 import torch
 from conftest import REPO, TINY, TRAIN, clean_env, metrics, ok, python, torchrun
+
+from ddp.errors import UsageError
 
 
 @pytest.fixture(scope="module")
@@ -87,6 +91,47 @@ def test_a_checkpoint_of_a_newer_version_says_so(ddp_run, tmp_path, capsys):
         f"error: {tmp_path / 'newer.pt'} was written by ddp-cifar 9.0.0, this is {__version__}: unknown key "
         "'model.new_thing'"
     )
+
+
+def test_an_export_evaluates_as_its_checkpoint_on_the_data_named(ddp_run, tmp_path, capsys):
+    """`export`'s file (the weights, for inference) was refused: "not a ddp-cifar checkpoint (an export: the weights
+    alone)". It evaluates as the checkpoint it came from, its test-time augmentation kept in it (an export made before
+    has none); it names no data, so the data is asked for, not CIFAR-10 downloaded. Through stdin too."""
+    from ddp import checkpoint
+    from ddp import evaluate as ddp_evaluate
+    from ddp.cli import command
+
+    tta = tmp_path / "tta.pt"  # the run's checkpoint, as if it had evaluated with both test-time augmentations
+    rewritten(ddp_run, tta, lambda s: s["config"]["train"].update(tta_flip=True, tta_translate=True))
+    data = ["data.dataset=synthetic", "data.synthetic_train=256", "data.synthetic_test=101"]  # the run's (TINY)
+    confusions = []
+    for path in (ddp_run / "checkpoints" / "last.pt", tta):
+        export = tmp_path / f"{path.stem}-export.pt"
+        assert command(checkpoint.main, ["export", str(path), str(export)]) == 0
+        ours = ddp_evaluate.measure(str(path), "cpu", 64, [])
+        theirs = ddp_evaluate.measure(str(export), "cpu", 64, data)
+        assert theirs["confusion"] == ours["confusion"] and (theirs["epoch"], theirs["weights"]) == (None, "exported")
+        confusions.append(ours["confusion"])
+    assert confusions[0] != confusions[1]  # (the augmentation changes the answers: its export had to keep it)
+    older = torch.load(export, weights_only=True)
+    del older["tta"]  # an export made before it was kept: evaluated without
+    torch.save(older, tmp_path / "older.pt")
+    assert ddp_evaluate.measure(str(tmp_path / "older.pt"), "cpu", 64, data)["confusion"] == confusions[0]
+    lies = [({"width": 0.5}, "weights do not fit model.name=small as ddp-cifar"),
+            ({"classes": "abc"}, "is an export (ddp-cifar-weights/1) whose classes are missing or")]  # fmt: skip
+    for change, said in lies:
+        torch.save(older | change, tmp_path / "lying.pt")  # another program wrote it so: one line
+        with pytest.raises(UsageError, match=re.escape(said)):
+            ddp_evaluate.measure(str(tmp_path / "lying.pt"), "cpu", 64, data)
+    capsys.readouterr()
+    assert command(ddp_evaluate.main, ["--checkpoint", str(export)]) == 2
+    assert capsys.readouterr().err == (
+        f"error: {export} is an export, which names no data: give its test data, e.g. "
+        "data.dataset=npz data.path=FILE.npz, or data.dataset=cifar10 data.root=DIR\n"
+    )
+    piped = subprocess.run([sys.executable, "-m", "ddp.evaluate", "--checkpoint", "-", *data], cwd=REPO,
+                           env=clean_env(), input=export.read_bytes(), capture_output=True, timeout=120)  # fmt: skip
+    assert piped.stdout.decode().startswith("-: small (exported weights) (an export), on synthetic (101 test images)")
 
 
 def rewritten(ddp_run, path, change) -> None:

@@ -57,7 +57,8 @@ def test_each_module_says_what_it_owns_in_at_most_three_lines():
 
 def test_make_clean_removes_the_environment_not_a_users_runs_or_data():
     """`make clean` removed runs/ with .venv: a user cleaning the install lost every checkpoint of make train."""
-    own = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS")}  # make test VENV=...'s, not its
+    made = ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "VENV")  # a make test VENV=...'s (make exports VENV): not its own
+    own = {k: v for k, v in os.environ.items() if k not in made}
     planned = subprocess.run(["make", "-n", "clean"], cwd=REPO, env=own, capture_output=True, text=True, check=True)
     planned = planned.stdout
     removed = {word for line in planned.splitlines() if line.startswith("rm ") for word in line.split()[2:]}

@@ -340,19 +340,24 @@ def describe(path: str | Path) -> tuple[str, bool]:
     return "\n".join(lines), True
 
 
+def loaded(source: Path | io.BytesIO) -> Any:
+    """What torch.load reads at `source` (from its start) without unpickling code, or None: an export, say."""
+    with contextlib.suppress(Exception):  # (not a torch file, or not one that loads without code)
+        if isinstance(source, io.BytesIO):
+            source.seek(0)
+        return torch.load(source, map_location="cpu", weights_only=True)
+    return None
+
+
 def _export_of(source: Path | io.BytesIO, path: str | Path) -> str:
     """What `export` wrote, as inspect says it ("checksum FAILED" before: an export has none); "" for another file."""
-    if state := weights.exported(source, path):
+    if state := weights.exported(read := loaded(source), path):
         tensors = state["model"]
         what = f"model {state['model_name']} at width {state['width']}, {len(state['classes'])} classes"
-    else:  # (or a bare state dict)
-        with contextlib.suppress(Exception):
-            if isinstance(source, io.BytesIO):
-                source.seek(0)
-            state = torch.load(source, map_location="cpu", weights_only=True)
-        if not (isinstance(state, dict) and state and all(isinstance(v, torch.Tensor) for v in state.values())):
-            return ""
-        tensors, what = state, "a bare state dict (as export --state-dict writes it)"
+    elif isinstance(read, dict) and read and all(isinstance(v, torch.Tensor) for v in read.values()):
+        tensors, what = read, "a bare state dict (as export --state-dict writes it)"
+    else:
+        return ""
     count = f"{len(tensors)} tensors, {sum(t.numel() for t in tensors.values()) / 1e6:.2f}M values"
     return f"an export, the weights alone (no checksum, no training state): {what}; {count}"
 

@@ -33,7 +33,7 @@ def _read(path: str) -> tuple[dict[str, Any], config.Config]:
     try:
         state = checkpoint.load(path, source)
     except CorruptCheckpoint:
-        if (export := weights.exported(source, path)) is None:
+        if (export := weights.exported(checkpoint.loaded(source), path)) is None:
             raise
         tta = export.get("tta") or {}  # (an export made before it was kept: none)
         model = {"name": export["model_name"], "width": export["width"], "dropout": export["dropout"]}

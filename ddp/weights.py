@@ -5,7 +5,6 @@ file and what else it holds are checkpoint.py's."""
 from __future__ import annotations
 
 import contextlib
-import io
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,14 +21,9 @@ EXPORT_ENTRIES = {"model_name": str, "width": (int, float), "dropout": (int, flo
                   "normalize": dict, "model": dict}  # fmt: skip
 
 
-def exported(source: Path | io.BytesIO, path: str | Path) -> dict[str, Any] | None:
-    """What `export` wrote at `path` (evaluate and inspect read it), or None for another file; one whose entries are
-    not of their kinds (another program wrote it) is a UsageError naming them."""
-    state = None
-    with contextlib.suppress(Exception):  # (not a torch file, or not one that loads without code)
-        if isinstance(source, io.BytesIO):
-            source.seek(0)
-        state = torch.load(source, map_location="cpu", weights_only=True)
+def exported(state: Any, path: str | Path) -> dict[str, Any] | None:
+    """`state` (what checkpoint.loaded read at `path`) if `export` wrote it, or None for another file; one whose
+    entries are not of their kinds (another program wrote it) is a UsageError naming them."""
     if not (isinstance(state, dict) and state.get("format") == EXPORT_FORMAT):
         return None
     if bad := [k for k, kind in EXPORT_ENTRIES.items() if not isinstance(state.get(k), kind)]:

@@ -61,6 +61,8 @@ def measure(path: str, device: str, batch_size: int, overrides: list[str], raw: 
     if state["epoch"] is None and not named:  # (the defaults' CIFAR-10 download was tried)
         raise UsageError(f"{path} is an export, which names no data: give its test data, e.g. data.dataset=npz "
                          "data.path=FILE.npz, or data.dataset=cifar10 data.root=DIR")  # fmt: skip
+    if state["epoch"] is None and raw:  # (it was not evaluated otherwise without a word)
+        raise UsageError(f"--raw: {path} is an export, which holds one set of weights (export --raw chooses them)")
     config.override(cfg, overrides)
     try:
         world = devices.resolve(run := RunConfig(device=device, parallel="none", launcher="none"))
@@ -106,8 +108,8 @@ WEIGHTS = {"ema": "moving average weights", "raw": "trained weights", "exported"
 
 def table(r: dict[str, Any]) -> str:
     lines = [
-        f"{r['checkpoint']}: {r['model']} ({WEIGHTS[r['weights']]}) "
-        + (f"after {r['epoch']} epoch(s)" if r["epoch"] is not None else "(an export)")
+        f"{r['checkpoint']}: {r['model']} ({WEIGHTS[r['weights']]})"
+        + (f" after {r['epoch']} epoch(s)" if r["epoch"] is not None else "")
         + f", on {r['dataset']} ({r['test_images']} test "
         f"images), {r['device']}, {r['images_per_s']:.0f} images/s",
         f"Accuracy of the network on the {r['test_images']} test images: {100 * r['accuracy']:.1f} %",

@@ -131,7 +131,12 @@ def test_an_export_evaluates_as_its_checkpoint_on_the_data_named(ddp_run, tmp_pa
     )
     piped = subprocess.run([sys.executable, "-m", "ddp.evaluate", "--checkpoint", "-", *data], cwd=REPO,
                            env=clean_env(), input=export.read_bytes(), capture_output=True, timeout=120)  # fmt: skip
-    assert piped.stdout.decode().startswith("-: small (exported weights) (an export), on synthetic (101 test images)")
+    assert piped.stdout.decode().startswith("-: small (exported weights), on synthetic (101 test images)")
+    assert command(ddp_evaluate.main, ["--checkpoint", str(export), "--raw", *data]) == 2
+    assert (
+        capsys.readouterr().err
+        == f"error: --raw: {export} is an export, which holds one set of weights (export --raw chooses them)\n"
+    )
 
 
 def rewritten(ddp_run, path, change) -> None:

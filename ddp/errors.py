@@ -291,20 +291,21 @@ def path_refused(error: OSError) -> str | None:
         return (f"{error.filename}: permission denied to user {_user()}: it, or a folder above it, is not open to "
                 "this user (ls -ld each folder on the way); ask its owner to open it, or name another")  # fmt: skip
     if error.errno == errno.ELOOP:  # the link itself, wherever on the way the OS met the loop (a folder below it)
-        where = loop_on_the_way(str(error.filename)) or error.filename
+        found = link_on_the_way(str(error.filename))
+        where = found[0] if found and found[1] else error.filename
         return f"{where}: a symbolic link on the way loops (ls -l each link on the way); name the file itself"
     return None
 
 
-def loop_on_the_way(path: str) -> str | None:
-    """The first of `path` and the folders above it, from the root (or the working directory) down, whose symbolic
-    links loop, as `path` spells it; None if none does."""
+def link_on_the_way(path: str) -> tuple[str, bool] | None:
+    """The first of `path` and the folders above it, from the root (or the working directory) down, that is a
+    symbolic link that loops (True) or that points at nothing (False), as `path` spells it; None if none is."""
     parts = path.split(os.sep)
     for place in [os.sep.join(parts[: i + 1]) or os.sep for i in range(len(parts))]:
         try:
             os.stat(place)
-        except OSError as e:
-            return place if e.errno == errno.ELOOP else None  # (below a missing one, none is there)
+        except OSError as e:  # (below a missing one, none is there)
+            return (place, True) if e.errno == errno.ELOOP else (place, False) if os.path.islink(place) else None
     return None
 
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from ddp.errors import UsageError, WriteFailed, loop_on_the_way
+from ddp.errors import UsageError, WriteFailed, link_on_the_way
 
 TEMPORARY = ".*.tmp"  # what a writer killed before its rename leaves beside the target (never a final name)
 
@@ -50,11 +50,12 @@ def in_the_way(directory: Path, error: OSError) -> str:
     (pathlib's resolve() had said the loop before). A link to nothing on the way (runs/ linked to a scratch
     folder not made yet, or on a filesystem not mounted) is named with where it points: "File exists" misled too;
     the folder it names is not made here (on a filesystem not mounted, it would fill the one beneath)."""
-    if error.errno in (errno.EEXIST, errno.ENOTDIR, errno.ELOOP) and (link := loop_on_the_way(str(directory))):
-        raise OSError(errno.ELOOP, os.strerror(errno.ELOOP), str(link))
+    if error.errno in (errno.EEXIST, errno.ENOTDIR, errno.ELOOP) and (found := link_on_the_way(str(directory))):
+        if found[1]:
+            raise OSError(errno.ELOOP, os.strerror(errno.ELOOP), found[0])
+        if error.errno != errno.ELOOP:
+            return f"{_to_nothing(found[0])}: make that directory, mount its filesystem, or point the link at one"
     paths = (directory, *directory.parents) if error.errno in (errno.EEXIST, errno.ENOTDIR) else ()
-    if paths and (dangling := link_to_nothing(directory)):
-        return f"{dangling}: make that directory, mount its filesystem, or point the link at one"
     file = next((p for p in paths if os.path.exists(p) and not os.path.isdir(p)), None)
     return f"{file} is a file, not a directory" if file else error.strerror or str(error)
 
@@ -62,10 +63,12 @@ def in_the_way(directory: Path, error: OSError) -> str:
 def link_to_nothing(path: Path) -> str | None:
     """The first of `path` and the folders above it, from the top down, that is a link to nothing (a scratch folder
     not made yet, a filesystem not mounted), said as "L is a symbolic link to T, which is not there"; None if none."""
-    for place in (*reversed(path.parents), path):
-        if os.path.islink(place) and not os.path.exists(place):
-            return f"{place} is a symbolic link to {os.readlink(place)}, which is not there"
-    return None
+    found = link_on_the_way(str(path))
+    return _to_nothing(found[0]) if found and not found[1] else None
+
+
+def _to_nothing(link: str) -> str:
+    return f"{link} is a symbolic link to {os.readlink(link)}, which is not there"
 
 
 def _umask() -> int:

@@ -189,25 +189,28 @@ class Checkpoints:
         periodic = every > 0 and position.global_step % every == 0
         return position.step_in_epoch < steps_per_epoch and (stopping or periodic)
 
-    @lifeline.busy()  # a stop's grace waits for it (a large file on a slow disk)
     def save(self, position: Position, stats: StepStats, metrics: dict[str, Any] | None) -> Path | None:
         """Every rank calls this at the same step boundary: it gathers every rank's RNG states (and an
         unfinished epoch's sums); rank 0 writes step-<global_step>.pt, points last.pt at it and keeps
-        the newest run.keep_last. Returns the file on rank 0, None on the others."""
+        the newest run.keep_last. Returns the file on rank 0, None on the others. A stop's grace waits for rank 0's
+        write (a large file on a slow disk) on every rank (lifeline.busy), never for a hung rank: the gathering and
+        rank 0's wait after its write are waits for the others, as a step's are."""
         out_dir, world, mid_epoch = self.run.out_dir, self.world, position.step_in_epoch > 0
         ranks = distributed.gather_objects(rank_state(world.device, stats if mid_epoch else None), world)
         full = distributed.full_state(self.trained.model, self.trained.optimizer)  # FSDP2: gathered to rank 0
         path = rundir.step_path(out_dir, position.global_step)
-        with distributed.fail_together(world):  # a failed write (a full disk) stops every rank, none waits
+        writing = contextlib.nullcontext() if world.is_main else lifeline.busy()  # the others wait for rank 0's write
+        with writing, distributed.fail_together(world):  # a failed write (a full disk) stops every rank, none waits
             if world.is_main:
-                state = build_state(self.trained, position, ranks, self.info, metrics, full)  # the unwrapped model
-                state["checksum"] = files.digest(state)
-                with _previous_kept(out_dir):
-                    with files.atomic(path) as f:  # a temporary file, fsynced, renamed: all or nothing
-                        torch.save(state, f)
-                    files.link(path, rundir.last_path(out_dir))  # last.pt: the newest
-                for old in rundir.step_files(out_dir)[max(1, self.run.keep_last) :]:
-                    old.unlink(missing_ok=True)
+                with lifeline.busy():
+                    state = build_state(self.trained, position, ranks, self.info, metrics, full)  # the unwrapped model
+                    state["checksum"] = files.digest(state)
+                    with _previous_kept(out_dir):
+                        with files.atomic(path) as f:  # a temporary file, fsynced, renamed: all or nothing
+                            torch.save(state, f)
+                        files.link(path, rundir.last_path(out_dir))  # last.pt: the newest
+                    for old in rundir.step_files(out_dir)[max(1, self.run.keep_last) :]:
+                        old.unlink(missing_ok=True)
         return path if world.is_main else None
 
 

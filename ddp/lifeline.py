@@ -134,7 +134,8 @@ class _Watcher:
                     _leave(f"error: {self.who}: {line}", every_rank=True)
             if self.stop_asked and now > self.leave_by():
                 asked_at, why = self.stop_asked
-                waited = f"within {now - asked_at:.0f} s (a wait for another rank?)"
+                slowest = f"; the slowest step took {_loop_stop.longest_step_s:.1f} s" if _loop_stop else ""
+                waited = f"within {now - asked_at:.0f} s (a wait for another rank?{slowest})"
                 _leave(f"error: {self.who}: stopping on {why} after training, but it had not ended {waited}: left"
                        if _loop_ended else f"error: {self.who}: stopping on {why}, but no step boundary came "
                        f"{waited}: left without a checkpoint")  # fmt: skip

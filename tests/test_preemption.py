@@ -712,9 +712,14 @@ def _stat(proc: Path, fields: int = 2) -> list[str]:
         return []
 
 
-SLOWLY = {  # the first call of each: it says so, or signals its own process, then it takes its time
+EVERY_RANK = (
+    "[os.kill(int(pid), signal.SIGTERM) for pid in "  # (the launcher's children: as SLURM signals them)
+    "open(f'/proc/{os.getppid()}/task/{os.getppid()}/children').read().split()]"
+)
+SLOWLY = {  # the first call of each: it says so, or signals its own process (every rank), then it takes its time
     "evaluation": ("metrics", "_logits", 'print("evaluating", flush=True)', 0.05),
     "save": ("torch", "save", "os.kill(os.getpid(), signal.SIGTERM)", 2.0),
+    "save, 2 ranks": ("files", "link", EVERY_RANK, 2.0),  # (rank 0's: last.pt after the file; torch.save pickles too)
 }
 
 
@@ -724,11 +729,12 @@ def test_a_stop_signal_in_a_long_evaluation_or_save_waits_for_it_and_saves_the_e
     slow disk): the stop's grace counted from the signal alone, and past GRACE_S + 3 steps the watcher left without a
     checkpoint ("no step boundary came"): the epoch's training was lost. Each evaluation batch is progress now, and a
     save is busy (lifeline.busy): the grace counts from its end. The epoch is recorded and saved, exit 75. (The grace
-    0.5 s; each evaluation batch 50 ms slower, 3 s in all; or the save 2 s slower.)"""
+    0.5 s; each evaluation batch 50 ms slower, 3 s in all; or the save 2 s slower.) On 2 ranks (torchrun) rank 1
+    waits for rank 0's write: its grace waits for it too."""
     module, name, first, seconds = SLOWLY[slow]
     script = f"""
 import os, signal, sys, time, torch
-from ddp import lifeline, metrics, train
+from ddp import files, lifeline, metrics, train
 lifeline.GRACE_S = 0.5
 original = {module}.{name}
 def slowly(*args, **kwargs):
@@ -743,7 +749,9 @@ sys.exit(train.cli(sys.argv[1:]))
 """
     args = ["--config", "configs/smoke.yaml", "train.epochs=2", "data.synthetic_train=256", "data.synthetic_test=512",
             "train.eval_batch_size=8", f"run.out_dir={tmp_path}"]  # fmt: skip
-    run = subprocess.Popen([sys.executable, "-c", script, *args], cwd=REPO, env=clean_env(), text=True,
+    (tmp_path / "slowly.py").write_text(script)
+    python = [TORCHRUN, "--standalone", "--nproc_per_node=2"] if "2 ranks" in slow else [sys.executable]
+    run = subprocess.Popen([*python, str(tmp_path / "slowly.py"), *args], cwd=REPO, env=clean_env(), text=True,
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
     try:
         if slow == "evaluation":
@@ -754,7 +762,9 @@ sys.exit(train.cli(sys.argv[1:]))
         out, err = run.communicate(timeout=60)
     finally:
         run.kill()
-    assert run.returncode == 75, err
+    assert "no step boundary came" not in err, err
+    assert run.returncode == (1 if "2 ranks" in slow else 75), err  # (torchrun: 1, each rank's exit code below)
+    assert "2 ranks" not in slow or err.count("exitcode  : 75") == 2, err
     assert "stopped on SIGTERM" in err and (tmp_path / "checkpoints" / "last.pt").exists(), err
     assert [json.loads(line)["epoch"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1]
 

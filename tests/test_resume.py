@@ -40,7 +40,7 @@ from conftest import (
     wait_for_checkpoint,
 )
 
-from ddp import checkpoint, processes, rundir
+from ddp import checkpoint, lifeline, processes, rundir
 
 # A job with BatchNorm and random crops/flips on (both must resume exactly): 512 synthetic train
 # images, global batch 32 -> 16 steps per epoch, 3 epochs = 48 steps; a checkpoint every 5 steps.
@@ -54,8 +54,8 @@ SEED = int(os.environ["KILL_SEED"])  # drawn by conftest.py, shown at the end of
 RNG = random.Random(SEED)
 
 
-def train_cmd(out: Path, *extra: str, nproc: int = 2) -> list[str]:
-    return [TORCHRUN, "--standalone", f"--nproc_per_node={nproc}", str(TRAIN), f"run.out_dir={out}", *JOB, *extra]
+def train_cmd(out: Path, *extra: str, nproc: int = 2, script: Path = TRAIN) -> list[str]:
+    return [TORCHRUN, "--standalone", f"--nproc_per_node={nproc}", str(script), f"run.out_dir={out}", *JOB, *extra]
 
 
 def final_state(out: Path) -> dict:
@@ -262,15 +262,15 @@ def test_a_hung_rank_ends_the_others_at_the_timeout_and_a_stop_signal_ends_that_
     - run.timeout_s=5: rank 0 leaves at the timeout naming rank 1 as hung; rank 1, woken (SIGCONT), does
       not wait for the others and leaves too;
     - run.timeout_s=60, SIGTERM to rank 0 a second later: it cannot reach Python until torch returns, but
-      the watcher sees it: rank 0 leaves within the grace (5 s past its slowest step), exit 1, one line;
-      the checkpoints before are whole."""
+      the watcher sees it: rank 0 leaves within the grace (5 s and 3 times its slowest step), exit 1, one
+      line; the checkpoints before are whole. (A wait for it in a checkpoint's save had no grace: CI, 2026-11-30.)"""
     timed, signalled = tmp_path / "timeout", tmp_path / "signal"
     jobs = {
         timed: popen(train_cmd(timed, "run.timeout_s=5", "train.epochs=50")),
         signalled: popen(train_cmd(signalled, "run.timeout_s=60", "train.epochs=50")),
     }
     frozen: dict[Path, dict[int, int]] = {}  # each job's {rank: pid}
-    limit, left = {timed: 5 + 20, signalled: 15}, {}  # seconds until rank 0 must be / was gone
+    limit, left = {timed: 5 + 20, signalled: 50}, {}  # seconds until rank 0 must be / was gone (60: the timeout)
     try:
         for out, proc in jobs.items():
             wait_for_checkpoint(out, proc)  # the other job trains on meanwhile
@@ -299,12 +299,91 @@ def test_a_hung_rank_ends_the_others_at_the_timeout_and_a_stop_signal_ends_that_
     err = jobs[timed].stderr.read()
     assert "error: rank 0 of 2: lost contact with rank 1 (no answer within run.timeout_s=5: hung)" in err, err
     err = jobs[signalled].stderr.read()
-    assert "error: rank 0 of 2: stopping on SIGTERM, but no step boundary came within" in err, err
+    left_within_the_grace(err, left[signalled])
     assert "exitcode  : 1" in err
     assert_free_and_whole(signalled)
     REPORT.append(f"rank 1 hung (SIGSTOP): rank 0 exited after {left[timed]:.1f} s with run.timeout_s=5; rank 1, "
                   f"woken (SIGCONT), left {woken:.1f} s later; with run.timeout_s=60, SIGTERM to rank 0 waiting for "
                   f"it: it left {left[signalled]:.1f} s later")  # fmt: skip
+
+
+FROZEN_IN_A_SAVE = """
+import os, signal, sys
+from ddp import checkpoint, distributed, train
+where = {"the gathering": "gather_objects", "rank 0's write": "full_state"}[os.environ["FREEZE_AT"]]
+original_save, original = checkpoint.Checkpoints.save, getattr(distributed, where)
+saves = []
+def save(*args, **kwargs):
+    saves.append(True)
+    return original_save(*args, **kwargs)
+def frozen(*args, **kwargs):
+    if len(saves) == 2 and os.environ["RANK"] == "1" and not frozen.done:  # (DDP: full_state is rank 1's own)
+        frozen.done = True
+        os.kill(os.getpid(), signal.SIGSTOP)  # the test continues it
+    return original(*args, **kwargs)
+frozen.done = False
+checkpoint.Checkpoints.save = save
+setattr(distributed, where, frozen)
+sys.exit(train.cli(sys.argv[1:]))
+"""
+
+
+def rank_0_once_rank_1_is_stopped(proc: subprocess.Popen, timeout: float = 120) -> int:
+    """rank 0's pid, once rank 1 of `proc`'s job is stopped (SIGSTOP: /proc's T)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        assert proc.poll() is None and time.monotonic() < deadline, f"rank 1 never stopped: {proc.communicate()}"
+        ranks = {rank_of(pid): pid for pid in children(proc.pid)}
+        if 0 in ranks and 1 in ranks and state(ranks[1]) == "T":
+            return ranks[0]
+        time.sleep(0.05)
+
+
+def left_within_the_grace(err: str, seconds: float) -> None:
+    """rank 0's line for a stop that no step boundary took; its `seconds` (from the signal until it was gone) within
+    the grace that the line gives: GRACE_S past the signal and 3 times the slowest step, a look and its exit more."""
+    line = next((line for line in err.splitlines() if "no step boundary came within" in line), None)
+    assert line and line.startswith("error: rank 0 of 2: stopping on SIGTERM, but"), err
+    slowest = float(line.split("the slowest step took ")[1].split(" s")[0])
+    assert seconds < lifeline.GRACE_S + 3 * slowest + 3, f"left {seconds:.1f} s after the signal: {line}"
+
+
+def test_a_stop_signal_ends_rank_0s_wait_for_a_rank_hung_in_a_checkpoints_save_within_the_grace(tmp_path):
+    """Rank 1 frozen (SIGSTOP) in the second checkpoint's save, before the gathering of every rank's state or as
+    rank 0 writes the file; rank 0 waits for it, then SIGTERM to rank 0 (run.timeout_s=60). A save's wait for a
+    hung rank had no grace (all of save was busy work): rank 0 stayed until the timeout, past the minute a
+    scheduler's stop gives. It leaves within the grace now (exit 1, one line), the checkpoints before it whole;
+    rank 1, continued, leaves too. The two jobs side by side (their waits overlap)."""
+    script = tmp_path / "frozen_in_a_save.py"
+    script.write_text(FROZEN_IN_A_SAVE)
+    outs = {where: tmp_path / where.split()[-1] for where in ("the gathering", "rank 0's write")}
+    jobs = {where: popen(train_cmd(out, "run.timeout_s=60", script=script), env=clean_env(FREEZE_AT=where))
+            for where, out in outs.items()}  # fmt: skip
+    rank0: dict[str, int] = {}
+    try:
+        for where, proc in jobs.items():  # the other job trains on meanwhile
+            rank0[where] = rank_0_once_rank_1_is_stopped(proc)
+        time.sleep(1)  # rank 0 in its wait
+        since = time.monotonic()
+        for pid in rank0.values():
+            os.kill(pid, signal.SIGTERM)
+        left = {where: seconds_until_gone([pid], since, limit=50) for where, pid in rank0.items()}  # (< the timeout)
+        for proc in jobs.values():
+            for pid in children(proc.pid):
+                os.kill(pid, signal.SIGCONT)  # rank 1: the other is gone, and it must not wait for it
+            proc.wait(timeout=30)
+    finally:
+        for proc in jobs.values():
+            kill_job(proc)
+    for where, proc in jobs.items():
+        err = proc.stderr.read()
+        left_within_the_grace(err, left[where])
+        assert "exitcode  : 1" in err, err
+        assert_free_and_whole(outs[where])
+        newest = {"the gathering": 5, "rank 0's write": 10}[where]  # (rank 1 was stopped before step 10's or after)
+        assert rundir.step_files(outs[where])[0] == rundir.step_path(outs[where], newest), where
+    REPORT.append("rank 1 frozen in a checkpoint's save; SIGTERM to rank 0 waiting for it (run.timeout_s=60): rank 0 "
+                  + ", ".join(f"{s:.1f} s later in {where}" for where, s in left.items()))  # fmt: skip
 
 
 def test_the_launcher_killed_leaves_no_worker_and_the_same_command_resumes_bitwise(reference, tmp_path):

@@ -128,6 +128,10 @@ class StopRequest:
             self.last_boundary = time.monotonic()  # the hold or pause is no step's time
         return agreed == STOP
 
+    def epoch_started(self) -> None:
+        """The epoch's end before (its evaluation, its checkpoint) is no step's time: its progress is lifeline's."""
+        self.last_boundary = time.monotonic()
+
     def request(self, why: str) -> None:
         """A stop for another reason than a signal (from another thread)."""
         self.received = self.received or why

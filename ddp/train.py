@@ -258,6 +258,7 @@ def train_epoch(
     job.wrapped.train()
     progress = logs.Progress(job.train_loader, world.is_main and cfg.run.progress, f"epoch {epoch}", world.world_size)
     agreement = distributed.StopAgreement(world)
+    stop.epoch_started()  # a stop's grace counts steps: the evaluation and checkpoint before are none
     for images, labels in progress:
         mix = mixing.draw(cfg.data, cfg.run.seed, epoch, position.step_in_epoch, world.rank)
         profile.before_step(position.global_step + 1)

@@ -20,6 +20,7 @@ import torch
 from conftest import (
     REPO,
     REPORT,
+    TINY,
     TORCHRUN,
     assert_free_and_whole,
     children,
@@ -30,7 +31,7 @@ from conftest import (
     seconds_until_gone,
 )
 
-from ddp import lifeline, preemption
+from ddp import lifeline, metrics, preemption, train
 from ddp.cli import command
 from ddp.devices import World
 from ddp.errors import EXIT_INTERRUPTED, Stopped, UsageError
@@ -50,6 +51,23 @@ def test_a_signal_inside_only_requests_a_stop():
         os.kill(os.getpid(), signal.SIGUSR1)
         assert stop.requested and stop.received == "SIGUSR1"
     assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL  # an ordinary exit puts the old handler back
+
+
+def test_an_epochs_end_is_no_steps_time_for_a_stops_grace(tmp_path, monkeypatch):
+    """The grace of a stop that no step boundary takes counts 3 of the slowest steps. An epoch's end (its evaluation,
+    its checkpoint), between its last step and the next epoch's first, counted as a step: a 30 s evaluation on a CPU
+    made the grace 95 s, past the 30 s a scheduler gives after its SIGTERM. (Here the first evaluation 1.5 s slower.)"""
+    stops, evaluated, enter, logits = [], [], preemption.StopRequest.__enter__, metrics._logits
+    monkeypatch.setattr(preemption.StopRequest, "__enter__", lambda self: stops.append(self) or enter(self))
+
+    def slowly(*args):
+        time.sleep(0 if evaluated else 1.5)
+        evaluated.append(True)
+        return logits(*args)
+
+    monkeypatch.setattr(metrics, "_logits", slowly)
+    train.main([f"run.out_dir={tmp_path}", *TINY])  # 2 epochs, 8 steps each
+    assert stops[0].longest_step_s < 1.0, f"the slowest step took {stops[0].longest_step_s:.1f} s"
 
 
 def test_leaving_with_the_stop_checkpoint_ignores_late_signals():

@@ -351,9 +351,9 @@ def left_within_the_grace(err: str, seconds: float) -> None:
 def test_a_stop_signal_ends_rank_0s_wait_for_a_rank_hung_in_a_checkpoints_save_within_the_grace(tmp_path):
     """Rank 1 frozen (SIGSTOP) in the second checkpoint's save, before the gathering of every rank's state or as
     rank 0 writes the file; rank 0 waits for it, then SIGTERM to rank 0 (run.timeout_s=60). A save's wait for a
-    hung rank had no grace (all of save was busy work): rank 0 stayed until the timeout, past the minute a
-    scheduler's stop gives. It leaves within the grace now (exit 1, one line), the checkpoints before it whole;
-    rank 1, continued, leaves too. The two jobs side by side (their waits overlap)."""
+    hung rank had no grace (all of save was busy work): rank 0 stayed until the timeout, past the 30 s that
+    SLURM gives after its SIGTERM (KillWait's default). It leaves within the grace now (exit 1, one line), the
+    checkpoints before it whole; rank 1, continued, leaves too. The two jobs side by side (their waits overlap)."""
     script = tmp_path / "frozen_in_a_save.py"
     script.write_text(FROZEN_IN_A_SAVE)
     outs = {where: tmp_path / where.split()[-1] for where in ("the gathering", "rank 0's write")}

@@ -321,7 +321,9 @@ def override(cfg: Config, overrides: list[str] | tuple[str, ...]) -> Config:
     for item in overrides:
         dotted, eq, value = item.partition("=")
         if not eq:
-            raise UsageError(f"'{item}': overrides are section.key=value, e.g. optim.lr=0.1")
+            named = item.lower().endswith((".yaml", ".yml"))  # (`ddp/train.py configs/fast.yaml`)
+            hint = f"; a config file goes after --config: --config {item}" if named else ""
+            raise UsageError(f"'{item}': overrides are section.key=value, e.g. optim.lr=0.1{hint}")
         _set(cfg, dotted.strip(), value)
     return cfg
 

@@ -155,7 +155,9 @@ USAGE = "usage: python -m ddp.evaluate --checkpoint PATH [--device D] [--batch-s
 def main(argv: list[str]) -> None:
     options, overrides = cli.parse(argv, f"{USAGE}\n\n{__doc__}", OPTIONS)
     if options["checkpoint"] is None:
-        raise UsageError("--checkpoint is required: python -m ddp.evaluate --checkpoint PATH [...]")
+        path = next((word for word in overrides if "=" not in word), None)  # (`ddp.checkpoint inspect PATH`'s way)
+        hint = f" (a path goes after it: --checkpoint {path})" if path else ""
+        raise UsageError(f"--checkpoint is required{hint}: python -m ddp.evaluate --checkpoint PATH [...]")
     result = measure(options["checkpoint"], options["device"], options["batch_size"], overrides, options["raw"])
     cli.show(json.dumps(result) if options["json"] else table(result))
 

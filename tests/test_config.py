@@ -44,6 +44,7 @@ def test_values_take_the_type_of_their_field(tmp_path):
         ("run.amp=fp8", "run.amp: 'fp8' is not one of off, bf16, fp16"),
         ("data.dataset=imagenet", "not one of cifar10, cifar100, npz, synthetic"),
         ("optim.lr", "overrides are section.key=value"),
+        ("configs/fast.yaml", "e.g. optim.lr=0.1; a config file goes after --config: --config configs/fast.yaml"),
         ("lr=0.1", "keys are section.key"),
     ],
 )

@@ -6,12 +6,11 @@ deadline. One watcher thread does the three, because the main thread may be bloc
   own, so a SIGKILL of the launcher does not reach them. The watcher sees the parent go (this
   process is given another parent), asks for a stop (the next step boundary saves a checkpoint and
   every rank leaves, exit 75) and, when no boundary comes within the grace, leaves at once (exit 1).
-- A stop signal: Python runs a signal handler only when the main thread is back in Python. The
-  signal also wakes the watcher (signal.set_wakeup_fd): before training it ends the process at once
-  (exit 1, nothing to save; Ctrl-C: errors.INTERRUPTED's line, exit 130); in training the loop takes it
-  at its next step boundary (exit 75), and when none comes within the grace (a wait in a collective),
-  the watcher ends the process (exit 1). After training, a launcher's stop gives the process the grace to
-  end by itself: the launcher stops the others as one rank dies, before they have said that they lost it.
+- A stop signal: Python runs its handler only when the main thread is back in Python; it also wakes the watcher
+  (signal.set_wakeup_fd): before training it ends the process at once (exit 1, nothing to save; Ctrl-C:
+  errors.INTERRUPTED's line, exit 130); in training the loop takes it at its next step boundary (exit 75), and when none
+  comes within the grace (a wait in a collective), the watcher ends the process (exit 1). After training, a launcher's
+  stop (as one rank dies) gives the process the grace to end by itself, its line said.
 - Deadlines: a wait that torch would let run past run.timeout_s (the store and the rendezvous) is
   ended by the watcher with one line that names what it waited for (exit 1); one inside torch that holds the
   interpreter's lock, where the watcher cannot run, by faulthandler's thread (backstop). They count time on

@@ -93,7 +93,8 @@ def silent_ranks(world: World, store: dist.Store | None, wait_s: float = 1.0) ->
 
 def asked(question: Callable[[], Any], seconds: float) -> Any:
     """question()'s answer, asked in a thread of its own: None when it fails or takes over `seconds` (a store op
-    on a link that is down blocks in the kernel for minutes)."""
+    on a link that is down blocks in the kernel for minutes), or when no thread can start: the interpreter is
+    exiting (serve_word's fallback at the exit; Python 3.12 on refuses new threads then, and a traceback said so)."""
     found: list[Any] = []
 
     def ask() -> None:
@@ -103,7 +104,10 @@ def asked(question: Callable[[], Any], seconds: float) -> Any:
             pass
 
     asking = threading.Thread(target=ask, daemon=True)
-    asking.start()
+    try:
+        asking.start()
+    except RuntimeError:  # "can't create new thread at interpreter shutdown"
+        return None
     asking.join(seconds)
     if asking.is_alive():
         cli.given_up(asking)

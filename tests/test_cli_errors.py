@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -411,6 +412,18 @@ def test_a_failed_rank_with_a_thread_given_up_inside_a_call_leaves_without_the_t
     start = time.monotonic()
     proc = python("-c", code, env=clean_env(**TORCHRUN), timeout=30)
     assert (proc.returncode, proc.stdout, time.monotonic() - start < 20) == (2, "failed\n", True), proc.stderr
+
+
+def test_a_question_to_a_store_where_no_thread_can_start_is_no_answer(monkeypatch):
+    """lost_rank.asked where the interpreter is exiting: serve_word's fallback (the port taken) asks from its thread
+    while the process exits, and Python 3.12 on refuses new threads then. The serving thread's traceback followed
+    the one line (seen under 3.12.1: MASTER_PORT taken by another program). It is no answer now."""
+
+    def refused(thread: threading.Thread) -> None:
+        raise RuntimeError("can't create new thread at interpreter shutdown")  # (3.12's words)
+
+    monkeypatch.setattr(threading.Thread, "start", refused)
+    assert lost_rank.asked(lambda: "an answer", 1.0) is None
 
 
 # Each command as a user starts it; each installs launchers.quiet_startup before its imports.

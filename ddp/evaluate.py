@@ -54,9 +54,11 @@ def _read(path: str) -> tuple[dict[str, Any], config.Config]:
 
 def measure(path: str, device: str, batch_size: int, overrides: list[str], raw: bool = False) -> dict[str, Any]:
     """The checkpoint at `path` evaluated on `device` over the whole test set: accuracy, per class, confusion."""
-    state, cfg = _read(path)
+    if word := next((o for o in overrides if "=" not in o), None):  # (a second checkpoint, say)
+        raise UsageError(f"'{word}' is no setting: evaluate takes one --checkpoint PATH, and data.* settings")
     if bad := [o for o in overrides if not o.startswith("data.")]:
         raise UsageError(f"{', '.join(bad)}: only data.* settings can change for evaluation (e.g. data.path=FILE)")
+    state, cfg = _read(path)
     named = any(o.startswith(("data.path=", "data.root=", "data.dataset=")) for o in overrides)
     if state["epoch"] is None and not named:  # (the defaults' CIFAR-10 download was tried)
         raise UsageError(f"{path} is an export, which names no data: give its test data, e.g. data.dataset=npz "

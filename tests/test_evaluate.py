@@ -263,6 +263,8 @@ def test_a_cpu_checkpoint_evaluates_on_the_gpu(ddp_run):
     [
         (["--json"], "error: --checkpoint is required: python -m ddp.evaluate --checkpoint PATH"),
         (["runs/a/last.pt", "data.path=t.npz"], "--checkpoint is required (a path goes after it: --checkpoint runs/a/"),
+        (["--checkpoint", "a.pt", "b.pt"], "'b.pt' is no setting: evaluate takes one --checkpoint PATH, and data.*"),
+        (["--checkpoint", "a.pt", "optim.lr=1"], "optim.lr=1: only data.* settings can change for evaluation"),
         (["--checkpoint"], "--checkpoint needs a file"),
         (["--checkpoint", "x.pt", "--batch-size", "0"], "--batch-size needs a number of images, e.g. 1024, not '0'"),
         (["--checkpoint", "x.pt", "--batch-size=many"], "--batch-size needs a number of images, e.g. 1024, not 'many'"),

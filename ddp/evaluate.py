@@ -54,8 +54,6 @@ def _read(path: str) -> tuple[dict[str, Any], config.Config]:
 
 def measure(path: str, device: str, batch_size: int, overrides: list[str], raw: bool = False) -> dict[str, Any]:
     """The checkpoint at `path` evaluated on `device` over the whole test set: accuracy, per class, confusion."""
-    if word := next((o for o in overrides if "=" not in o), None):  # (a second checkpoint, say)
-        raise UsageError(f"'{word}' is no setting: evaluate takes one --checkpoint PATH, and data.* settings")
     if bad := [o for o in overrides if not o.startswith("data.")]:
         raise UsageError(f"{', '.join(bad)}: only data.* settings can change for evaluation (e.g. data.path=FILE)")
     state, cfg = _read(path)
@@ -156,10 +154,12 @@ USAGE = "usage: python -m ddp.evaluate --checkpoint PATH [--device D] [--batch-s
 
 def main(argv: list[str]) -> None:
     options, overrides = cli.parse(argv, f"{USAGE}\n\n{__doc__}", OPTIONS)
+    path = next((word for word in overrides if "=" not in word), None)  # (`ddp.checkpoint inspect PATH`'s way)
     if options["checkpoint"] is None:
-        path = next((word for word in overrides if "=" not in word), None)  # (`ddp.checkpoint inspect PATH`'s way)
         hint = f" (a path goes after it: --checkpoint {path})" if path else ""
         raise UsageError(f"--checkpoint is required{hint}: python -m ddp.evaluate --checkpoint PATH [...]")
+    if path:  # (a second checkpoint, say), before any file is read
+        raise UsageError(f"'{path}' is no setting: evaluate takes one --checkpoint PATH, and data.* settings")
     result = measure(options["checkpoint"], options["device"], options["batch_size"], overrides, options["raw"])
     cli.show(json.dumps(result) if options["json"] else table(result))
 

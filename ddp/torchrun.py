@@ -226,20 +226,24 @@ def preflight(count: str, argv: list[str]) -> int | None:
 
 
 def failed(error: ChildFailedError) -> int:
-    """One line for each rank that ended without writing its own (killed by a signal: no error file), but
-    none for those torchrun itself stopped with SIGTERM once another had failed ("rank 1 was killed by SIGTERM"
-    was the last line under rank 0's usage error); the exit code of the first rank that failed otherwise (128 +
+    """A line for the ranks that ended without writing their own (killed by a signal: no error file), one for each
+    way they ended (32 ranks in 2 GiB: 7 lines for 7 the kernel killed, the same but for the rank), but none for
+    those torchrun itself stopped with SIGTERM once another had failed ("rank 1 was killed by SIGTERM" was the last
+    line under rank 0's usage error); the exit code of the first rank that failed otherwise (128 +
     N for signal N): an error file's time is in whole seconds, and a rank stopped the same second could pass
     for the first."""
     failures = error.failures
     causes = {r: f for r, f in failures.items() if f.exitcode != -signal.SIGTERM} or failures
     first = min(causes, key=lambda rank: causes[rank].timestamp)
+    unsaid: dict[int, list[int]] = {}  # exit code: the ranks that ended so without a line (one line for them all)
     for rank, failure in sorted(failures.items()):
         stopped = rank != first and failure.exitcode == -signal.SIGTERM  # torchrun's "closing signal SIGTERM"
         if not os.path.isfile(failure.error_file) and not stopped:
-            who = f"rank {rank} (pid {failure.pid})"
-            line = killed(who, -failure.exitcode) if failure.exitcode < 0 else f"{who} exited {failure.exitcode}"
-            print(f"error: {line}", file=sys.stderr, flush=True)
+            unsaid.setdefault(failure.exitcode, []).append(rank)
+    for code, ranks in unsaid.items():
+        pids, many = ", ".join(str(failures[rank].pid) for rank in ranks), len(ranks) > 1
+        who = f"rank{'s' * many} {', '.join(map(str, ranks))} (pid{'s' * many} {pids})"
+        print(f"error: {killed(who, -code) if code < 0 else f'{who} exited {code}'}", file=sys.stderr, flush=True)
     code = failures[first].exitcode
     return code if code > 0 else 128 - code if code < 0 else EXIT_FAILURE
 
@@ -253,7 +257,7 @@ def killed(who: str, signum: int) -> str:
         name = f"signal {signum}"
     oom = oom_killed() if signum == signal.SIGKILL else None
     why = f": out of memory, most likely ({oom}); {MACHINE_MEMORY_FIX}" if oom else ""
-    return f"{who} was killed by {name}{why}"
+    return f"{who} {'were' if who.startswith('ranks') else 'was'} killed by {name}{why}"
 
 
 def leave_after_the_ranks(store: tuple[str, int] | None, elastic: bool, nodes: tuple[str, int] | None) -> None:

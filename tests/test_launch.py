@@ -37,7 +37,7 @@ from conftest import (
     state,
 )
 
-from ddp import cpus, errors, lost_rank
+from ddp import cpus, errors, lost_rank, processes
 from ddp import torchrun as launcher
 
 SCRIPTS = sorted([*(REPO / "launch").glob("*.sh"), *(REPO / "slurm").glob("*.sh")])
@@ -102,7 +102,8 @@ def test_a_cpu_quota_below_the_machines_cores_is_the_threads_a_process_takes(tmp
 def test_ctrl_c_on_the_torchrun_script_ends_with_our_lines_and_130_and_a_killed_rank_is_named(tmp_path):
     """Ctrl-C: SIGINT to the script's whole process group, as a terminal sends it. The ranks save and
     say so; torchrun's SignalException traceback no longer follows, nor its agent's "Received 2 death signal,
-    shutting down workers" above them; the exit code is 128 + SIGINT.
+    shutting down workers" above them; the exit code is 128 + SIGINT. Before it, as they train: each rank's
+    oom_score_adj is its agent's + OOM_FIRST (the kernel, out of memory, ends a rank, which the agent then names).
     Then a rank killed with -9: the survivor's line, one line for the dead rank, 128 + SIGKILL. Neither leaves torch's
     log dir (with the ranks' error files) in TMPDIR."""
     job = [*TINY, "data.synthetic_train=2048", "train.epochs=20", f"run.out_dir={tmp_path}"]
@@ -112,8 +113,10 @@ def test_ctrl_c_on_the_torchrun_script_ends_with_our_lines_and_130_and_a_killed_
     deadline = time.monotonic() + 120
     while not (tmp_path / "metrics.jsonl").is_file() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.2)
+    adj = [int(Path(f"/proc/{pid}/oom_score_adj").read_text()) for pid in [proc.pid, *processes.children(proc.pid)]]
     os.killpg(proc.pid, signal.SIGINT)
     out = proc.communicate(timeout=120)[0]
+    assert adj == [adj[0], *[min(1000, adj[0] + processes.OOM_FIRST)] * 2], (adj, out)  # the agent, its 2 ranks
     lines = [line for line in out.splitlines() if not line.startswith(("W1", "*****"))]  # torchrun's log lines
     assert proc.returncode == 130 and "Traceback" not in out and "death signal" not in out, out  # (torchrun's echo)
     assert lines[-2].startswith("stopping on SIGINT: checkpoint ") and lines[-1] == (
@@ -153,7 +156,8 @@ def test_the_ranks_torchrun_stops_after_one_failed_get_no_line_of_their_own(tmp_
     "error: rank 1 (pid ...) was killed by SIGTERM" was the last line, under the cause; and where the error file's
     time (whole seconds) was not before the stopped rank's, the exit code was 143, not the cause's. A rank killed
     by another signal, or by SIGTERM with no other failure (before its stop handler), still gets its line; a SIGKILL
-    with the kernel's out-of-memory kills counted since torchrun began says so."""
+    with the kernel's out-of-memory kills counted since torchrun began says so. Ranks that ended the same way: one
+    line (7 of 32 ranks killed for memory were 7 lines, the same but for the rank)."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
     monkeypatch.setattr(errors, "OOM_KILLS_AT_START", 5)  # as this process began
@@ -179,6 +183,12 @@ def test_the_ranks_torchrun_stops_after_one_failed_get_no_line_of_their_own(tmp_
     assert capsys.readouterr().err == ("error: rank 1 (pid 101) was killed by SIGKILL: out of memory, most likely (the "
                                        "kernel's out-of-memory killer ended 2 processes on this machine meanwhile "
                                        f"(dmesg names them)); {errors.MACHINE_MEMORY_FIX}\n")  # fmt: skip
+    many = {0: failure(0, -9), 1: failure(1, 2, said=True), 2: failure(2, -9), 3: failure(3, 1), 4: failure(4, -15)}
+    assert launcher.failed(ChildFailedError("train.py", many)) == 128 + 9
+    assert capsys.readouterr().err == ("error: ranks 0, 2 (pids 100, 102) were killed by SIGKILL: out of memory, most "
+                                       "likely (the kernel's out-of-memory killer ended 2 processes on this machine "
+                                       f"meanwhile (dmesg names them)); {errors.MACHINE_MEMORY_FIX}\n"
+                                       "error: rank 3 (pid 103) exited 1\n")  # fmt: skip
 
 
 def test_the_out_of_memory_kills_are_counted_in_the_processs_memory_cgroup_else_on_the_machine():

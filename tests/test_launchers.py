@@ -316,6 +316,25 @@ def test_the_ranks_below_mpirun_are_found_as_its_children_or_below_a_proxy(tmp_p
         top.wait()
 
 
+def test_a_rank_is_the_kernels_first_choice_for_its_out_of_memory_killer_up_to_the_files_limit(tmp_path, monkeypatch):
+    """oom_score_adj rises by OOM_FIRST, to 1000 at most; a file that is not there (no /proc: macOS), cannot be read
+    or says no number changes nothing and is no error."""
+    monkeypatch.setattr(processes, "PROC", tmp_path)
+    (tmp_path / "self").mkdir()
+    processes.first_for_the_oom_killer()  # (no file)
+    adj = tmp_path / "self" / "oom_score_adj"
+    for before, after in (("0\n", "200"), ("-300\n", "-100"), ("900", "1000")):
+        adj.write_text(before)
+        processes.first_for_the_oom_killer()
+        assert adj.read_text() == after
+    adj.write_text("not a number")
+    processes.first_for_the_oom_killer()
+    assert adj.read_text() == "not a number"
+    adj.unlink()
+    adj.mkdir()  # (an OSError of its own)
+    processes.first_for_the_oom_killer()
+
+
 PLAIN_MPI = [  # `mpirun -n 2 python ddp/train.py`, rank 1: Open MPI's, MPICH's (Hydra)
     {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_LOCAL_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2"},
     {"PMI_RANK": "1", "MPI_LOCALRANKID": "1", "PMI_SIZE": "2", "MPI_LOCALNRANKS": "2"},

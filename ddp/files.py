@@ -30,8 +30,13 @@ TEMPORARY = ".*.tmp"  # what a writer killed before its rename leaves beside the
 
 def failure(path: Path, needed: int, error: OSError) -> WriteFailed:
     """WriteFailed for `path`: the OS's reason, and for a full disk or quota the bytes needed and the space
-    free where it goes (for any other reason, "0 bytes free" of a read-only or missing place would mislead)."""
-    reason = f"cannot write {path}: {in_the_way(path.parent, error)}"
+    free where it goes (for any other reason, "0 bytes free" of a read-only or missing place would mislead). A folder
+    gone (ENOENT: its writers make theirs first, or find it) is named: "No such file or directory" of a run's
+    metrics.jsonl did not say that the run's folder had been removed as it trained."""
+    why = in_the_way(path.parent, error)  # (a link to nothing on the way: named there)
+    if error.errno == errno.ENOENT and why == error.strerror:
+        why = next((f"{p} is gone (removed meanwhile?)" for p in reversed(path.parents) if not os.path.lexists(p)), why)
+    reason = f"cannot write {path}: {why}"
     if error.errno not in (errno.ENOSPC, errno.EDQUOT):
         return WriteFailed(reason)
     try:
@@ -50,7 +55,8 @@ def in_the_way(directory: Path, error: OSError) -> str:
     (pathlib's resolve() had said the loop before). A link to nothing on the way (runs/ linked to a scratch
     folder not made yet, or on a filesystem not mounted) is named with where it points: "File exists" misled too;
     the folder it names is not made here (on a filesystem not mounted, it would fill the one beneath)."""
-    if error.errno in (errno.EEXIST, errno.ENOTDIR, errno.ELOOP) and (found := link_on_the_way(str(directory))):
+    on_the_way = (errno.EEXIST, errno.ENOTDIR, errno.ELOOP, errno.ENOENT)
+    if error.errno in on_the_way and (found := link_on_the_way(str(directory))):
         if found[1]:
             raise OSError(errno.ELOOP, os.strerror(errno.ELOOP), found[0])
         if error.errno != errno.ELOOP:

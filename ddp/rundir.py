@@ -136,10 +136,10 @@ def lock(out_dir: str, world: World) -> Iterator[None]:
                 os.pwrite(fd, json.dumps(holder).encode(), 0)
         yield
     except BaseException:
-        if fd is not None and made and [p.name for p in path.parent.iterdir()] == [LOCK]:
-            with contextlib.suppress(OSError):  # refused before it wrote anything: no folder of a lock alone left
-                path.unlink()  # (under the lock: a run that opened it meanwhile finds it gone, _open_locked)
-                for folder in made:
+        with contextlib.suppress(OSError):  # (a folder removed as the run went on: nothing to take away)
+            if fd is not None and made and [p.name for p in path.parent.iterdir()] == [LOCK]:
+                path.unlink()  # refused before it wrote anything: no folder of a lock alone left (under the lock: a
+                for folder in made:  # run that opened it meanwhile finds it gone, _open_locked)
                     folder.rmdir()
         raise
     finally:

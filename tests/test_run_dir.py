@@ -5,6 +5,7 @@ a real filesystem that fills (a small tmpfs)."""
 import errno
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -202,6 +203,25 @@ def test_a_write_that_fails_for_another_reason_than_space_names_no_free_space(tm
     assert str(raised.value) == f"cannot write {target}: {target.parent} is a file, not a directory"  # not EEXIST's
     full = files.failure(target, 1234, OSError(errno.ENOSPC, "No space left on device"))
     assert str(full).startswith(f"cannot write {target}: No space left on device (1,234 bytes needed, ")
+
+
+def test_a_run_folder_removed_as_the_run_trains_is_said_to_be_gone_in_one_line(tmp_path, monkeypatch, capsys):
+    """`rm -rf runs/a` (or a cleaner of /tmp) while the run trains: its next metrics.jsonl write failed with "No such
+    file or directory", and the lock's clean-up, listing the folder it had made, raised FileNotFoundError over it (a
+    traceback, exit 1). Now one line names the folder gone, and the run ends with exit 1 (its lock was gone with it:
+    another run may have taken the folder)."""
+    from ddp import logs
+
+    out, record = tmp_path / "runs" / "a", logs.record_epoch
+
+    def removed_first(*args, **kwargs):
+        shutil.rmtree(tmp_path / "runs")
+        return record(*args, **kwargs)
+
+    monkeypatch.setattr(logs, "record_epoch", removed_first)
+    assert train.cli([*TINY, "train.epochs=1", f"run.out_dir={out}"]) == 1
+    err = capsys.readouterr().err
+    assert err == f"error: cannot write {out / 'metrics.jsonl'}: {tmp_path / 'runs'} is gone (removed meanwhile?)\n"
 
 
 def test_an_out_dir_whose_parent_cannot_be_searched_says_why_instead_of_a_traceback(tmp_path, monkeypatch):

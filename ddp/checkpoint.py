@@ -206,7 +206,8 @@ class Checkpoints:
                     state = build_state(self.trained, position, ranks, self.info, metrics, full)  # the unwrapped model
                     state["checksum"] = files.digest(state)
                     with _previous_kept(out_dir):
-                        with files.atomic(path) as f:  # a temporary file, fsynced, renamed: all or nothing
+                        # all or nothing (a temporary file, renamed); a removed run folder is not made again: it ends
+                        with files.atomic(path, parents=False) as f:
                             torch.save(state, f)
                         files.link(path, rundir.last_path(out_dir))  # last.pt: the newest
                     for old in rundir.step_files(out_dir)[max(1, self.run.keep_last) :]:

@@ -100,12 +100,13 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def replace(path: Path, data: bytes | memoryview, exclusive: bool = False) -> None:
-    """`data` as the new content of `path` (its folder made if missing), all or nothing. `exclusive`: a
-    file that is there by then stays (an OSError, File exists), as one made meanwhile by a second writer."""
+def replace(path: Path, data: bytes | memoryview, exclusive: bool = False, parents: bool = True) -> None:
+    """`data` as the new content of `path` (its folder made if missing, and the folders above it unless not
+    `parents`), all or nothing. `exclusive`: a file that is there by then stays (an OSError, File exists), as one made
+    meanwhile by a second writer."""
     path, tmp = Path(path), None
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        path.parent.mkdir(parents=parents, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
         try:
             os.fchmod(fd, 0o666 & ~_umask())  # as open() would make it, not mkstemp's 0600
@@ -144,14 +145,14 @@ def _link_new(tmp: str, path: Path) -> None:
 
 
 @contextmanager
-def atomic(path: Path, exclusive: bool = False) -> Iterator[io.BytesIO]:
+def atomic(path: Path, exclusive: bool = False, parents: bool = True) -> Iterator[io.BytesIO]:
     """`with atomic(path) as f: write(f)`: what is written to f becomes `path`'s content
     when the `with` ends without an error, whole (replace; with `exclusive` never over a file that is there);
     an error inside leaves `path` as it was. The bytes go to memory first, so a full disk is an OSError here,
     never a half-written zip."""
     buffer = io.BytesIO()
     yield buffer
-    replace(path, buffer.getbuffer(), exclusive)
+    replace(path, buffer.getbuffer(), exclusive, parents)
 
 
 def link(target: Path, name: Path) -> None:

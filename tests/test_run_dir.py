@@ -205,23 +205,23 @@ def test_a_write_that_fails_for_another_reason_than_space_names_no_free_space(tm
     assert str(full).startswith(f"cannot write {target}: No space left on device (1,234 bytes needed, ")
 
 
-def test_a_run_folder_removed_as_the_run_trains_is_said_to_be_gone_in_one_line(tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("before", ["metrics", "checkpoint"])
+def test_a_run_folder_removed_as_the_run_trains_is_said_to_be_gone_in_one_line(tmp_path, monkeypatch, capsys, before):
     """`rm -rf runs/a` (or a cleaner of /tmp) while the run trains: its next metrics.jsonl write failed with "No such
     file or directory", and the lock's clean-up, listing the folder it had made, raised FileNotFoundError over it (a
-    traceback, exit 1). Now one line names the folder gone, and the run ends with exit 1 (its lock was gone with it:
-    another run may have taken the folder)."""
+    traceback, exit 1); a checkpoint's write, where it came first (a mid-epoch one), made the folder again, and the
+    run went on there without its lock (another run could take the folder) or config.yaml. Now the first write names
+    the folder gone in one line, and the run ends with exit 1."""
     from ddp import logs
 
-    out, record = tmp_path / "runs" / "a", logs.record_epoch
-
-    def removed_first(*args, **kwargs):
-        shutil.rmtree(tmp_path / "runs")
-        return record(*args, **kwargs)
-
-    monkeypatch.setattr(logs, "record_epoch", removed_first)
+    out, runs = tmp_path / "runs" / "a", tmp_path / "runs"
+    module, name = (logs, "record_epoch") if before == "metrics" else (rundir, "step_path")
+    real = getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *args: shutil.rmtree(runs, ignore_errors=True) or real(*args))
     assert train.cli([*TINY, "train.epochs=1", f"run.out_dir={out}"]) == 1
-    err = capsys.readouterr().err
-    assert err == f"error: cannot write {out / 'metrics.jsonl'}: {tmp_path / 'runs'} is gone (removed meanwhile?)\n"
+    err, file = capsys.readouterr().err, out / "metrics.jsonl" if before == "metrics" else rundir.step_path(out, 8)
+    assert err.startswith(f"error: cannot write {file}: {runs} is gone (removed meanwhile?)"), err
+    assert len(err.splitlines()) == 1 and not runs.exists(), err
 
 
 def test_an_out_dir_whose_parent_cannot_be_searched_says_why_instead_of_a_traceback(tmp_path, monkeypatch):

@@ -5,6 +5,8 @@ stop signals, the steps to profile. Settings that each parse but do not go toget
 from __future__ import annotations
 
 import math
+import os
+import shutil
 import signal
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -130,6 +132,8 @@ def check_combinations(cfg: Config, world: World) -> None:
             "train.sync_bn=true needs DDP (nn.DataParallel computes BatchNorm per GPU): "
             "torchrun --standalone --nproc_per_node=N ddp/train.py ..."
         )
+    if cfg.run.compile and (no_compiler := compiler_missing(world.device)):
+        raise UsageError(f"run.compile=true: {no_compiler}, or leave run.compile off")
     if cfg.run.compile_mode != "default" and not cfg.run.compile:
         raise UsageError(f"run.compile_mode={cfg.run.compile_mode} is torch.compile's mode: add run.compile=true")
     if not cfg.ddp.split_graph and not cfg.run.compile:
@@ -148,6 +152,34 @@ def check_combinations(cfg: Config, world: World) -> None:
             "(an internal assert, then gradients that are no longer all-reduced: pytorch/pytorch#143580); "
             "use one of the two"
         )
+
+
+def compiler_missing(device: torch.device) -> str | None:
+    """Why torch.compile cannot build code for `device` here, or None: on the CPU its C++ needs a C++ compiler (CXX,
+    else g++; clang++ on macOS: inductor's own search, run here), on a GPU Triton's launchers a C compiler (CC, else
+    gcc or clang on PATH). Without one, the first step was inductor's InvalidCxxCompiler traceback (a slim container,
+    a Mac without Xcode's tools). A torch whose search is not where it was looked for: no check."""
+    if device.type == "cuda":
+        cc = os.environ.get("CC")
+        if (shutil.which(cc) if cc else shutil.which("gcc") or shutil.which("clang")) is not None:
+            return None
+        tried = f"CC={cc}" if cc else "gcc and clang on PATH"
+        return f"Triton builds torch.compile's GPU kernels with a C compiler, and found none ({tried}): install one " \
+               "(apt-get install gcc), set CC to one"  # fmt: skip
+    if device.type != "cpu":
+        return None
+    try:
+        from torch._inductor import config as inductor
+        from torch._inductor import cpp_builder, exc
+
+        cpp_builder.get_cpp_compiler()
+    except (ImportError, AttributeError):
+        return None
+    except exc.InvalidCxxCompiler:
+        tried = " and ".join(str(c) for c in inductor.cpp.cxx if c)
+        return f"torch.compile builds C++ for the CPU, and found no C++ compiler (it tried {tried}): install one " \
+               "(apt-get install g++; macOS: xcode-select --install), set CXX to one"  # fmt: skip
+    return None
 
 
 WORKERS_PER_CPU = 4  # data.workers beyond this many per usable CPU (and beyond 8) are refused

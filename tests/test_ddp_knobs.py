@@ -4,13 +4,14 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
 from conftest import REPO, REPORT, TINY, TRAIN, clean_env, ok, python, torchrun
 from knob_worker import PROBES
 
-from ddp import checks, config
+from ddp import checks, config, train
 from ddp.devices import World
 from ddp.errors import UsageError
 
@@ -112,6 +113,37 @@ def test_compiled_ddp_with_buckets_under_a_mib_is_refused_in_one_line():
     checks.check_combinations(
         config.load(None, ["ddp.bucket_cap_mb=0.5", "run.compile=true"]), World(0, 0, 1, torch.device("cpu"), "none")
     )
+
+
+def test_a_compile_with_no_compiler_to_build_with_is_refused_in_one_line(tmp_path, monkeypatch, capsys):
+    """run.compile=true where torch.compile cannot build: on the CPU inductor's own search for a C++ compiler (CXX,
+    else g++) finds none; on a GPU Triton's for a C compiler (CC, else gcc or clang on PATH) finds none. Inductor's
+    InvalidCxxCompiler traceback came out of the first step before; now one line, exit 2, nothing written."""
+    from torch._inductor import config as inductor
+
+    monkeypatch.setattr(inductor.cpp, "cxx", (None, str(tmp_path / "g++")))  # (CXX=that, as inductor read it)
+    assert train.cli([*TINY, "run.compile=true", f"run.out_dir={tmp_path / 'run'}"]) == 2
+    assert capsys.readouterr().err == (
+        f"error: run.compile=true: torch.compile builds C++ for the CPU, and found no C++ compiler (it tried "
+        f"{tmp_path / 'g++'}): install one (apt-get install g++; macOS: xcode-select --install), set CXX to one, or "
+        "leave run.compile off\n"
+    )
+    assert not (tmp_path / "run").exists()
+    gpu = World(0, 0, 1, torch.device("cuda", 0), "none")  # (named only: no GPU needed)
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))  # no gcc, no clang
+    none = "Triton builds torch.compile's GPU kernels with a C compiler, and found none ({}): install one"
+    with pytest.raises(UsageError, match=r"^run.compile=true: " + re.escape(none.format("gcc and clang on PATH"))):
+        checks.check_combinations(config.load(None, ["run.compile=true"]), gpu)
+    monkeypatch.setenv("CC", str(tmp_path / "cc"))
+    assert checks.compiler_missing(gpu.device).startswith(none.format(f"CC={tmp_path / 'cc'}"))
+    (tmp_path / "cc").write_text("#!/bin/sh\n")
+    (tmp_path / "cc").chmod(0o755)
+    assert checks.compiler_missing(gpu.device) is None
+    monkeypatch.delenv("CC")
+    (tmp_path / "cc").rename(tmp_path / "clang")
+    assert checks.compiler_missing(gpu.device) is None
+    checks.check_combinations(config.load(None, ["run.compile=false"]), gpu)  # (no compile: nothing looked for)
 
 
 def test_split_graph_false_compiles_ddp_as_one_graph_and_trains_the_same_weights(tmp_path):

@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import io
 import os
-import re
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -34,7 +33,7 @@ from ddp.compatible import RunInfo  # (checkpoint.RunInfo: what a checkpoint rec
 from ddp.config import RunConfig
 from ddp.devices import World
 from ddp.ema import EMA, Lookahead
-from ddp.errors import EXIT_FAILURE, EXIT_OK, CorruptCheckpoint, UsageError, WriteFailed, first_line
+from ddp.errors import EXIT_FAILURE, EXIT_OK, CorruptCheckpoint, UsageError, WriteFailed, first_line, refused_pickle
 from ddp.metrics import StepStats
 
 
@@ -243,9 +242,8 @@ def _reading(path: Path, skipped: list[str] | None = None, source: Path | io.Byt
         except (UsageError, PermissionError):  # CorruptCheckpoint is one: the file's own checks said what is wrong;
             raise  # a file not open to this user is not damaged: never skipped for an older one (cli's line for it)
         except Exception as e:  # truncated, not a checkpoint, or a pickle that wants to run code
-            why = files.torch_file_problem(path if source is None else source) or first_line(e, typed=True)
-            if code := re.search(r"Unsupported global: GLOBAL (\S+)", str(e)):  # torch.save(model): a class, pickled
-                why = f"it holds Python objects ({code[1]}), as torch.save(model) writes, not only tensors"
+            found = files.torch_file_problem(path if source is None else source)  # (a pickle's refusal: in words)
+            why = found or refused_pickle(e) or first_line(e, typed=True)
             raise CorruptCheckpoint(f"{path} is not a loadable checkpoint ({why})") from None
     except CorruptCheckpoint as e:
         if skipped is None:

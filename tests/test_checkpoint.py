@@ -19,7 +19,7 @@ import pytest
 import torch
 from conftest import REPO, TINY, TRAIN, clean_env, metrics, ok, piped, python
 
-from ddp import checkpoint, config, models, optim, rundir, train
+from ddp import checkpoint, config, errors, models, optim, rundir, train
 from ddp.errors import UsageError, WriteFailed
 
 RUN = [*TINY, "train.epochs=2", "run.save_every_steps=3", "run.keep_last=2"]
@@ -130,15 +130,24 @@ class Evil:
 
 
 def test_a_checkpoint_that_would_run_code_is_refused_not_executed(tmp_path):
+    """A pickle that calls os.system as it loads: refused, and said to be one. Torch's line for it began with its
+    advice to load with weights_only=False, which would have run the call; a refusal of another kind says torch's
+    reason without the advice."""
     marker = tmp_path / "pwned"
     Evil.marker = marker
     evil = tmp_path / "evil.pt"
     torch.save({"model": Evil(), "epoch": 1}, evil)
     proc = python(str(TRAIN), f"run.out_dir={tmp_path / 'run'}", *TINY, f"run.resume={evil}")
-    assert proc.returncode == 2 and "is not a loadable checkpoint" in proc.stderr
+    said = f"error: {evil} is not a loadable checkpoint (it would call posix.system as it loads, which torch.load " \
+           "refuses: no checkpoint does; do not trust it)"  # fmt: skip
+    assert proc.returncode == 2 and proc.stderr.splitlines() == [said], proc.stderr  # (not torch's weights_only advice)
     inspected = python("-m", "ddp.checkpoint", "inspect", str(evil))
     assert inspected.returncode == 1 and "checksum FAILED" in inspected.stdout
     assert not marker.exists()
+    advice = "Weights only load failed. Re-running `torch.load` with `weights_only` set to `False` will likely succeed"
+    refused = errors.refused_pickle(Exception(f"{advice}\n\n\tWeightsUnpickler error: Unsupported operand 149\n\nSee"))
+    assert refused == "torch.load's weights-only unpickler refused it: Unsupported operand 149"
+    assert errors.refused_pickle(Exception(f"{advice}\n\nSee")) == "torch.load's weights-only unpickler refused it"
 
 
 def cut_short(path):

@@ -28,13 +28,13 @@ from ddp.errors import UsageError, WriteFailed, link_on_the_way
 TEMPORARY = ".*.tmp"  # what a writer killed before its rename leaves beside the target (never a final name)
 
 
-def failure(path: Path, needed: int, error: OSError) -> WriteFailed:
+def failure(path: Path, needed: int, error: OSError, found: bool = True) -> WriteFailed:
     """WriteFailed for `path`: the OS's reason, and for a full disk or quota the bytes needed and the space
     free where it goes (for any other reason, "0 bytes free" of a read-only or missing place would mislead). A folder
-    gone (ENOENT: its writers make theirs first, or find it) is named: "No such file or directory" of a run's
-    metrics.jsonl did not say that the run's folder had been removed as it trained."""
+    gone (ENOENT) where the writer had `found` its folders, or made them, is named: "No such file or directory" of a
+    run's metrics.jsonl did not say that the run's folder had been removed as it trained."""
     why = in_the_way(path.parent, error)  # (a link to nothing on the way: named there)
-    if error.errno == errno.ENOENT and why == error.strerror:
+    if error.errno == errno.ENOENT and why == error.strerror and found:
         why = next((f"{p} is gone (removed meanwhile?)" for p in reversed(path.parents) if not os.path.lexists(p)), why)
     reason = f"cannot write {path}: {why}"
     if error.errno not in (errno.ENOSPC, errno.EDQUOT):
@@ -107,6 +107,9 @@ def replace(path: Path, data: bytes | memoryview, exclusive: bool = False, paren
     path, tmp = Path(path), None
     try:
         path.parent.mkdir(parents=parents, exist_ok=True)
+    except OSError as e:  # (made here, not gone: where one cannot be made, as in /proc, the OS's reason)
+        raise failure(path, len(data), e, found=not parents) from None
+    try:
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
         try:
             os.fchmod(fd, 0o666 & ~_umask())  # as open() would make it, not mkstemp's 0600

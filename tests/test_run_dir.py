@@ -195,7 +195,8 @@ def test_an_append_that_does_not_fit_leaves_the_file_as_it_was(small_disk):
 
 
 def test_a_write_that_fails_for_another_reason_than_space_names_no_free_space(tmp_path):
-    """A read-only or missing place: its reason alone ("0 bytes free" of /proc said "a full disk" where none was)."""
+    """A read-only or missing place: its reason alone ("0 bytes free" of /proc said "a full disk" where none was; a
+    folder that cannot be made there is not one "gone")."""
     (tmp_path / "a-file").write_text("")
     target = tmp_path / "a-file" / "model.pt"
     with pytest.raises(WriteFailed) as raised:
@@ -203,6 +204,9 @@ def test_a_write_that_fails_for_another_reason_than_space_names_no_free_space(tm
     assert str(raised.value) == f"cannot write {target}: {target.parent} is a file, not a directory"  # not EEXIST's
     full = files.failure(target, 1234, OSError(errno.ENOSPC, "No space left on device"))
     assert str(full).startswith(f"cannot write {target}: No space left on device (1,234 bytes needed, ")
+    unmade = Path("/proc/ddp-cifar-none/charts/curves.png")  # a folder no one can make: not one removed meanwhile
+    with pytest.raises(WriteFailed, match=f"^cannot write {unmade}: No such file or directory$"):
+        files.replace(unmade, b"x")
 
 
 @pytest.mark.parametrize("before", ["metrics", "checkpoint"])

@@ -69,7 +69,10 @@ class Profile:
         # torch writes the trace to a file it names: a scratch one beside the trace (not in TMPDIR, a small /tmp),
         # whose bytes files.atomic puts in place. Where it cannot write, torch only logs so: its trace is missing.
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
+            path.parent.mkdir(exist_ok=True)  # profile/, in out_dir: not out_dir again, where it was removed
+        except OSError as e:
+            raise files.failure(path, 0, e) from None
+        try:
             for killed in path.parent.glob(f".{path.stem}-*"):  # a killed export's scratch folder (this rank's: the
                 shutil.rmtree(killed, ignore_errors=True)  # lock keeps out_dir one run's; other ranks may export now)
             files.remove_temporary(path.parent, f".{path.name}.*.tmp")

@@ -209,21 +209,25 @@ def test_a_write_that_fails_for_another_reason_than_space_names_no_free_space(tm
         files.replace(unmade, b"x")
 
 
-@pytest.mark.parametrize("before", ["metrics", "checkpoint"])
+@pytest.mark.parametrize("before", ["metrics", "checkpoint", "profile"])
 def test_a_run_folder_removed_as_the_run_trains_is_said_to_be_gone_in_one_line(tmp_path, monkeypatch, capsys, before):
     """`rm -rf runs/a` (or a cleaner of /tmp) while the run trains: its next metrics.jsonl write failed with "No such
     file or directory", and the lock's clean-up, listing the folder it had made, raised FileNotFoundError over it (a
     traceback, exit 1); a checkpoint's write, where it came first (a mid-epoch one), made the folder again, and the
-    run went on there without its lock (another run could take the folder) or config.yaml. Now the first write names
-    the folder gone in one line, and the run ends with exit 1."""
+    run went on there without its lock (another run could take the folder) or config.yaml, and so did a profile's.
+    Now the first write names the folder gone in one line, and the run ends with exit 1."""
     from ddp import logs
 
     out, runs = tmp_path / "runs" / "a", tmp_path / "runs"
-    module, name = (logs, "record_epoch") if before == "metrics" else (rundir, "step_path")
+    module, name, file = {
+        "metrics": (logs, "record_epoch", out / "metrics.jsonl"),
+        "checkpoint": (rundir, "step_path", out / "checkpoints" / "step-000000008.pt"),
+        "profile": (rundir, "profile_path", out / "profile" / "rank0.json"),  # (run.profile=1:3: before epoch 1 ends)
+    }[before]
     real = getattr(module, name)
     monkeypatch.setattr(module, name, lambda *args: shutil.rmtree(runs, ignore_errors=True) or real(*args))
-    assert train.cli([*TINY, "train.epochs=1", f"run.out_dir={out}"]) == 1
-    err, file = capsys.readouterr().err, out / "metrics.jsonl" if before == "metrics" else rundir.step_path(out, 8)
+    assert train.cli([*TINY, "train.epochs=1", "run.profile=1:3", f"run.out_dir={out}"]) == 1
+    err = capsys.readouterr().err
     assert err.startswith(f"error: cannot write {file}: {runs} is gone (removed meanwhile?)"), err
     assert len(err.splitlines()) == 1 and not runs.exists(), err
 

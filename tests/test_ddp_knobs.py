@@ -121,8 +121,9 @@ def test_a_compile_with_no_compiler_to_build_with_is_refused_in_one_line(tmp_pat
     InvalidCxxCompiler traceback came out of the first step before; now one line, exit 2, nothing written."""
     from torch._inductor import config as inductor
 
-    monkeypatch.setattr(inductor.cpp, "cxx", (None, str(tmp_path / "g++")))  # (CXX=that, as inductor read it)
-    assert train.cli([*TINY, "run.compile=true", f"run.out_dir={tmp_path / 'run'}"]) == 2
+    with inductor.patch({"cpp.cxx": (None, str(tmp_path / "g++"))}):  # (CXX=that, as inductor read it; its own patch:
+        assert train.cli([*TINY, "run.compile=true", f"run.out_dir={tmp_path / 'run'}"]) == 2  # monkeypatch's undo
+    assert inductor.cpp.cxx[1] != str(tmp_path / "g++")  # deleted the setting, and every later compile here failed)
     assert capsys.readouterr().err == (
         f"error: run.compile=true: torch.compile builds C++ for the CPU, and found no C++ compiler (it tried "
         f"{tmp_path / 'g++'}): install one (apt-get install g++; macOS: xcode-select --install), set CXX to one, or "

@@ -151,6 +151,21 @@ def test_a_rank_the_kernels_out_of_memory_killer_ends_is_said_to_be_out_of_memor
                      proc.stderr, re.M), proc.stderr  # fmt: skip
 
 
+def test_more_ranks_than_memory_end_with_torchruns_line_for_those_killed_not_torchrun_killed_silently(tmp_path):
+    """NPROC=32 smoke ranks in a 2 GiB memory cgroup: the kernel ended torchrun's agent first (as large as a rank as
+    they start: torch imported, the preflight run), and the job ended as the shell's "Killed", with no line of ours.
+    Each rank now raises its oom_score_adj as it starts: the kernel ends ranks, and the agent names them in one line."""
+    job = ["--config", "configs/smoke.yaml", "train.epochs=1", f"run.out_dir={tmp_path}"]
+    with memory_cgroup(2 << 30) as procs:
+        move = f'echo $$ > {procs} && exec bash launch/torchrun.sh "$@"'
+        proc = subprocess.run(["bash", "-c", move, "bash", *job], cwd=REPO, env=clean_env(NPROC="32"),
+                              capture_output=True, text=True, timeout=300)  # fmt: skip
+    said = r"the kernel's out-of-memory killer ended \d+ process(es)? on this machine meanwhile"
+    assert proc.returncode == 128 + signal.SIGKILL and "Traceback" not in proc.stderr, proc.stderr
+    assert re.search(rf"^error: ranks? [\d, ]+ \(pids? [\d, ]+\) (was|were) killed by SIGKILL: out of memory, most "
+                     rf"likely \({said}", proc.stderr, re.M), proc.stderr  # fmt: skip
+
+
 def test_the_ranks_torchrun_stops_after_one_failed_get_no_line_of_their_own(tmp_path, capsys, monkeypatch):
     """Rank 0's usage error (its own line, in its error file) and rank 1 stopped by torchrun's closing SIGTERM:
     "error: rank 1 (pid ...) was killed by SIGTERM" was the last line, under the cause; and where the error file's

@@ -35,7 +35,8 @@ def failure(path: Path, needed: int, error: OSError, found: bool = True) -> Writ
     run's metrics.jsonl did not say that the run's folder had been removed as it trained."""
     why = in_the_way(path.parent, error)  # (a link to nothing on the way: named there)
     if error.errno == errno.ENOENT and why == error.strerror and found:
-        why = next((f"{p} is gone (removed meanwhile?)" for p in reversed(path.parents) if not os.path.lexists(p)), why)
+        gone = next((p for p in reversed(path.parents) if not os.path.lexists(p)), None)  # the topmost
+        why = f"{gone} is gone (removed or moved meanwhile?)" if gone else why
     reason = f"cannot write {path}: {why}"
     if error.errno not in (errno.ENOSPC, errno.EDQUOT):
         return WriteFailed(reason)

@@ -228,7 +228,7 @@ def test_a_run_folder_removed_as_the_run_trains_is_said_to_be_gone_in_one_line(t
     monkeypatch.setattr(module, name, lambda *args: shutil.rmtree(runs, ignore_errors=True) or real(*args))
     assert train.cli([*TINY, "train.epochs=1", "run.profile=1:3", f"run.out_dir={out}"]) == 1
     err = capsys.readouterr().err
-    assert err.startswith(f"error: cannot write {file}: {runs} is gone (removed meanwhile?)"), err
+    assert err.startswith(f"error: cannot write {file}: {runs} is gone (removed or moved meanwhile?)"), err
     assert len(err.splitlines()) == 1 and not runs.exists(), err
 
 

@@ -333,14 +333,14 @@ def first_line(error: BaseException, typed: bool = False) -> str:
 
 
 def refused_pickle(error: BaseException) -> str | None:
-    """What torch.load's weights-only unpickler refused, said plainly: a class (torch.save(model) pickles one), or a
-    call to a blocked module (posix.system: a file made to run code); None for another error. Torch's own line
-    advises loading with weights_only=False, which would run that code."""
+    """What torch.load's weights-only unpickler refused, said plainly: a class (torch.save of a whole model pickles
+    one), or a call to a blocked module (posix.system: a file made to run code); None for another error. Torch's own
+    line advises loading with weights_only=False, which would run that code."""
     text = str(error)
     if code := re.search(r"(?:Unsupported global: GLOBAL|unsupported GLOBAL) (\S+?)(?: |$)", text, re.M):
         if re.search(r"whose module \S+ is blocked", text):
             return f"it would call {code[1]} as it loads, which torch.load refuses: no checkpoint does; do not trust it"
-        return f"it holds Python objects ({code[1]}), as torch.save(model) writes, not only tensors"
+        return f"it holds Python objects ({code[1]}), as torch.save of a whole model writes, not only tensors"
     if text.startswith("Weights only load failed"):  # (torch's advice first, then its reason)
         said = re.search(r"^\s*(?:WeightsUnpickler error: )?((?:Unsupported|Trying to load) .*)$", text, re.M)
         return "torch.load's weights-only unpickler refused it" + (f": {said[1]}" if said else "")

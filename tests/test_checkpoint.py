@@ -160,7 +160,8 @@ def cut_short(path):
     "write, why",
     [
         (lambda f: torch.save(torch.nn.Linear(2, 2), f),  # the tutorial's other way: torch.save(model, PATH)
-         "(it holds Python objects (torch.nn.modules.linear.Linear), as torch.save(model) writes, not only tensors)"),
+         "(it holds Python objects (torch.nn.modules.linear.Linear), as torch.save of a whole model writes, not only "
+         "tensors)"),
         (lambda f: f.write_bytes(b""), "(an empty file)"),  # was "(EOFError: EOFError)", then "(EOFError)"
         (lambda f: f.write_text('{"epoch": 1}\n'), "(not a file that torch.save wrote)"),  # metrics.jsonl, say
         (cut_short, "(cut short: a zip without its end, as an interrupted copy leaves)"),  # was "(OSError: [Errno 22]"

@@ -11,6 +11,7 @@ import dataclasses
 import difflib
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,7 +43,7 @@ class Range:
 
 POSITIVE, NATURAL = Range(1), Range(0)  # integers from 1, from 0
 FRACTION = Range(0, 1, high_open=True)  # [0, 1)
-PATHS = {"data.root", "data.path", "run.out_dir", "run.resume"}  # ~ expanded: bash leaves run.out_dir=~/x as typed
+PATHS = {"data.root", "data.path", "run.out_dir", "run.resume"}  # ~, $NAME expanded (bash leaves run.out_dir=~/x)
 
 
 def opt(default: Any, help: str, choices: tuple[str, ...] = (), valid: Range | None = None) -> Any:
@@ -253,7 +254,7 @@ def _coerce(key: str, value: Any, f: dataclasses.Field) -> Any:
             if not math.isfinite(number):
                 raise UsageError(f"{key}: expected a finite float, got {value!r}")
             return _in_range(key, number, f)
-        value = os.path.expanduser(str(value)) if key in PATHS else str(value)
+        value = expanded(key, str(value)) if key in PATHS else str(value)
         if key in PATHS and "\0" in value:  # YAML's "\0" (argv has none): os.stat's ValueError, a traceback
             raise UsageError(f"{key}: {value!r} holds a NUL character, which no path can")
     except ValueError:
@@ -265,6 +266,15 @@ def _coerce(key: str, value: Any, f: dataclasses.Field) -> Any:
     if choices and value not in choices:
         raise UsageError(f"{key}: {value!r} is not one of {', '.join(choices)}")
     return value
+
+
+def expanded(key: str, path: str) -> str:
+    """A path's ~ and $NAME (${NAME}) as a shell expands them: a config file's `out_dir: $SCRATCH/runs/a` made a folder
+    named "$SCRATCH" in the current one. A variable that is not set is refused, not kept as the folder's name."""
+    path = os.path.expandvars(os.path.expanduser(path))
+    if unset := re.search(r"\$(\w+|\{[^}]*\})", path):
+        raise UsageError(f"{key}={path}: the environment variable {unset[0]} is not set; set it, or write the path out")
+    return path
 
 
 def _in_range(key: str, value: float, f: dataclasses.Field) -> float:

@@ -286,6 +286,24 @@ def test_a_key_set_empty_is_refused_where_empty_is_not_a_value(given, tmp_path):
     assert config.load(None, ["data.path=", "run.profile="]).data.path == ""
 
 
+def test_a_paths_environment_variables_are_their_values_and_one_not_set_is_refused(tmp_path, monkeypatch):
+    """A config file's `out_dir: $SCRATCH/runs/a` (a cluster's way) made a folder named "$SCRATCH" in the current
+    one, and with SCRATCH unset the same. Paths take $NAME and ${NAME} as a shell does; one not set is one line."""
+    monkeypatch.setenv("SCRATCH", str(tmp_path))
+    monkeypatch.delenv("DDP_CIFAR_UNSET", raising=False)
+    (tmp_path / "x.yaml").write_text("run:\n  out_dir: $SCRATCH/runs/a\ndata:\n  path: ${SCRATCH}/d.npz\n")
+    cfg = config.load(str(tmp_path / "x.yaml"), ["data.root=$SCRATCH/data", "run.profile=$SCRATCH"])
+    assert (cfg.run.out_dir, cfg.data.path, cfg.data.root) == (f"{tmp_path}/runs/a", f"{tmp_path}/d.npz",
+                                                              f"{tmp_path}/data")  # fmt: skip
+    assert cfg.run.profile == "$SCRATCH"  # (no path: as typed, and refused as no A:B where it is used)
+    for typed in ("$DDP_CIFAR_UNSET/runs/a", "/x/${DDP_CIFAR_UNSET}"):
+        name = re.search(r"\$\{?\w+\}?", typed)[0]
+        said = f"run.resume={typed}: the environment variable {name} is not set; set it, or write the path out"
+        with pytest.raises(UsageError, match=f"^{re.escape(said)}$"):
+            config.load(None, [f"run.resume={typed}"])
+    assert config.load(None, ["run.out_dir=/a/$/b$"]).run.out_dir == "/a/$/b$"  # a $ that names nothing stays
+
+
 def test_a_path_that_starts_with_a_tilde_is_in_the_home_directory(tmp_path, monkeypatch):
     """bash expands ~ in `--config ~/x.yaml` but not in `run.out_dir=~/runs/x` or `--out=~/c` (not an assignment
     to a shell variable), nor does YAML: the run went into a directory named "~" under the current one, which

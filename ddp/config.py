@@ -43,7 +43,7 @@ class Range:
 
 POSITIVE, NATURAL = Range(1), Range(0)  # integers from 1, from 0
 FRACTION = Range(0, 1, high_open=True)  # [0, 1)
-PATHS = {"data.root", "data.path", "run.out_dir", "run.resume"}  # ~, $NAME expanded (bash leaves run.out_dir=~/x)
+PATHS = {"data.root", "data.path", "run.out_dir", "run.resume"}  # ~ expanded: bash leaves run.out_dir=~/x as typed
 
 
 def opt(default: Any, help: str, choices: tuple[str, ...] = (), valid: Range | None = None) -> Any:
@@ -254,7 +254,7 @@ def _coerce(key: str, value: Any, f: dataclasses.Field) -> Any:
             if not math.isfinite(number):
                 raise UsageError(f"{key}: expected a finite float, got {value!r}")
             return _in_range(key, number, f)
-        value = expanded(key, str(value)) if key in PATHS else str(value)
+        value = os.path.expanduser(str(value)) if key in PATHS else str(value)
         if key in PATHS and "\0" in value:  # YAML's "\0" (argv has none): os.stat's ValueError, a traceback
             raise UsageError(f"{key}: {value!r} holds a NUL character, which no path can")
     except ValueError:
@@ -269,9 +269,9 @@ def _coerce(key: str, value: Any, f: dataclasses.Field) -> Any:
 
 
 def expanded(key: str, path: str) -> str:
-    """A path's ~ and $NAME (${NAME}) as a shell expands them: a config file's `out_dir: $SCRATCH/runs/a` made a folder
-    named "$SCRATCH" in the current one. A variable that is not set is refused, not kept as the folder's name."""
-    path = os.path.expandvars(os.path.expanduser(path))
+    """A path's $NAME (${NAME}) as a shell expands it: a config file's `out_dir: $SCRATCH/runs/a` made a folder named
+    "$SCRATCH" in the current one. A variable that is not set is refused, not kept as the folder's name."""
+    path = os.path.expandvars(path)
     if unset := re.search(r"\$(\w+|\{[^}]*\})", path):
         raise UsageError(f"{key}={path}: the environment variable {unset[0]} is not set; set it, or write the path out")
     return path
@@ -318,6 +318,9 @@ def load(path: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -
     """Defaults < YAML file at `path` < `section.key=value` overrides. A key whose default is not empty is
     never set empty: `run.out_dir=$DIR` with DIR unset would put the run in the current directory."""
     cfg = override(from_dict(config_file.read(path, settings())) if path else Config(), overrides)
+    for key in PATHS:  # (the user's: a checkpoint's config, read as saved, is not expanded again)
+        section, name = key.split(".")
+        setattr(getattr(cfg, section), name, expanded(key, getattr(getattr(cfg, section), name)))
     defaults = to_dict(Config())
     if empty := [(s, k) for s, keys in to_dict(cfg).items() for k, v in keys.items() if v == "" != defaults[s][k]]:
         section, key = empty[0]

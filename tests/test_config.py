@@ -302,6 +302,8 @@ def test_a_paths_environment_variables_are_their_values_and_one_not_set_is_refus
         with pytest.raises(UsageError, match=f"^{re.escape(said)}$"):
             config.load(None, [f"run.resume={typed}"])
     assert config.load(None, ["run.out_dir=/a/$/b$"]).run.out_dir == "/a/$/b$"  # a $ that names nothing stays
+    saved = {"run": {"out_dir": "$DDP_CIFAR_UNSET/runs/a"}}  # a checkpoint's config (evaluate): read as it was saved
+    assert config.from_dict(saved).run.out_dir == "$DDP_CIFAR_UNSET/runs/a"
 
 
 def test_a_path_that_starts_with_a_tilde_is_in_the_home_directory(tmp_path, monkeypatch):

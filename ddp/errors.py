@@ -332,13 +332,19 @@ def first_line(error: BaseException, typed: bool = False) -> str:
     return (f"{kind}: {line}" if typed else line) if line else kind
 
 
+# globals a pickle calls to run code as it loads (a checkpoint made to do harm), not classes a model pickles
+RUNS_CODE = ("os.", "posix.", "nt.", "sys.", "subprocess.", "runpy.", "importlib.", "pty.", "shutil.", "socket.",
+             "builtins.eval", "builtins.exec", "builtins.compile", "builtins.__import__")  # fmt: skip
+
+
 def refused_pickle(error: BaseException) -> str | None:
     """What torch.load's weights-only unpickler refused, said plainly: a class (torch.save of a whole model pickles
-    one), or a call to a blocked module (posix.system: a file made to run code); None for another error. Torch's own
-    line advises loading with weights_only=False, which would run that code."""
+    one), or a call that runs code (posix.system: a file made to do so; torch blocks its module since 2.6, and named it
+    as any other global before); None for another error. Torch's own line advises loading with weights_only=False,
+    which would run that code."""
     text = str(error)
     if code := re.search(r"(?:Unsupported global: GLOBAL|unsupported GLOBAL) (\S+?)(?: |$)", text, re.M):
-        if re.search(r"whose module \S+ is blocked", text):
+        if re.search(r"whose module \S+ is blocked", text) or code[1].startswith(RUNS_CODE):
             return f"it would call {code[1]} as it loads, which torch.load refuses: no checkpoint does; do not trust it"
         return f"it holds Python objects ({code[1]}), as torch.save of a whole model writes, not only tensors"
     if text.startswith("Weights only load failed"):  # (torch's advice first, then its reason)

@@ -172,7 +172,10 @@ def compiler_missing(device: torch.device) -> str | None:
         from torch._inductor import config as inductor
         from torch._inductor import cpp_builder, exc
 
-        cpp_builder.get_cpp_compiler()
+        found = getattr(cpp_builder, "get_cpp_compiler", None)
+        if found is None:  # (torch 2.4: codecache's)
+            from torch._inductor.codecache import cpp_compiler as found
+        found()
     except (ImportError, AttributeError):
         return None
     except exc.InvalidCxxCompiler:

@@ -66,8 +66,8 @@ if _QUIET_CPP:
 from torch.distributed.elastic.multiprocessing.api import SignalException  # noqa: E402
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError  # noqa: E402
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint  # noqa: E402
+from torch.distributed.run import determine_local_world_size, parse_args  # noqa: E402
 from torch.distributed.run import main as torchrun  # noqa: E402
-from torch.distributed.run import parse_args  # noqa: E402
 
 from ddp import cli, lost_rank, network, pausing, processes  # noqa: E402
 from ddp.errors import EXIT_FAILURE, EXIT_USAGE, MACHINE_MEMORY_FIX, lost_interrupt, oom_killed  # noqa: E402
@@ -134,7 +134,7 @@ def main(argv: list[str]) -> int:
     quiet_agent_logs()
     args = parse_args(argv)
     one_machine[:] = [args.standalone or str(args.nnodes) in ("1", "1:1")]
-    if refused := endpoint_refused(args):
+    if refused := nproc_refused(args.nproc_per_node) or endpoint_refused(args):
         print(f"error: {refused}", file=sys.stderr)
         return EXIT_USAGE
     store = rendezvous_store(args) if ":" in args.rdzv_endpoint else None  # (its port given: on another host)
@@ -299,6 +299,18 @@ def fixed_nodes_store(args: Any) -> tuple[str, int] | None:
     if args.rdzv_backend != "c10d" or high not in ("", low) or low == "1":
         return None
     return rendezvous_store(args)
+
+
+def nproc_refused(value: str) -> str | None:
+    """Why torchrun will refuse --nproc_per_node (gpu on a machine without one, a word it does not know: its
+    ValueError's traceback; 0 or fewer: an AssertionError's, with no words): that line; None where it takes it."""
+    try:
+        count = determine_local_world_size(str(value))
+    except ValueError as e:
+        if str(e).startswith("Unsupported"):
+            return f"--nproc_per_node={value} is no number of processes, nor auto, cpu or gpu"
+        return f"--nproc_per_node={value}: {str(e).rstrip('.')}; give a number of processes (e.g. 2), or auto or cpu"
+    return None if count >= 1 else f"--nproc_per_node={value}: 1 or more processes on each machine"
 
 
 def endpoint_refused(args: Any) -> str | None:

@@ -314,6 +314,22 @@ def test_an_endpoint_torchrun_refuses_is_one_line_before_it_starts(capsys):
         assert launcher.endpoint_refused(args) is None
 
 
+def test_a_process_count_torchrun_refuses_is_one_line_before_it_starts(capsys, monkeypatch):
+    """--nproc_per_node=gpu on a machine without one, 0, -1 or a word torchrun does not know: its ValueError's or
+    AssertionError's traceback, from `python ddp/torchrun.py` run by hand; now one line, exit 2."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # (torchrun asks it: a machine without GPUs)
+    for count, line in (
+        ("gpu", "--nproc_per_node=gpu: Cuda is not available; give a number of processes (e.g. 2), or auto or cpu"),
+        ("0", "--nproc_per_node=0: 1 or more processes on each machine"),
+        ("-1", "--nproc_per_node=-1: 1 or more processes on each machine"),
+        ("two", "--nproc_per_node=two is no number of processes, nor auto, cpu or gpu"),
+    ):
+        assert launcher.main(["--standalone", f"--nproc_per_node={count}", str(TRAIN)]) == 2
+        assert capsys.readouterr().err == f"error: {line}\n"
+    for count in ("1", "cpu", "auto"):  # taken: torchrun would go on with them
+        assert launcher.nproc_refused(count) is None
+
+
 @pytest.mark.parametrize("mode, flags", [("ddp", ["--multi_gpu"]), ("fsdp", ["--use_fsdp", "--fsdp_version", "2"])])
 def test_accelerate_multi_gpu_runs_2_processes_on_a_machine_without_gpus(tmp_path, mode, flags):
     """--multi_gpu (or --use_fsdp: run.parallel=fsdp) starts torchrun, which needs no GPU and no MPI: the

@@ -3,7 +3,7 @@
 Its modules in layers, top to bottom. A module imports only modules after it in this list, never one
 before it (tests/test_layers.py), so each can be read knowing only what is below it:
 
-    the launcher        accelerate_launch, torchrun, pausing
+    the launcher        accelerate_launch, torchrun, torchrun_args, pausing
     the loop            train
     commands            __main__, evaluate, doctor, plot
     a run's state       warmup, profiling, preemption, logs, checkpoint, compatible, schema, weights, faults, rundir,

@@ -66,11 +66,12 @@ if _QUIET_CPP:
 from torch.distributed.elastic.multiprocessing.api import SignalException  # noqa: E402
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError  # noqa: E402
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint  # noqa: E402
-from torch.distributed.run import determine_local_world_size, parse_args  # noqa: E402
 from torch.distributed.run import main as torchrun  # noqa: E402
+from torch.distributed.run import parse_args  # noqa: E402
 
 from ddp import cli, lost_rank, network, pausing, processes  # noqa: E402
 from ddp.errors import EXIT_FAILURE, EXIT_USAGE, MACHINE_MEMORY_FIX, lost_interrupt, oom_killed  # noqa: E402
+from ddp.torchrun_args import launch_refused  # noqa: E402
 
 GRACE_S = 20.0  # how long the agent may outlive its ranks (its own exit barrier waits on the other hosts)
 STORE_LOST_S = 5.0  # ... when its rendezvous store does not answer: what it waits for cannot come
@@ -134,7 +135,7 @@ def main(argv: list[str]) -> int:
     quiet_agent_logs()
     args = parse_args(argv)
     one_machine[:] = [args.standalone or str(args.nnodes) in ("1", "1:1")]
-    if refused := nproc_refused(args.nproc_per_node) or endpoint_refused(args):
+    if refused := launch_refused(args):
         print(f"error: {refused}", file=sys.stderr)
         return EXIT_USAGE
     store = rendezvous_store(args) if ":" in args.rdzv_endpoint else None  # (its port given: on another host)
@@ -299,31 +300,6 @@ def fixed_nodes_store(args: Any) -> tuple[str, int] | None:
     if args.rdzv_backend != "c10d" or high not in ("", low) or low == "1":
         return None
     return rendezvous_store(args)
-
-
-def nproc_refused(value: str) -> str | None:
-    """Why torchrun will refuse --nproc_per_node (gpu on a machine without one, a word it does not know: its
-    ValueError's traceback; 0 or fewer: an AssertionError's, with no words): that line; None where it takes it."""
-    try:
-        count = determine_local_world_size(str(value))
-    except ValueError as e:
-        if str(e).startswith("Unsupported"):
-            return f"--nproc_per_node={value} is no number of processes, nor auto, cpu or gpu"
-        return f"--nproc_per_node={value}: {str(e).rstrip('.')}; give a number of processes (e.g. 2), or auto or cpu"
-    return None if count >= 1 else f"--nproc_per_node={value}: 1 or more processes on each machine"
-
-
-def endpoint_refused(args: Any) -> str | None:
-    """Why torchrun will refuse --rdzv_endpoint, which it said only after the ranks' preflight, in a ValueError's
-    traceback: that line; None where it takes it."""
-    if args.standalone or args.rdzv_backend != "c10d" or not args.rdzv_endpoint:
-        return None
-    try:
-        parse_rendezvous_endpoint(args.rdzv_endpoint, 29400)
-    except ValueError as e:
-        endpoint = f"--rdzv_endpoint={args.rdzv_endpoint}"
-        return network.scoped(endpoint) if "%" in args.rdzv_endpoint else f"{endpoint}: {e}"
-    return None
 
 
 def rendezvous_store(args: Any) -> tuple[str, int] | None:

@@ -37,7 +37,7 @@ from conftest import (
     state,
 )
 
-from ddp import cpus, errors, lost_rank, processes
+from ddp import cpus, errors, lost_rank, processes, torchrun_args
 from ddp import torchrun as launcher
 
 SCRIPTS = sorted([*(REPO / "launch").glob("*.sh"), *(REPO / "slurm").glob("*.sh")])
@@ -311,23 +311,34 @@ def test_an_endpoint_torchrun_refuses_is_one_line_before_it_starts(capsys):
         assert re.fullmatch(f"error: {line}.*\n", capsys.readouterr().err)
     for endpoint in ("[fd00::1]:29400", "h0:29400", "h0"):  # taken: torchrun would go on with them
         args = launcher.parse_args([*flags, f"--rdzv_endpoint={endpoint}", str(TRAIN)])
-        assert launcher.endpoint_refused(args) is None
+        assert torchrun_args.endpoint_refused(args) is None
 
 
-def test_a_process_count_torchrun_refuses_is_one_line_before_it_starts(capsys, monkeypatch):
-    """--nproc_per_node=gpu on a machine without one, 0, -1 or a word torchrun does not know: its ValueError's or
-    AssertionError's traceback, from `python ddp/torchrun.py` run by hand; now one line, exit 2."""
+def test_torchrun_arguments_it_would_refuse_in_a_traceback_are_one_line_before_it_starts(capsys, monkeypatch):
+    """`python ddp/torchrun.py` run by hand: --nproc_per_node=gpu on a machine without one, 0, -1 or a word torchrun
+    does not know, --nnodes=0, 3:2 or abc, --max-restarts=-1: torchrun's ValueError's or AssertionError's traceback;
+    a static rendezvous's --node_rank past --nnodes: a wait for good. Now one line each, exit 2."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # (torchrun asks it: a machine without GPUs)
-    for count, line in (
-        ("gpu", "--nproc_per_node=gpu: Cuda is not available; give a number of processes (e.g. 2), or auto or cpu"),
-        ("0", "--nproc_per_node=0: 1 or more processes on each machine"),
-        ("-1", "--nproc_per_node=-1: 1 or more processes on each machine"),
-        ("two", "--nproc_per_node=two is no number of processes, nor auto, cpu or gpu"),
-    ):
-        assert launcher.main(["--standalone", f"--nproc_per_node={count}", str(TRAIN)]) == 2
+    nnodes = "a number of machines (1 or more), or MIN:MAX with 1 <= MIN <= MAX"
+    static = ["--rdzv_backend=static", "--master_addr=127.0.0.1", "--master_port=29555"]
+    for flags, line in (
+        (["--nproc_per_node=gpu"], "--nproc_per_node=gpu: Cuda is not available; give a number of processes (e.g. "
+                                   "2), or auto or cpu"),
+        (["--nproc_per_node=0"], "--nproc_per_node=0: 1 or more processes on each machine"),
+        (["--nproc_per_node=-1"], "--nproc_per_node=-1: 1 or more processes on each machine"),
+        (["--nproc_per_node=two"], "--nproc_per_node=two is no number of processes, nor auto, cpu or gpu"),
+        (["--nnodes=0"], f"--nnodes=0: {nnodes}"),
+        (["--nnodes=3:2"], f"--nnodes=3:2: {nnodes}"),
+        (["--nnodes=abc"], f"--nnodes=abc: {nnodes}"),
+        (["--max-restarts=-1", "--standalone"], "--max-restarts=-1: 0 or more restarts"),
+        (["--nnodes=2", "--node_rank=5", *static], "--node_rank=5: the machines of --nnodes=2 are 0 to 1"),
+    ):  # fmt: skip
+        assert launcher.main([*flags, str(TRAIN)]) == 2, flags
         assert capsys.readouterr().err == f"error: {line}\n"
     for count in ("1", "cpu", "auto"):  # taken: torchrun would go on with them
-        assert launcher.nproc_refused(count) is None
+        assert torchrun_args.nproc_refused(count) is None
+    for flags in (["--nnodes=1:4", "--standalone"], ["--nnodes=2", "--node_rank=1", *static]):
+        assert torchrun_args.launch_refused(launcher.parse_args([*flags, str(TRAIN)])) is None
 
 
 @pytest.mark.parametrize("mode, flags", [("ddp", ["--multi_gpu"]), ("fsdp", ["--use_fsdp", "--fsdp_version", "2"])])

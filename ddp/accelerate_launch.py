@@ -28,7 +28,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 if __package__ in (None, ""):  # run as a file: import ddp from the repository, not ddp/'s modules as top-level ones
     sys.path[0] = str(Path(__file__).resolve().parent.parent)
@@ -56,9 +58,13 @@ def main(argv: list[str]) -> int:
     setattr(args, "bind-to", "socket:overload-allowed")
     accelerates = launch.simple_launcher  # (launch_command calls it for --cpu: through mpirun, or one process)
     launch.simple_launcher = lambda args: (_through_mpirun if args.mpirun_hostfile else accelerates)(args)
+    launch._validate_launch_command = _validated(launch._validate_launch_command)
     with torchrun.log_dir(args.log_dir, needed=not args.mpirun_hostfile) as args.log_dir:  # (--multi_gpu's agent)
         try:
             launch_command(args)  # (it sets args.num_machines from --config_file's when the command line has none)
+        except Refused as e:  # its arguments, before anything started
+            print(f"error: accelerate launch: {e}", file=sys.stderr)
+            return EXIT_USAGE
         except SentToTheRanks as e:  # a stop signal: they saved, and said so
             return 128 + e.signum
         except torchrun.SignalException as e:  # the ranks were stopped: their lines are printed
@@ -73,6 +79,27 @@ def main(argv: list[str]) -> int:
         finally:  # on one machine, how it exits (torchrun.run): its flag's word, or its config file's
             torchrun.one_machine[:] = [args.num_machines == 1]
     return 0
+
+
+class Refused(Exception):
+    """accelerate launch's arguments refused before anything starts: its own ValueError's words (a traceback before:
+    --multi_gpu with 1 process, two of --cpu, --multi_gpu, --use_fsdp), or a count below 1 (--num_processes 0 or -2
+    ran one plain process, not a mistake said)."""
+
+
+def _validated(validate: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """accelerate's _validate_launch_command, whose refusals are Refused (launch_command calls it first)."""
+
+    def validated(args: Any) -> Any:
+        for flag in ("num_processes", "num_machines"):
+            if (count := getattr(args, flag, None)) is not None and count < 1:
+                raise Refused(f"--{flag} {count}: 1 or more")
+        try:
+            return validate(args)
+        except ValueError as e:
+            raise Refused(str(e).strip()) from None
+
+    return validated
 
 
 # The signals the ranks stop on by default (run.stop_signal), and SIGUSR2, which mpirun passed on

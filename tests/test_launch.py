@@ -863,6 +863,33 @@ def test_the_agent_of_a_job_on_one_machine_exits_without_the_interpreters_teardo
         assert ended.value.code == 0
 
 
+def test_accelerate_launch_arguments_it_refuses_are_one_line_before_anything_starts(monkeypatch, capsys):
+    """`python ddp/accelerate_launch.py` run by hand: --multi_gpu with 1 process, or --cpu and --multi_gpu together,
+    were accelerate's ValueError's traceback; --num_processes 0 or -2 ran one plain process, no mistake said. Now one
+    line each, exit 2, and no launcher of ranks is called."""
+    from accelerate.commands import launch
+
+    from ddp import accelerate_launch
+
+    for name in ("simple_launcher", "_validate_launch_command"):  # (main wraps them: put back after)
+        monkeypatch.setattr(launch, name, getattr(launch, name))
+    started = []
+    monkeypatch.setattr(launcher, "one_machine", [])  # (main sets it)
+    monkeypatch.setattr(launch, "multi_gpu_launcher", started.append)
+    monkeypatch.setattr(accelerate_launch, "_through_mpirun", started.append)
+    for flags, line in (
+        (["--num_processes", "0"], "--num_processes 0: 1 or more"),
+        (["--cpu", "--num_processes", "-2"], "--num_processes -2: 1 or more"),
+        (["--multi_gpu", "--num_processes", "2", "--num_machines", "0"], "--num_machines 0: 1 or more"),
+        (["--multi_gpu", "--num_processes", "1"], "You need to use at least 2 processes to use `--multi_gpu`."),
+        (["--cpu", "--multi_gpu"], "You can only use one of `--cpu`, `--multi_gpu`, `--tpu`, `--use_deepspeed`, "
+                                   "`--use_fsdp` at a time."),
+    ):  # fmt: skip
+        assert accelerate_launch.main([*flags, str(TRAIN)]) == 2, flags
+        assert capsys.readouterr().err.endswith(f"error: accelerate launch: {line}\n"), flags
+    assert accelerate_launch.main(["--multi_gpu", "--num_processes", "2", str(TRAIN)]) == 0 and len(started) == 1
+
+
 @pytest.mark.parametrize("config, skips_teardown", [("one-machine.yaml", True), ("multi-machine.yaml", False)])
 def test_accelerate_launch_on_one_machine_by_its_config_file_exits_without_the_teardown(config, skips_teardown,
                                                                                         monkeypatch):  # fmt: skip
@@ -878,7 +905,8 @@ def test_accelerate_launch_on_one_machine_by_its_config_file_exits_without_the_t
 
     monkeypatch.setattr(launcher, "one_machine", [])
     monkeypatch.setattr(launch, "multi_gpu_launcher", lambda args: None)
-    monkeypatch.setattr(launch, "simple_launcher", launch.simple_launcher)  # (main wraps it: put back after)
+    for name in ("simple_launcher", "_validate_launch_command"):  # (main wraps them: put back after)
+        monkeypatch.setattr(launch, name, getattr(launch, name))
     monkeypatch.setattr(launcher.cli, "leave", leave)
     argv = ["--config_file", str(REPO / "launch" / "accelerate" / config), "--num_processes", "2", str(TRAIN)]
     with pytest.raises(RuntimeError if skips_teardown else SystemExit) as ended:

@@ -244,21 +244,21 @@ def failed(error: ChildFailedError) -> int:
     for code, ranks in unsaid.items():
         pids, many = ", ".join(str(failures[rank].pid) for rank in ranks), len(ranks) > 1
         who = f"rank{'s' * many} {', '.join(map(str, ranks))} (pid{'s' * many} {pids})"
-        print(f"error: {killed(who, -code) if code < 0 else f'{who} exited {code}'}", file=sys.stderr, flush=True)
+        print(f"error: {killed(who, -code, many) if code < 0 else f'{who} exited {code}'}", file=sys.stderr, flush=True)
     code = failures[first].exitcode
     return code if code > 0 else 128 - code if code < 0 else EXIT_FAILURE
 
 
-def killed(who: str, signum: int) -> str:
-    """`who` (a rank) killed by signal `signum`, which left no line of its own: by the kernel for memory, most likely,
-    where SIGKILL came as this machine's out-of-memory kills rose."""
+def killed(who: str, signum: int, many: bool = False) -> str:
+    """`who` (a rank, or `many` ranks) killed by signal `signum`, which left no line of its own: by the kernel for
+    memory, most likely, where SIGKILL came as this machine's out-of-memory kills rose."""
     try:
         name = signal.Signals(signum).name
     except ValueError:  # (a real-time signal)
         name = f"signal {signum}"
     oom = oom_killed() if signum == signal.SIGKILL else None
     why = f": out of memory, most likely ({oom}); {MACHINE_MEMORY_FIX}" if oom else ""
-    return f"{who} {'were' if who.startswith('ranks') else 'was'} killed by {name}{why}"
+    return f"{who} {'were' if many else 'was'} killed by {name}{why}"
 
 
 def leave_after_the_ranks(store: tuple[str, int] | None, elastic: bool, nodes: tuple[str, int] | None) -> None:

@@ -147,6 +147,9 @@ def check_master(master: str, port: int, node_rank: int, timeout_s: float) -> No
     may start later). A name that does not resolve or a port taken is a UsageError; no answer, PeerLost.
     torchrun itself waits without end on both, or fails with two tracebacks."""
     host = socket.gethostname()
+    if not master:  # (a NODE_RANK set by hand: the launch files need MASTER_ADDR with it)
+        raise UsageError(f"NODE_RANK={node_rank} is set, and MASTER_ADDR is not: on each of several machines, set "
+                         "it to node 0's address; on one machine, unset NODE_RANK")  # fmt: skip
     if "%" in master:
         raise UsageError(scoped(f"MASTER_ADDR={master}"))
     to = resolve(master)

@@ -134,7 +134,7 @@ def main(argv: list[str]) -> int:
         print(f"+ {shlex.join(['python', str(Path(__file__).resolve()), *argv])}", file=sys.stderr, flush=True)
     quiet_agent_logs()
     args = parse_args(argv)
-    one_machine[:] = [args.standalone or str(args.nnodes) in ("1", "1:1")]
+    one_machine[:] = [on_one_machine(args)]
     if refused := launch_refused(args):
         print(f"error: {refused}", file=sys.stderr)
         return EXIT_USAGE
@@ -197,14 +197,12 @@ def preflight(count: str, argv: list[str]) -> int | None:
 
     if {"--help", "-h", "--print-config"} & set(args.training_script_args):
         return train.cli(args.training_script_args)
+    # On one machine a NODE_RANK left in the shell (by launch/multinode.sh, say) is not this launch's: the preflight
+    # took it for a machine of several, and waited for MASTER_ADDR to answer (torchrun itself ignores it).
+    alone = {"NODE_RANK": None} if on_one_machine(args) else {}
     with tempfile.NamedTemporaryFile(suffix=".json") as said:  # its line, where a rank's goes (launchers.record_error)
-        before = os.environ.get(ERROR_FILE)
-        os.environ[ERROR_FILE] = said.name
-        try:
+        with environment({ERROR_FILE: said.name, **alone}):
             code = train.cli(["--preflight", count, *args.training_script_args])
-        finally:
-            os.environ.pop(ERROR_FILE)
-            os.environ.update({ERROR_FILE: before} if before else {})
         if code and (store := fixed_nodes_store(args)):  # the other machines wait for this one
             line = json.loads(Path(said.name).read_text() or '{"message": {}}')["message"].get("message", "")
             word = {"code": code, "line": line.removeprefix("error: ")}
@@ -291,6 +289,30 @@ def leave_after_the_ranks(store: tuple[str, int] | None, elastic: bool, nodes: t
             guess = " (its exit barrier waits on another host?)" if store else ""  # (one machine: a hang of its own)
             _leave(f"torchrun's agent on {host} still ran {GRACE_S:.0f} s after its ranks ended{guess}; it was at "
                    f"{main_thread_at()}")  # fmt: skip
+
+
+def on_one_machine(args: Any) -> bool:
+    """Whether torchrun's `args` launch on this machine alone (--standalone, --nnodes=1)."""
+    return bool(args.standalone) or str(args.nnodes) in ("1", "1:1")
+
+
+@contextlib.contextmanager
+def environment(changes: dict[str, str | None]) -> Iterator[None]:
+    """os.environ with `changes` while inside (None: the variable unset), as it was after."""
+    before = {name: os.environ.get(name) for name in changes}
+
+    def put(values: dict[str, str | None]) -> None:
+        for name, value in values.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+    put(changes)
+    try:
+        yield
+    finally:
+        put(before)
 
 
 def fixed_nodes_store(args: Any) -> tuple[str, int] | None:

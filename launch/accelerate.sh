@@ -56,6 +56,9 @@ else
   cmd=(python "$root/ddp/accelerate_launch.py" --cpu --num_processes "$nproc" --num_machines 1 --mixed_precision no
     --dynamo_backend no --mpirun_hostfile "$root/launch/accelerate/$hostfile" --main_process_port "$port")
 fi
+# accelerate's machine is MACHINE_RANK's: a NODE_RANK left in the shell (by launch/multinode.sh, say) made the
+# preflight take this for a machine of several, and wait for MASTER_ADDR to answer
+unset NODE_RANK
 if [ "${MACHINE_RANK:-0}" = 0 ]; then  # once, on the first machine; the lock is rank 0's
   preflight $((machines * nproc)) "$@"
 fi

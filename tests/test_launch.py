@@ -250,6 +250,22 @@ def test_the_launchers_preflight_in_torchruns_process_refuses_in_one_line(argv, 
     assert err.count("\n") == 1 and err.startswith("error: ") and message in err and "+ python" not in err, err
 
 
+def test_a_node_rank_left_in_the_shell_does_not_make_one_machine_a_machine_of_several(tmp_path, monkeypatch, capsys):
+    """NODE_RANK=1 and MASTER_ADDR left exported by an earlier launch/multinode.sh: launch/torchrun.sh (one machine,
+    torchrun --standalone, which ignores them) had its preflight wait run.timeout_s for MASTER_ADDR to answer, then
+    fail; without MASTER_ADDR it said "MASTER_ADDR= does not resolve". On several machines NODE_RANK still counts."""
+    monkeypatch.setenv("NODE_RANK", "1")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))  # nothing answers there
+    ranks = [str(TRAIN), *TINY, f"run.out_dir={tmp_path / 'run'}", "run.timeout_s=2"]
+    assert launcher.preflight("2", ["--standalone", *ranks]) is None, capsys.readouterr().err
+    assert os.environ["NODE_RANK"] == "1"  # as it was, after
+    monkeypatch.delenv("MASTER_ADDR")
+    assert launcher.preflight("4", ["--nnodes=2", "--rdzv_backend=c10d", "--rdzv_endpoint=127.0.0.1", *ranks]) == 2
+    said = "error: NODE_RANK=1 is set, and MASTER_ADDR is not: on each of several machines, set it to node 0's"
+    assert capsys.readouterr().err.startswith(said)
+
+
 def test_help_and_print_config_through_a_launch_file_are_answered_once_and_start_no_rank(capsys):
     """`bash launch/torchrun.sh --print-config` (or --help): printed once, by ddp/torchrun.py's preflight, not by
     every rank, and torchrun never starts; the launch files' shared preflight (accelerate, SLURM) does the same."""
@@ -692,12 +708,14 @@ def test_accelerate_script_on_cpu_twice_at_once(tmp_path):
     """Two runs at once on one machine, MASTER_PORT unset: the second's ranks found the first's port (29500) taken
     and failed (exit 2). Each takes a free port now, as torchrun --standalone does. The second has 3 ranks, more
     than the cores of a 2-core machine: accelerate has mpirun bind the ranks to a socket, and Open MPI refused to
-    bind more than its cores (`binding more processes than cpus on a resource`, exit 1)."""
+    bind more than its cores (`binding more processes than cpus on a resource`, exit 1). The second's shell has a
+    NODE_RANK too, which is not accelerate's."""
     require("mpirun", "apt-get install openmpi-bin")
     nprocs = (2, 3)
+    stale = {3: {"NODE_RANK": "1"}}  # the second's shell: left by launch/multinode.sh ("MASTER_ADDR= does not resolve")
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         runs = [pool.submit(run_script, "launch/accelerate.sh", *ONE_EPOCH, "train.batch_size=30",
-                            f"run.out_dir={tmp_path / str(n)}", env=clean_env(NPROC=str(n)))
+                            f"run.out_dir={tmp_path / str(n)}", env=clean_env(NPROC=str(n), **stale.get(n, {})))
                 for n in nprocs]  # fmt: skip
     for n, run in zip(nprocs, runs):
         proc = run.result()

@@ -45,6 +45,12 @@ _MPI_VARS = (
 )
 
 
+def _mpi_vars(env: Env) -> tuple[str, str, str, str] | None:
+    """The names of the MPI launch whose rank, local rank and size are all set; None for none. `srun --mpi=pmi2`
+    (a cluster's MpiDefault=pmi2) sets PMI_RANK and PMI_SIZE alone, for SLURM's tasks: a KeyError's traceback."""
+    return next((names for names in _MPI_VARS if all(name in env for name in names[:3])), None)
+
+
 @dataclass(frozen=True)
 class Launch:
     """What the launcher's variables say about this process, before devices are considered."""
@@ -94,11 +100,10 @@ def _torchrun(env: Env, name: str) -> Launch | None:
 def _accelerate_mpi(env: Env) -> Launch | None:
     """`accelerate launch --cpu --num_processes N --mpirun_hostfile F`: mpirun starts the processes
     (MPI's rank variables) and accelerate adds MASTER_ADDR/MASTER_PORT for the process group."""
-    for names in _MPI_VARS:
-        if names[0] in env:
-            rank, local_rank, world_size, local = _counts(env, names)
-            master = f"tcp://{host_port(env.get('MASTER_ADDR', '127.0.0.1'), master_port(env, 29500))}"
-            return _checked("accelerate", rank, local_rank, world_size, local_world_size=local, init_method=master)
+    if names := _mpi_vars(env):
+        rank, local_rank, world_size, local = _counts(env, names)
+        master = f"tcp://{host_port(env.get('MASTER_ADDR', '127.0.0.1'), master_port(env, 29500))}"
+        return _checked("accelerate", rank, local_rank, world_size, local_world_size=local, init_method=master)
     if "MASTER_ADDR" in env:
         raise UsageError(
             "accelerate started 1 process for --num_processes > 1: with --cpu it starts several only "
@@ -204,7 +209,7 @@ def speaks_for_its_machine(env: Env = os.environ) -> bool:
     local rank 0 speaks)."""
     if launch := launched(env):
         return launch.local_rank == 0
-    return next((env[names[1]] == "0" for names in _MPI_VARS if names[1] in env), True)
+    return env[names[1]] == "0" if (names := _mpi_vars(env)) else True
 
 
 def quiet_startup(module: str) -> None:
@@ -260,7 +265,7 @@ def has_peers(env: Env = os.environ) -> bool:
 
 def _mpi_size(env: Env) -> int:
     """The processes MPI's variables (Open MPI's, MPICH's) say it started; 0 where there are none."""
-    return next((_counts(env, names)[2] for names in _MPI_VARS if names[0] in env), 0)
+    return _counts(env, names)[2] if (names := _mpi_vars(env)) else 0
 
 
 def launched(env: Env = os.environ) -> Launch | None:

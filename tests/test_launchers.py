@@ -355,3 +355,15 @@ def test_plain_mpirun_is_one_line_naming_the_launchers_that_work_said_by_its_loc
     alone = {k: "1" if "SIZE" in k or "NRANKS" in k else "0" for k in env}  # mpirun -n 1
     assert launchers.detect_launch(alone) == launchers.Launch("none", 0, 0, 1) and not launchers.has_peers(alone)
     assert launchers.detect_launch(env, "none").launcher == "none"
+
+
+def test_srun_with_slurms_pmi2_is_slurms_launch_not_mpiruns():
+    """`srun --mpi=pmi2` (a cluster's MpiDefault=pmi2) gives each task PMI_RANK and PMI_SIZE, without MPICH's
+    MPI_LOCALRANKID: every task ended in a KeyError's traceback (seen under this machine's SLURM)."""
+    task = {"PMI_FD": "11", "PMI_JOBID": "168.0", "PMI_RANK": "1", "PMI_SIZE": "2", "SLURM_JOB_ID": "168",
+            "SLURM_STEP_ID": "0", "SLURM_PROCID": "1", "SLURM_LOCALID": "1", "SLURM_NTASKS": "2",
+            "SLURM_JOB_NODELIST": "n1", "SLURM_STEP_TASKS_PER_NODE": "2"}  # fmt: skip
+    launch = launchers.detect_launch(task)
+    assert (launch.launcher, launch.rank, launch.local_rank, launch.world_size) == ("slurm", 1, 1, 2)
+    assert not launchers.speaks_for_its_machine(task)
+    assert launchers.detect_launch({"PMI_RANK": "0", "PMI_SIZE": "2"}).launcher == "none"  # (no srun: one process)

@@ -102,9 +102,11 @@ def test_a_rendezvous_port_taken_on_the_first_node_fails_the_job_in_one_line(slu
 
 
 def test_srun_starts_the_ranks_directly(slurm, tmp_path):
+    """With SLURM's PMI-2 (a cluster's MpiDefault=pmi2), whose PMI_RANK and PMI_SIZE without MPICH's other variables
+    were a KeyError's traceback in every task; plain srun: the srun-killed test below."""
     parallel = "fsdp" if has_fsdp2() else "ddp"  # ddp: the srun-killed test here, srun on 2 nodes (test_hosts.py)
     proc = subprocess.run(
-        ["srun", "--ntasks=2", "python", str(TRAIN), *TINY, "train.epochs=1", f"run.out_dir={tmp_path}",
+        ["srun", "--mpi=pmi2", "--ntasks=2", "python", str(TRAIN), *TINY, "train.epochs=1", f"run.out_dir={tmp_path}",
          f"run.parallel={parallel}"],
         cwd=REPO, env=slurm, capture_output=True, text=True, timeout=180,
     )  # fmt: skip

@@ -42,6 +42,7 @@ class Range:
 
 
 POSITIVE, NATURAL = Range(1), Range(0)  # integers from 1, from 0
+IMAGES = Range(1, 10**9)  # 3 TB of them; past 2**63 torch's own traceback (its sizes overflowed)
 FRACTION = Range(0, 1, high_open=True)  # [0, 1)
 PATHS = {"data.root", "data.path", "run.out_dir", "run.resume"}  # ~ expanded: bash leaves run.out_dir=~/x as typed
 
@@ -75,8 +76,8 @@ class DataConfig:
     mix_prob: float = opt(1.0, "the share of training batches mixed when MixUp/CutMix is on (both on: each is half)",
                           valid=Range(0, 1))  # fmt: skip
     mix_off_epoch: int = opt(0, "no MixUp/CutMix from this epoch on (0 = mix to the end)", valid=NATURAL)
-    synthetic_train: int = opt(2048, "train images for dataset=synthetic", valid=POSITIVE)
-    synthetic_test: int = opt(512, "test images for dataset=synthetic", valid=POSITIVE)
+    synthetic_train: int = opt(2048, "train images for dataset=synthetic", valid=IMAGES)
+    synthetic_test: int = opt(512, "test images for dataset=synthetic", valid=IMAGES)
     synthetic_classes: int = opt(10, "classes for dataset=synthetic", valid=Range(2, 10**5))
 
 

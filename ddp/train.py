@@ -383,10 +383,11 @@ def stop_if_diverged(job: Job, position: Position) -> None:
     newest = rundir.step_files(job.cfg.run.out_dir)
     kept = f"the newest checkpoint, {newest[0]}, is finite" if newest else "no checkpoint was written"
     fix = {"fp16": "optim.clip_grad_norm=1.0, or run.amp=bf16 instead of fp16", "fp16-weights": "run.amp=bf16"}
+    muon = f" or optim.muon_lr (now {job.cfg.optim.muon_lr:g})" if job.cfg.optim.muon_lr else ""  # its own rate
     raise Diverged(
         f"training diverged: {what} (step {position.global_step} now; last finite loss {ranks[0][1]:.4g}, lr "
         f"{job.trained.scheduler.get_last_lr()[0]:.3g}); nothing was saved after it and {kept}. "
-        f"Try a lower optim.lr (now {job.cfg.optim.lr:g}), {fix.get(job.cfg.run.amp, 'optim.clip_grad_norm=1.0')}"
+        f"Try a lower optim.lr (now {job.cfg.optim.lr:g}){muon}, {fix.get(job.cfg.run.amp, 'optim.clip_grad_norm=1.0')}"
     )
 
 

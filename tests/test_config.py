@@ -57,6 +57,7 @@ def test_bad_values_are_usage_errors(override, message):
     "override, message",
     [
         ("train.epochs=0", "train.epochs=0 is out of range: it must be >= 1"),
+        ("data.synthetic_test=" + "9" * 20, "is out of range: it must be in [1, 1000000000]"),  # torch's traceback
         ("train.epochs=-1", "train.epochs=-1 is out of range: it must be >= 1"),
         ("train.eval_every=0", "train.eval_every=0 is out of range: it must be >= 1"),
         ("train.eval_every=-2", "train.eval_every=-2 is out of range: it must be >= 1"),
@@ -91,7 +92,7 @@ def test_bad_values_are_usage_errors(override, message):
         ("run.seed=-1", "run.seed=-1 is out of range: it must be in [0, 4294967295]"),
         ("run.seed=4294967296", "run.seed=4294967296 is out of range"),
         ("data.workers=-1", "data.workers=-1 is out of range: it must be >= 0"),
-        ("data.synthetic_train=0", "data.synthetic_train=0 is out of range: it must be >= 1"),
+        ("data.synthetic_train=0", "data.synthetic_train=0 is out of range: it must be in [1, 1000000000]"),
     ],
 )
 def test_numbers_out_of_their_range_are_usage_errors(override, message):

@@ -53,6 +53,13 @@ def test_one_process_stops_with_exit_3_and_keeps_its_finite_checkpoints(tmp_path
     assert again.returncode == 3 and [p.name for p in rundir.step_files(tmp_path)] == [p.name for p in files]
 
 
+def test_a_muon_rate_that_diverges_is_named_in_the_line(tmp_path):
+    """optim.muon_lr=1e30: the line told to lower optim.lr alone, which Muon's matrices do not use."""
+    proc = python(str(TRAIN), f"run.out_dir={tmp_path}", *TINY, "train.epochs=1", "optim.muon_lr=1e30")
+    assert proc.returncode == 3, proc.stderr
+    assert "Try a lower optim.lr (now 0.05) or optim.muon_lr (now 1e+30), optim.clip_grad_norm=1.0" in proc.stderr
+
+
 def test_two_ranks_stop_together_and_one_says_why(tmp_path):
     proc = torchrun(2, str(TRAIN), f"run.out_dir={tmp_path}", *DIVERGING)
     assert proc.returncode != 0 and "exitcode  : 3" in proc.stderr, proc.stderr

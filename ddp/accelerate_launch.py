@@ -35,7 +35,7 @@ from typing import Any
 if __package__ in (None, ""):  # run as a file: import ddp from the repository, not ddp/'s modules as top-level ones
     sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
-from ddp.launchers import quiet_startup  # noqa: E402
+from ddp.startup import quiet_startup  # noqa: E402
 
 quiet_startup(__name__)  # a Ctrl-C or a missing package in the imports: one line, not a traceback
 

@@ -111,7 +111,21 @@ def settings(cfg: Config, world: World) -> tuple[int, tuple[torch.dtype | None, 
     per_rank_batch = split_batch(t.batch_size, world.world_size, "train.batch_size", t.grad_accum_steps)
     chosen = precision(cfg.run.amp, world.device, t.batch_size)  # autocast, weights, loss scale
     check_combinations(cfg, world)
+    check_compile_cache()
     return per_rank_batch, chosen
+
+
+def check_compile_cache() -> None:
+    """TORCHINDUCTOR_CACHE_DIR, made as torch._dynamo loads, which every run does (distributed.setup): one that cannot
+    be made was a FileNotFoundError's traceback in every rank (its module file, say, on a machine without it)."""
+    if cache := os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
+        try:
+            os.makedirs(os.path.abspath(cache), exist_ok=True)  # as torch makes it
+        except OSError as e:
+            raise UsageError(
+                f"TORCHINDUCTOR_CACHE_DIR={cache}: torch makes its compile cache there as it loads, and "
+                f"cannot ({e.strerror}); set it to a directory this user may write, or unset it"
+            ) from None
 
 
 def check_combinations(cfg: Config, world: World) -> None:

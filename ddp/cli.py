@@ -292,7 +292,7 @@ def command(main: Callable[[list[str]], Any], argv: list[str] | None = None, pro
         return EXIT_FAILURE
     except KeyboardInterrupt:  # Ctrl-C where no stop is handled (preemption's and lifeline's are not installed)
         if debug_requested(argv):
-            sys.excepthook = sys.__excepthook__  # where it was: the traceback (launchers.quiet_startup's would not)
+            sys.excepthook = sys.__excepthook__  # where it was: the traceback (startup.quiet_startup's would not)
             raise
         if launchers.speaks_for_its_machine():
             print(f"{prog + ': ' if prog else ''}{INTERRUPTED}", file=sys.stderr)

@@ -68,7 +68,7 @@ def lost_interrupt() -> None:
 
 
 class LossyStderr:
-    """A command's stderr (launchers.quiet_startup puts it in sys.stderr): text the OS refuses (a terminal hung up
+    """A command's stderr (startup.quiet_startup puts it in sys.stderr): text the OS refuses (a terminal hung up
     under an ssh session that dropped, SLURM's output file on a full disk or quota) is lost, and fd 2 goes to
     /dev/null from then on. Before, the OSError of a stop's or a mistake's line turned its exit code (75, 2) into
     1, with a traceback nobody could read; the line is lost either way, the exit code now says what happened."""

@@ -21,15 +21,13 @@ import contextlib
 import json
 import os
 import re
-import signal
-import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ddp.errors import EXIT_USAGE, INTERRUPTED, UsageError, interrupted, remember_interrupts, standard_streams
+from ddp.errors import UsageError
 from ddp.network import host_port
 
 if TYPE_CHECKING:  # a type alone: importing this module imports no torch (quiet_startup runs before it)
@@ -210,46 +208,6 @@ def speaks_for_its_machine(env: Env = os.environ) -> bool:
     if launch := launched(env):
         return launch.local_rank == 0
     return env[names[1]] == "0" if (names := _mpi_vars(env)) else True
-
-
-def quiet_startup(module: str) -> None:
-    """From a command's module run as one (`module`: its __name__ is "__main__"; an import changes nothing), before
-    its seconds of imports (torch's), two things nothing else handles become one line, said by one process per machine
-    (speaks_for_its_machine), not a traceback: a Ctrl-C in them (one torch lost: cli.command's), INTERRUPTED, and the
-    interpreter ends as Ctrl-C ends it (128 + SIGINT); a package this Python lacks (no venv, a torch without one of its
-    own): which one, this interpreter, and how to install them; exit 2. Any other exception keeps its traceback (a
-    module of ddp's own missing is a bug) unless a Ctrl-C came before it. And errors.standard_streams: a stderr the
-    OS refuses (a hung-up terminal, a full disk) or closed (`2>&-`) loses its lines, not the exit code."""
-    if module != "__main__":
-        return
-    standard_streams()
-    remember_interrupts()
-    previous = sys.excepthook
-
-    def hook(kind: type[BaseException], value: BaseException, tb: object) -> None:
-        missing = getattr(value, "name", None) if issubclass(kind, ModuleNotFoundError) else None
-        # an error after a Ctrl-C that an import swallowed is the Ctrl-C's: numpy's module left half made by it, then
-        # "ImportError: cannot load module more than once per process" (a rank under torchrun, Ctrl-C in its imports)
-        ctrl_c = issubclass(kind, KeyboardInterrupt) or interrupted()
-        if not ctrl_c and (not missing or missing.split(".")[0] == "ddp"):
-            return previous(kind, value, tb)
-        if speaks_for_its_machine():
-            print(INTERRUPTED if ctrl_c else missing_package(missing), file=sys.stderr, flush=True)
-        if ctrl_c and not issubclass(kind, KeyboardInterrupt):  # ends as Python ends on one: killed by SIGINT
-            signal.signal(signal.SIGINT, signal.SIG_DFL)
-            os.kill(os.getpid(), signal.SIGINT)
-        if missing is not None:
-            os._exit(EXIT_USAGE)
-
-    sys.excepthook = hook
-
-
-def missing_package(name: str) -> str:
-    """The line for `import name` failing in this Python: it lacks the packages that pyproject.toml lists."""
-    return (
-        f"error: no module named {name!r} in {sys.executable}: install ddp-cifar's packages with `make install` "
-        "and run with .venv/bin/python (or `source .venv/bin/activate`), or `pip install -e .` into this Python"
-    )
 
 
 def has_peers(env: Env = os.environ) -> bool:

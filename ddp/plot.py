@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ddp.launchers import quiet_startup
+from ddp.startup import quiet_startup
 
 quiet_startup(__name__)  # run as a command: a Ctrl-C or a missing package in the imports below is one line
 

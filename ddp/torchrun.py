@@ -52,7 +52,7 @@ from typing import Any, NoReturn
 if __package__ in (None, ""):  # run as a file: import ddp from the repository, not ddp/'s modules as top-level ones
     sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
-from ddp.launchers import quiet_startup  # noqa: E402
+from ddp.startup import quiet_startup  # noqa: E402
 
 quiet_startup(__name__)  # a Ctrl-C or a missing package in torch's import: one line, not its traceback
 _QUIET_CPP = "TORCH_CPP_LOG_LEVEL" not in os.environ
@@ -256,7 +256,12 @@ def killed(who: str, signum: int, many: bool = False) -> str:
         name = f"signal {signum}"
     oom = oom_killed() if signum == signal.SIGKILL else None
     why = f": out of memory, most likely ({oom}); {MACHINE_MEMORY_FIX}" if oom else ""
+    if signum == signal.SIGSEGV and os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL":
+        why = f" (TORCH_DISTRIBUTED_DEBUG=DETAIL is set: {DETAIL_CRASH}; unset it, or set INFO)"
     return f"{who} {'were' if many else 'was'} killed by {name}{why}"
+
+
+DETAIL_CRASH = "torch 2.14.1's DDP crashed so as it started, in its DETAIL logging (seen with gloo)"
 
 
 def leave_after_the_ranks(store: tuple[str, int] | None, elastic: bool, nodes: tuple[str, int] | None) -> None:

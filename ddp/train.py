@@ -19,12 +19,10 @@ from typing import Any
 if __package__ in (None, ""):  # run as a file (python/torchrun ddp/train.py): import ddp from the repo
     sys.path[0] = str(Path(__file__).resolve().parent.parent)
 PARENT = os.getppid()  # the launcher that started this process, read before the seconds of imports (lifeline)
-from ddp.launchers import launched, quiet_startup
-from ddp.processes import first_for_the_oom_killer
+from ddp.startup import as_a_rank, quiet_startup
 
 quiet_startup(__name__)  # a Ctrl-C or a missing package in the imports below: one line, not their traceback
-if __name__ == "__main__" and getattr(launched(), "launcher", "none") != "none":  # a rank: its launcher reports
-    first_for_the_oom_killer()  # before torch's import, the first seconds' memory
+as_a_rank(__name__)  # a launcher's rank: first for the kernel's out-of-memory killer, before torch's import
 
 import torch
 from torch import nn

@@ -426,7 +426,7 @@ def test_a_question_to_a_store_where_no_thread_can_start_is_no_answer(monkeypatc
     assert lost_rank.asked(lambda: "an answer", 1.0) is None
 
 
-# Each command as a user starts it; each installs launchers.quiet_startup before its imports.
+# Each command as a user starts it; each installs startup.quiet_startup before its imports.
 COMMANDS = [[str(TRAIN)], [str(REPO / "ddp" / "torchrun.py")]] + [
     ["-m", f"ddp.{name}"] for name in ("evaluate", "checkpoint", "doctor", "plot")
 ]
@@ -482,6 +482,27 @@ def test_a_python_without_the_packages_is_one_line_naming_the_fix(command):
     assert_usage_error(proc, "no module named ", f"in {sys.executable}", "make install", "pip install -e .")
 
 
+@pytest.mark.parametrize("command", COMMANDS, ids=lambda c: c[-1].rpartition("/")[2])
+def test_a_debug_level_that_torchs_import_refuses_is_one_line_before_it(command):
+    """`export TORCH_DISTRIBUTED_DEBUG=` (set, empty) or a word torch does not take: `import torch` raised a ValueError
+    (torch.distributed reads it as it loads), every command's traceback, every rank's."""
+    proc = subprocess.run([sys.executable, *command, "--help"], cwd=REPO, env=clean_env(TORCH_DISTRIBUTED_DEBUG=""),
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert_usage_error(proc, "TORCH_DISTRIBUTED_DEBUG='': torch takes OFF, INFO, DETAIL; set one, or unset it")
+
+
+def test_a_compile_cache_that_cannot_be_made_is_one_line(tmp_path):
+    """TORCHINDUCTOR_CACHE_DIR that cannot be made (a file there; a scratch disk this machine lacks): torch makes it
+    as torch._dynamo loads, which every run does, and every rank ended in a FileNotFoundError's traceback."""
+    (tmp_path / "file").touch()
+    env = clean_env(TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "file"))
+    proc = subprocess.run([sys.executable, str(TRAIN), *TINY, f"run.out_dir={tmp_path / 'run'}"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    said = "torch makes its compile cache there as it loads, and cannot (File exists); set it to a directory this"
+    assert_usage_error(proc, f"TORCHINDUCTOR_CACHE_DIR={tmp_path / 'file'}: {said} user may write, or unset it")
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.parametrize(
     "raised, local_rank, said",
     [
@@ -494,7 +515,7 @@ def test_a_python_without_the_packages_is_one_line_naming_the_fix(command):
     ],
 )
 def test_the_startup_hook_speaks_for_local_rank_0_and_keeps_other_tracebacks(raised, local_rank, said):
-    code = f"from ddp.launchers import quiet_startup; quiet_startup(__name__); raise {raised}"
+    code = f"from ddp.startup import quiet_startup; quiet_startup(__name__); raise {raised}"
     torchrun = {"RANK": local_rank, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=clean_env(LOCAL_RANK=local_rank, **torchrun),
                           capture_output=True, text=True, timeout=60)  # fmt: skip
@@ -508,7 +529,7 @@ def test_an_error_in_the_imports_after_a_ctrl_c_they_swallowed_is_the_ctrl_c():
     the import failed again, `ImportError: cannot load module more than once per process`, a 15-line traceback that
     reads as a broken install. Now the Ctrl-C's line and its end (killed by SIGINT). Played here: the KeyboardInterrupt
     swallowed, then that ImportError."""
-    code = ("import os, signal, time\nfrom ddp.launchers import quiet_startup\nquiet_startup(__name__)\ntry:\n"
+    code = ("import os, signal, time\nfrom ddp.startup import quiet_startup\nquiet_startup(__name__)\ntry:\n"
             "    os.kill(os.getpid(), signal.SIGINT)\n    time.sleep(5)\nexcept KeyboardInterrupt:\n    pass\n"
             "raise ImportError('cannot load module more than once per process')")  # fmt: skip
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=clean_env(), capture_output=True, text=True,

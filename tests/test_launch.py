@@ -204,6 +204,10 @@ def test_the_ranks_torchrun_stops_after_one_failed_get_no_line_of_their_own(tmp_
                                        "likely (the kernel's out-of-memory killer ended 2 processes on this machine "
                                        f"meanwhile (dmesg names them)); {errors.MACHINE_MEMORY_FIX}\n"
                                        "error: rank 3 (pid 103) exited 1\n")  # fmt: skip
+    monkeypatch.setenv("TORCH_DISTRIBUTED_DEBUG", "detail")  # torch 2.14.1's DDP crashed as it started (SIGSEGV)
+    assert launcher.failed(ChildFailedError("train.py", {0: failure(0, -11), 1: failure(1, -11)})) == 128 + 11
+    detail = f"(TORCH_DISTRIBUTED_DEBUG=DETAIL is set: {launcher.DETAIL_CRASH}; unset it, or set INFO)"
+    assert capsys.readouterr().err == f"error: ranks 0, 1 (pids 100, 101) were killed by SIGSEGV {detail}\n"
 
 
 def test_the_out_of_memory_kills_are_counted_in_the_processs_memory_cgroup_else_on_the_machine():

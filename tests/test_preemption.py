@@ -262,7 +262,7 @@ def test_a_hung_up_terminal_stops_the_run_with_its_checkpoint_and_a_refused_stde
     mistake = subprocess.run([*train, "train.epochs=0"], stdout=subprocess.PIPE, preexec_fn=closed, env=clean_env(),
                              timeout=60)  # fmt: skip
     assert mistake.returncode == 2
-    opened = subprocess.run([sys.executable, "-c", "import os; from ddp import launchers; launchers.quiet_startup("
+    opened = subprocess.run([sys.executable, "-c", "import os; from ddp import startup; startup.quiet_startup("
                              "'__main__'); print(os.open(os.devnull, os.O_RDONLY))"], stdout=subprocess.PIPE,
                             preexec_fn=closed, env=clean_env(), cwd=REPO, text=True, timeout=60)  # fmt: skip
     assert opened.returncode == 0 and opened.stdout == "3\n", opened

@@ -1,0 +1,79 @@
+"""A command's start, before its seconds of imports (torch's): what would end it in a traceback there is one line
+instead (quiet_startup), said by one process per machine. No torch here: it runs before torch's import.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from collections.abc import Mapping
+
+from ddp.errors import EXIT_USAGE, INTERRUPTED, interrupted, remember_interrupts, standard_streams
+from ddp.launchers import launched, speaks_for_its_machine
+from ddp.processes import first_for_the_oom_killer
+
+DEBUG_LEVELS = ("OFF", "INFO", "DETAIL")  # TORCH_DISTRIBUTED_DEBUG's, in any case (torch's own reading of it)
+
+
+def torch_environment_refused(env: Mapping[str, str] = os.environ) -> str | None:
+    """The line for an environment variable that torch's import itself refuses, in a traceback; None for none:
+    TORCH_DISTRIBUTED_DEBUG other than OFF, INFO or DETAIL ("" too, as `export TORCH_DISTRIBUTED_DEBUG=` leaves it),
+    read as torch.distributed loads, which `import torch` does."""
+    level = env.get("TORCH_DISTRIBUTED_DEBUG")
+    if level is not None and level.upper() not in DEBUG_LEVELS:
+        return f"error: TORCH_DISTRIBUTED_DEBUG={level!r}: torch takes {', '.join(DEBUG_LEVELS)}; set one, or unset it"
+    return None
+
+
+def quiet_startup(module: str) -> None:
+    """From a command's module run as one (`module`: its __name__ is "__main__"; an import changes nothing), before
+    its seconds of imports (torch's), what nothing else handles becomes one line, said by one process per machine
+    (speaks_for_its_machine), not a traceback: an environment variable torch's import refuses, exit 2; a Ctrl-C in
+    them (one torch lost: cli.command's), INTERRUPTED, and the interpreter ends as Ctrl-C ends it (128 + SIGINT); a
+    package this Python lacks (no venv, a torch without one of its own): which one, this interpreter, and how to
+    install them; exit 2. Any other exception keeps its traceback (a module of ddp's own missing is a bug) unless a
+    Ctrl-C came before it. And errors.standard_streams: a stderr the OS refuses (a hung-up terminal, a full disk) or
+    closed (`2>&-`) loses its lines, not the exit code."""
+    if module != "__main__":
+        return
+    standard_streams()
+    if refused := torch_environment_refused():
+        if speaks_for_its_machine():
+            print(refused, file=sys.stderr, flush=True)
+        raise SystemExit(EXIT_USAGE)
+    remember_interrupts()
+    previous = sys.excepthook
+
+    def hook(kind: type[BaseException], value: BaseException, tb: object) -> None:
+        missing = getattr(value, "name", None) if issubclass(kind, ModuleNotFoundError) else None
+        # an error after a Ctrl-C that an import swallowed is the Ctrl-C's: numpy's module left half made by it, then
+        # "ImportError: cannot load module more than once per process" (a rank under torchrun, Ctrl-C in its imports)
+        ctrl_c = issubclass(kind, KeyboardInterrupt) or interrupted()
+        if not ctrl_c and (not missing or missing.split(".")[0] == "ddp"):
+            return previous(kind, value, tb)
+        if speaks_for_its_machine():
+            print(INTERRUPTED if ctrl_c else missing_package(missing), file=sys.stderr, flush=True)
+        if ctrl_c and not issubclass(kind, KeyboardInterrupt):  # ends as Python ends on one: killed by SIGINT
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGINT)
+        if missing is not None:
+            os._exit(EXIT_USAGE)
+
+    sys.excepthook = hook
+
+
+def as_a_rank(module: str) -> None:
+    """ddp/train.py run as one rank of a launcher's (torchrun, srun, accelerate): its oom_score_adj raised before
+    torch's import, whose first seconds' memory is the most (processes.first_for_the_oom_killer): the kernel then
+    kills a rank, whose launcher says so, not the launcher."""
+    if module == "__main__" and getattr(launched(), "launcher", "none") != "none":
+        first_for_the_oom_killer()
+
+
+def missing_package(name: str) -> str:
+    """The line for `import name` failing in this Python: it lacks the packages that pyproject.toml lists."""
+    return (
+        f"error: no module named {name!r} in {sys.executable}: install ddp-cifar's packages with `make install` "
+        "and run with .venv/bin/python (or `source .venv/bin/activate`), or `pip install -e .` into this Python"
+    )

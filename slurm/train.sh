@@ -20,7 +20,8 @@
 # - Preemption: 120 s before the time limit (--signal=TERM@120), or when SLURM preempts the job, every
 #   process gets SIGTERM: all ranks stop at the next step boundary, rank 0 saves a checkpoint and
 #   requeues the job (scontrol requeue); the requeued job resumes from that checkpoint in the same
-#   out_dir. --open-mode=append keeps the log of every run in one file.
+#   out_dir. --open-mode=append keeps the log of every run in one file. Signal the steps, not this shell (no B:,
+#   no scancel -b): it becomes srun, which ends the job at once on SIGTERM, its ranks killed without a checkpoint.
 set -euo pipefail
 root=${DDP_CIFAR_ROOT:-${SLURM_SUBMIT_DIR:-$(pwd)}}
 if [ ! -f "$root/ddp/train.py" ]; then

@@ -13,6 +13,7 @@ from ddp.errors import EXIT_USAGE, INTERRUPTED, interrupted, remember_interrupts
 from ddp.launchers import launched, speaks_for_its_machine
 from ddp.processes import first_for_the_oom_killer
 
+SCRIPTS = {"ddp-train": "ddp.train"}  # pyproject.toml's console scripts: the module each imports as its command
 DEBUG_LEVELS = ("OFF", "INFO", "DETAIL")  # TORCH_DISTRIBUTED_DEBUG's, in any case (torch's own reading of it)
 
 
@@ -26,8 +27,15 @@ def torch_environment_refused(env: Mapping[str, str] = os.environ) -> str | None
     return None
 
 
+def is_the_command(module: str) -> bool:
+    """Whether `module` (its __name__) is this process's command: run as one (python ddp/train.py, python -m ddp.x:
+    "__main__"), or imported by its console script (ddp-train, "python ddp/train.py under another name", whose
+    Ctrl-C in torch's import, or its TORCH_DISTRIBUTED_DEBUG, was a traceback)."""
+    return module == "__main__" or SCRIPTS.get(os.path.basename(sys.argv[0])) == module
+
+
 def quiet_startup(module: str) -> None:
-    """From a command's module run as one (`module`: its __name__ is "__main__"; an import changes nothing), before
+    """From a command's module (`module`, its __name__: is_the_command; an import changes nothing), before
     its seconds of imports (torch's), what nothing else handles becomes one line, said by one process per machine
     (speaks_for_its_machine), not a traceback: an environment variable torch's import refuses, exit 2; a Ctrl-C in
     them (one torch lost: cli.command's), INTERRUPTED, and the interpreter ends as Ctrl-C ends it (128 + SIGINT); a
@@ -35,7 +43,7 @@ def quiet_startup(module: str) -> None:
     install them; exit 2. Any other exception keeps its traceback (a module of ddp's own missing is a bug) unless a
     Ctrl-C came before it. And errors.standard_streams: a stderr the OS refuses (a hung-up terminal, a full disk) or
     closed (`2>&-`) loses its lines, not the exit code."""
-    if module != "__main__":
+    if not is_the_command(module):
         return
     standard_streams()
     if refused := torch_environment_refused():
@@ -67,7 +75,7 @@ def as_a_rank(module: str) -> None:
     """ddp/train.py run as one rank of a launcher's (torchrun, srun, accelerate): its oom_score_adj raised before
     torch's import, whose first seconds' memory is the most (processes.first_for_the_oom_killer): the kernel then
     kills a rank, whose launcher says so, not the launcher."""
-    if module == "__main__" and getattr(launched(), "launcher", "none") != "none":
+    if is_the_command(module) and getattr(launched(), "launcher", "none") != "none":
         first_for_the_oom_killer()
 
 

@@ -426,17 +426,19 @@ def test_a_question_to_a_store_where_no_thread_can_start_is_no_answer(monkeypatc
     assert lost_rank.asked(lambda: "an answer", 1.0) is None
 
 
-# Each command as a user starts it; each installs startup.quiet_startup before its imports.
+# Each command as a user starts it; each installs startup.quiet_startup before its imports. ddp-train too, pyproject's
+# console script, where ddp is found (not under python -S: its import of ddp.train is the first thing it does).
 COMMANDS = [[str(TRAIN)], [str(REPO / "ddp" / "torchrun.py")]] + [
     ["-m", f"ddp.{name}"] for name in ("evaluate", "checkpoint", "doctor", "plot")
 ]
+SCRIPTS = [*COMMANDS, [str(Path(sys.executable).parent / "ddp-train")]]
 
 
 def test_ctrl_c_while_a_command_imports_torch_is_one_line():
     """Ctrl-C in the seconds of `import torch` (as a terminal sends it to the process), in each command:
     the one line, no traceback, and the process ends as Ctrl-C ends it (128 + SIGINT)."""
     procs = [subprocess.Popen([sys.executable, *command], cwd=REPO, env=clean_env(), stderr=subprocess.PIPE,
-                              text=True) for command in COMMANDS]  # fmt: skip
+                              text=True) for command in SCRIPTS]  # fmt: skip
     waiting, deadline = list(procs), time.monotonic() + 60  # each watched at once: torch 2.4 imports in under a
     while waiting and time.monotonic() < deadline:  # second, and the last had ended before one after the other
         for proc in list(waiting):
@@ -446,7 +448,7 @@ def test_ctrl_c_while_a_command_imports_torch_is_one_line():
             proc.send_signal(signal.SIGINT)
             waiting.remove(proc)
         time.sleep(0.01)
-    for command, proc in zip(COMMANDS, procs):
+    for command, proc in zip(SCRIPTS, procs):
         err = proc.communicate(timeout=60)[1]
         assert proc.returncode == -signal.SIGINT and err == f"{errors.INTERRUPTED}\n", (command, err)
 
@@ -482,7 +484,7 @@ def test_a_python_without_the_packages_is_one_line_naming_the_fix(command):
     assert_usage_error(proc, "no module named ", f"in {sys.executable}", "make install", "pip install -e .")
 
 
-@pytest.mark.parametrize("command", COMMANDS, ids=lambda c: c[-1].rpartition("/")[2])
+@pytest.mark.parametrize("command", SCRIPTS, ids=lambda c: c[-1].rpartition("/")[2])
 def test_a_debug_level_that_torchs_import_refuses_is_one_line_before_it(command):
     """`export TORCH_DISTRIBUTED_DEBUG=` (set, empty) or a word torch does not take: `import torch` raised a ValueError
     (torch.distributed reads it as it loads), every command's traceback, every rank's."""

@@ -169,6 +169,21 @@ def share_cpus(run: RunConfig, env: Env = os.environ) -> int:
     return torch.get_num_threads()
 
 
+def oversubscribed(run: RunConfig, device: torch.device, env: Env = os.environ, threads: int = 0) -> str | None:
+    """On the CPU, an OMP_NUM_THREADS that gives this machine's processes more threads (`threads` each, torch's now)
+    than the CPUs they may use, which then take turns while every step waits for them (a shell's export, where
+    share_cpus would have given each process its share); its note for the start line, or None."""
+    if device.type != "cpu" or "OMP_NUM_THREADS" not in env:
+        return None
+    processes = launchers.detect_launch(env, run.launcher).local_world_size
+    threads, usable = threads or torch.get_num_threads(), cpus.usable()
+    if threads <= cpus.threads(processes):  # (its share, or 1 where the processes outnumber the CPUs)
+        return None
+    return (f"OMP_NUM_THREADS={env['OMP_NUM_THREADS']}: {threads} threads in each of {processes} process(es) on this "
+            f"machine, which may use {usable} CPUs: they take turns, and each step waits for them; unset it, and "
+            "each process takes its share")  # fmt: skip
+
+
 def planned(run: RunConfig, processes: int, node: int | None) -> World:
     """The World that the checks before a launch of `processes` per node (train.py --preflight) stand
     for: rank 0, or on a node other than 0 its last rank; on a GPU if there is one."""

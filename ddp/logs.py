@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from tqdm import tqdm
 
-from ddp import cli, files, metrics, rundir
+from ddp import cli, devices, files, metrics, rundir
 from ddp.errors import UsageError
 
 if TYPE_CHECKING:
@@ -73,6 +73,8 @@ def start_line(cfg: Config, world: World, data: Data, params: int, resumed: Resu
     )
     if cfg.run.amp == "fp16-weights" and world.device.type == "cpu":
         lines.append("note: run.amp=fp16-weights on a CPU: its fp16 convolutions are 100x slower than float32 there")
+    if crowded := devices.oversubscribed(cfg.run, world.device):
+        lines.append(f"note: {crowded}")
     return "\n".join(lines)
 
 

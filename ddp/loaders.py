@@ -202,8 +202,9 @@ def train_loader(
 
 def eval_shard(n: int, world: World) -> torch.Tensor:
     """The test images rank r evaluates: r, r + world_size, ... Together the ranks take every image
-    exactly once, with no padding duplicates (DistributedSampler pads), for any world size."""
-    return torch.arange(world.rank, n, world.world_size)
+    exactly once, with no padding duplicates (DistributedSampler pads), for any world size: none for a rank past
+    the last image (3 ranks, 1 image: rank 2's arange(2, 1, 3) was torch's RuntimeError in every rank)."""
+    return torch.arange(world.rank, max(n, world.rank), world.world_size)
 
 
 def eval_loader(split: Split, per_rank_batch: int, world: World, workers: int, kind: str = "torch") -> EvalBatches:

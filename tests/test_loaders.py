@@ -54,9 +54,9 @@ def test_n_ranks_see_per_step_what_one_process_sees(world_size, kind):
 @pytest.mark.parametrize("world_size", [1, 2, 3, 7])
 def test_eval_shards_partition_the_test_set_in_as_many_batches_on_every_rank(world_size, kind):
     """Every image exactly once (no padding duplicates), and every rank the same number of batches,
-    empty ones last where its shard ran out (at 2 ranks and batch 50: 51 and 50 images)."""
-    n = 101
-    for batch in (8, 50):
+    empty ones last where its shard ran out (at 2 ranks and batch 50: 51 and 50 images); fewer images than ranks
+    too (2 images, 3 or 7 ranks: torch's RuntimeError in every rank past them, whose arange ran backwards)."""
+    for n, batch in ((101, 8), (101, 50), (2, 8)):
         seen, counts = [], set()
         for r in range(world_size):
             loader = loaders.eval_loader(indexed_split(n), batch, world(r, world_size), 0, kind=kind)

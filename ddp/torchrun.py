@@ -197,9 +197,10 @@ def preflight(count: str, argv: list[str]) -> int | None:
 
     if {"--help", "-h", "--print-config"} & set(args.training_script_args):
         return train.cli(args.training_script_args)
-    # On one machine a NODE_RANK left in the shell (by launch/multinode.sh, say) is not this launch's: the preflight
-    # took it for a machine of several, and waited for MASTER_ADDR to answer (torchrun itself ignores it).
-    alone = {"NODE_RANK": None} if on_one_machine(args) else {}
+    # --standalone (launch/torchrun.sh): a NODE_RANK left in the shell (by launch/multinode.sh, say) is not this
+    # launch's; the preflight took it for a machine of several, and waited for MASTER_ADDR to answer. (multinode.sh's
+    # own, NNODES=1 too, is: node 0 serves the rendezvous on MASTER_PORT, which the preflight checks is free.)
+    alone = {"NODE_RANK": None} if args.standalone else {}
     with tempfile.NamedTemporaryFile(suffix=".json") as said:  # its line, where a rank's goes (launchers.record_error)
         with environment({ERROR_FILE: said.name, **alone}):
             code = train.cli(["--preflight", count, *args.training_script_args])

@@ -257,7 +257,8 @@ def test_the_launchers_preflight_in_torchruns_process_refuses_in_one_line(argv, 
 def test_a_node_rank_left_in_the_shell_does_not_make_one_machine_a_machine_of_several(tmp_path, monkeypatch, capsys):
     """NODE_RANK=1 and MASTER_ADDR left exported by an earlier launch/multinode.sh: launch/torchrun.sh (one machine,
     torchrun --standalone, which ignores them) had its preflight wait run.timeout_s for MASTER_ADDR to answer, then
-    fail; without MASTER_ADDR it said "MASTER_ADDR= does not resolve". On several machines NODE_RANK still counts."""
+    fail; without MASTER_ADDR it said "MASTER_ADDR= does not resolve". launch/multinode.sh's NODE_RANK counts, with
+    NNODES=1 too."""
     monkeypatch.setenv("NODE_RANK", "1")
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(free_port()))  # nothing answers there
@@ -265,9 +266,19 @@ def test_a_node_rank_left_in_the_shell_does_not_make_one_machine_a_machine_of_se
     assert launcher.preflight("2", ["--standalone", *ranks]) is None, capsys.readouterr().err
     assert os.environ["NODE_RANK"] == "1"  # as it was, after
     monkeypatch.delenv("MASTER_ADDR")
-    assert launcher.preflight("4", ["--nnodes=2", "--rdzv_backend=c10d", "--rdzv_endpoint=127.0.0.1", *ranks]) == 2
+    assert launcher.preflight("2", ["--nnodes=1", "--rdzv_backend=c10d", "--rdzv_endpoint=127.0.0.1", *ranks]) == 2
     said = "error: NODE_RANK=1 is set, and MASTER_ADDR is not: on each of several machines, set it to node 0's"
     assert capsys.readouterr().err.startswith(said)
+    with socket.socket() as held:  # launch/multinode.sh with NNODES=1: its NODE_RANK=0 counts (the port checked)
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        monkeypatch.setenv("NODE_RANK", "0")
+        monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+        monkeypatch.setenv("MASTER_PORT", str(port))
+        node_0 = ["--nnodes=1", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}"]
+        assert launcher.preflight("2", [*node_0, *ranks]) == 2
+    assert f"MASTER_PORT={port} is taken" in capsys.readouterr().err
 
 
 def test_help_and_print_config_through_a_launch_file_are_answered_once_and_start_no_rank(capsys):

@@ -117,7 +117,7 @@ def settings(cfg: Config, world: World) -> tuple[int, tuple[torch.dtype | None, 
 
 def check_compile_cache() -> None:
     """TORCHINDUCTOR_CACHE_DIR, made as torch._dynamo loads, which every run does (distributed.setup): one that cannot
-    be made was a FileNotFoundError's traceback in every rank (its module file, say, on a machine without it)."""
+    be made (a file there, a disk this machine lacks) was a FileNotFoundError's traceback in every rank."""
     if cache := os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
         try:
             os.makedirs(os.path.abspath(cache), exist_ok=True)  # as torch makes it

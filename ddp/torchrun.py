@@ -134,7 +134,7 @@ def main(argv: list[str]) -> int:
         print(f"+ {shlex.join(['python', str(Path(__file__).resolve()), *argv])}", file=sys.stderr, flush=True)
     quiet_agent_logs()
     args = parse_args(argv)
-    one_machine[:] = [on_one_machine(args)]
+    one_machine[:] = [args.standalone or str(args.nnodes) in ("1", "1:1")]
     if refused := launch_refused(args):
         print(f"error: {refused}", file=sys.stderr)
         return EXIT_USAGE
@@ -262,7 +262,7 @@ def killed(who: str, signum: int, many: bool = False) -> str:
     return f"{who} {'were' if many else 'was'} killed by {name}{why}"
 
 
-DETAIL_CRASH = "torch 2.14.1's DDP crashed so as it started, in its DETAIL logging (seen with gloo)"
+DETAIL_CRASH = "under torch 2.14.1 DDP crashed with it as it started, in its DETAIL logging (seen with gloo)"
 
 
 def leave_after_the_ranks(store: tuple[str, int] | None, elastic: bool, nodes: tuple[str, int] | None) -> None:
@@ -295,11 +295,6 @@ def leave_after_the_ranks(store: tuple[str, int] | None, elastic: bool, nodes: t
             guess = " (its exit barrier waits on another host?)" if store else ""  # (one machine: a hang of its own)
             _leave(f"torchrun's agent on {host} still ran {GRACE_S:.0f} s after its ranks ended{guess}; it was at "
                    f"{main_thread_at()}")  # fmt: skip
-
-
-def on_one_machine(args: Any) -> bool:
-    """Whether torchrun's `args` launch on this machine alone (--standalone, --nnodes=1)."""
-    return bool(args.standalone) or str(args.nnodes) in ("1", "1:1")
 
 
 @contextlib.contextmanager

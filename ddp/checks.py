@@ -82,6 +82,10 @@ def autocast_dtype(amp: str, device: torch.device) -> torch.dtype | None:
     if amp == "off":
         return None
     if amp == "fp16" and device.type != "cuda":
+        if os.environ.get("ACCELERATE_MIXED_PRECISION", "").lower() == "fp16":  # (launchers.accelerate_flags' amp)
+            raise UsageError(f"ACCELERATE_MIXED_PRECISION=fp16 (accelerate launch --mixed_precision fp16, or left in "
+                             f"the shell) is run.amp=fp16, which needs a CUDA device, not {device}: bf16 or no there, "
+                             "or unset it")  # fmt: skip
         raise UsageError(f"run.amp=fp16 needs a CUDA device, not {device}; use run.amp=bf16 or off")
     return torch.bfloat16 if amp == "bf16" else torch.float16
 

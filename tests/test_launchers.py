@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import TINY
 from launch_envs import OPEN_MPI, SRUN, TORCHRUN
 
 from ddp import cpus, devices, launchers, processes
@@ -122,6 +123,17 @@ def test_accelerate_flags_fill_what_the_config_left_at_its_default():
     with pytest.raises(UsageError, match="--use_deepspeed: this loop runs DDP, or FSDP2 .--use_fsdp., not deepspeed"):
         launchers.accelerate_flags(RunConfig(), {"ACCELERATE_USE_DEEPSPEED": "true"})  # it was DDP, silently
     assert launchers.accelerate_flags(RunConfig(), {"ACCELERATE_DYNAMO_BACKEND": "INDUCTOR"}).compile  # was ignored
+
+
+def test_an_accelerate_fp16_on_a_cpu_names_its_variable_not_a_run_amp_nobody_typed(tmp_path, monkeypatch, capsys):
+    """ACCELERATE_MIXED_PRECISION=fp16 (accelerate's --mixed_precision, or left exported) on a CPU: the line said
+    "run.amp=fp16 needs a CUDA device", a setting the user had not given."""
+    from ddp import train
+
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp16")
+    assert train.cli(["--preflight", "1", *TINY, "run.device=cpu", f"run.out_dir={tmp_path}"]) == 2
+    said = "error: ACCELERATE_MIXED_PRECISION=fp16 (accelerate launch --mixed_precision fp16, or left in the shell) is "
+    assert capsys.readouterr().err.startswith(said + "run.amp=fp16, which needs a CUDA device, not cpu: bf16 or no")
     assert not launchers.accelerate_flags(RunConfig(), {"ACCELERATE_DYNAMO_BACKEND": "NO"}).compile
     with pytest.raises(UsageError, match="--dynamo_backend aot_eager: this loop compiles by inductor or not"):
         launchers.accelerate_flags(RunConfig(), {"ACCELERATE_DYNAMO_BACKEND": "AOT_EAGER"})

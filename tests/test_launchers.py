@@ -346,7 +346,7 @@ def test_a_rank_is_the_kernels_first_choice_for_its_out_of_memory_killer_up_to_t
     (tmp_path / "self").mkdir()
     processes.first_for_the_oom_killer()  # (no file)
     adj = tmp_path / "self" / "oom_score_adj"
-    for before, after in (("0\n", "200"), ("-300\n", "-100"), ("900", "1000")):
+    for before, after in (("0\n", "500"), ("-300\n", "200"), ("900", "1000")):
         adj.write_text(before)
         processes.first_for_the_oom_killer()
         assert adj.read_text() == after

@@ -202,7 +202,7 @@ def preflight(count: str, argv: list[str]) -> int | None:
     # own, NNODES=1 too, is: node 0 serves the rendezvous on MASTER_PORT, which the preflight checks is free.)
     alone = {"NODE_RANK": None} if args.standalone else {}
     with tempfile.NamedTemporaryFile(suffix=".json") as said:  # its line, where a rank's goes (launchers.record_error)
-        with environment({ERROR_FILE: said.name, **alone}):
+        with environment_changed({ERROR_FILE: said.name, **alone}):
             code = train.cli(["--preflight", count, *args.training_script_args])
         if code and (store := fixed_nodes_store(args)):  # the other machines wait for this one
             line = json.loads(Path(said.name).read_text() or '{"message": {}}')["message"].get("message", "")
@@ -298,7 +298,7 @@ def leave_after_the_ranks(store: tuple[str, int] | None, elastic: bool, nodes: t
 
 
 @contextlib.contextmanager
-def environment(changes: dict[str, str | None]) -> Iterator[None]:
+def environment_changed(changes: dict[str, str | None]) -> Iterator[None]:
     """os.environ with `changes` while inside (None: the variable unset), as it was after."""
     before = {name: os.environ.get(name) for name in changes}
 

@@ -5,6 +5,7 @@ the rule below names. In one process (no group) every collective is the identity
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import gc
 import importlib
 import inspect
@@ -85,8 +86,21 @@ def setup(world: World, timeout_s: float) -> Iterator[World]:
         if dist.is_initialized():
             gc.collect()  # DDP objects in reference cycles go now, while their group exists
             time.sleep(GLOO_PAUSE_S)  # (the lock released: gloo's threads free what they hold)
-            with lifeline.deadline(timeout_s, "leaving the process group"), lifeline.backstop(timeout_s):
+            with lifeline.deadline(timeout_s, "leaving the process group"), backstop(timeout_s):
                 dist.destroy_process_group()  # (torch 2.4's gloo hung there holding the GIL: the backstop ends it)
+
+
+@contextmanager
+def backstop(seconds: float) -> Iterator[None]:
+    """Around a call into torch that may hang holding the interpreter's lock: lifeline's watcher, a Python thread, never
+    runs again (torch 2.4's gloo in destroy_process_group, once in a loaded suite: a rank outlived its launcher by an
+    hour). Past `seconds` + SLACK_S + BACKSTOP_S faulthandler's thread, which needs no lock, writes each thread's
+    stack to stderr (where it hangs) and ends the process, exit 1."""
+    faulthandler.dump_traceback_later(seconds + lifeline.SLACK_S + lifeline.BACKSTOP_S, exit=True, file=2)
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
 
 
 def _meeting_point(world: World) -> str:

@@ -1,34 +1,32 @@
-"""How long a process of a run lives and waits: it leaves when the launcher that started it is gone, a
-stop signal ends it within seconds also while it waits inside torch, and no wait outlasts its
-deadline. One watcher thread does the three, because the main thread may be blocked in C++.
+"""How long a process of a run lives and waits: it leaves when the launcher that started it is gone, a stop signal ends
+it within seconds also while it waits inside torch, and no wait outlasts its deadline. One watcher thread does the
+three, because the main thread may be blocked in C++.
 
-- The launcher's death: torchrun (and accelerate, mpirun) start their workers in sessions of their
-  own, so a SIGKILL of the launcher does not reach them. The watcher sees the parent go (this
-  process is given another parent), asks for a stop (the next step boundary saves a checkpoint and
-  every rank leaves, exit 75) and, when no boundary comes within the grace, leaves at once (exit 1).
+- The launcher's death: torchrun (and accelerate, mpirun) start their workers in sessions of their own, so a SIGKILL
+  of the launcher does not reach them. The watcher sees the parent go (this process is given another parent), asks for
+  a stop (the next step boundary saves a checkpoint and every rank leaves, exit 75) and, when no boundary comes within
+  the grace, leaves at once (exit 1).
 - A stop signal: Python runs its handler only when the main thread is back in Python; it also wakes the watcher
   (signal.set_wakeup_fd): before training it ends the process at once (exit 1, nothing to save; Ctrl-C:
   errors.INTERRUPTED's line, exit 130); in training the loop takes it at its next step boundary (exit 75), and when none
   comes within the grace (a wait in a collective), the watcher ends the process (exit 1). After training, a launcher's
   stop (as one rank dies) gives the process the grace to end by itself, its line said.
-- Deadlines: a wait that torch would let run past run.timeout_s (the store and the rendezvous) is
-  ended by the watcher with one line that names what it waited for (exit 1); one inside torch that holds the
-  interpreter's lock, where the watcher cannot run, by faulthandler's thread (backstop). They count time on
-  `awake()`, which stands still while the process is stopped (SIGSTOP: SLURM's `scontrol suspend`):
-  a job stopped whole and continued goes on waiting, where it left at once past its deadline.
+- Deadlines: a wait that torch would let run past run.timeout_s (the store and the rendezvous) is ended by the watcher
+  with one line that names what it waited for (exit 1); one inside torch that holds the interpreter's lock, where the
+  watcher cannot run, by faulthandler's thread (distributed.backstop). They count time on `awake()`, which stands
+  still while the process is stopped (SIGSTOP: SLURM's `scontrol suspend`): a job stopped whole and continued goes on
+  waiting, where it left at once past its deadline.
 - A pause (SIGTSTP: Ctrl-Z of ddp/torchrun.py, which sends it on to its ranks, a job on one machine; SLURM's suspend,
   2 s before its SIGSTOP, on every machine): the process stops itself where no collective is under way (safe_point:
   a step boundary or evaluation batch every rank agreed on), so that the pause may outlast run.timeout_s; the watcher
   stops it before training at once, and where no safe point came within two steps (a checkpoint's save); after
-  training it ends. The agent (SLURM's resume) continues it.
-  A launcher that does not pass Ctrl-Z on (plain torchrun, accelerate launch) seen stopped: the loop holds
-  (launcher_held, preemption) until it goes on.
+  training it ends. The agent (SLURM's resume) continues it. A launcher that does not pass Ctrl-Z on (plain torchrun,
+  accelerate launch) seen stopped: the loop holds (launcher_held, preemption) until it goes on.
 """
 
 from __future__ import annotations
 
 import ctypes
-import faulthandler
 import math
 import os
 import select
@@ -47,7 +45,7 @@ from ddp.errors import EXIT_FAILURE, EXIT_INTERRUPTED, INTERRUPTED
 GRACE_S = 5.0  # after a stop is asked for: how long past the slowest step the loop has to take it
 SLACK_S = 5.0  # how long a wait with a deadline of run.timeout_s may overrun it, torch's own timeout first
 _POLL_S = 0.25  # how often the watcher looks at the parent, the deadlines and the grace
-BACKSTOP_S = 10.0  # past a deadline and its slack: where the watcher could not end the wait (backstop)
+BACKSTOP_S = 10.0  # past a deadline and its slack, where the watcher could not end a wait: distributed.backstop
 LATE_S = 1.0  # a watcher that looks again later than this after a SIGCONT was stopped: the time past it does not count
 CONTINUED_S = 0.5  # how long the watcher waits for the SIGCONT of a stop after it looked late
 
@@ -115,9 +113,10 @@ class _Watcher:
             return self.awake()
 
     def run(self) -> None:
+        poller = select.poll()  # (select.select refuses a descriptor past 1023: after ~500 runs in one process, a test
+        poller.register(self.wakeup_read, select.POLLIN)  # suite's, it raised, the watcher was gone, its clock stood)
         while not self.done.is_set():
-            ready, _, _ = select.select([self.wakeup_read], [], [], _POLL_S)
-            if ready:
+            if poller.poll(_POLL_S * 1000) and not self.done.is_set():  # (done: close's byte woke it, nothing to do)
                 signums = os.read(self.wakeup_read, 64)
                 if pausing := [s for s in signums if s in (signal.SIGTSTP, signal.SIGCONT)]:
                     self.asked_to_pause(pausing[-1] == signal.SIGTSTP)  # (a SIGTSTP then a SIGCONT: over)
@@ -138,6 +137,16 @@ class _Watcher:
                 _leave(f"error: {self.who}: stopping on {why} after training, but it had not ended {waited}: left"
                        if _loop_ended else f"error: {self.who}: stopping on {why}, but no step boundary came "
                        f"{waited}: left without a checkpoint")  # fmt: skip
+
+    def close(self, thread: threading.Thread) -> None:
+        """The wake-up pipe closed once the thread has ended (woken: done, and a byte that is no signal). Each run left
+        its two descriptors open: a notebook's runs, a test suite's, in one process."""
+        with suppress(BlockingIOError):
+            os.write(self.wakeup_write, b"\0")
+        thread.join(timeout=2 * _POLL_S)
+        if not thread.is_alive():  # (else left open: a descriptor closed under a thread may be another file's by then)
+            os.close(self.wakeup_read)
+            os.close(self.wakeup_write)
 
     def watch_launchers(self) -> None:
         """A launcher's end asks for a stop. A launcher stopped in training, at this look and the one before (a job
@@ -345,7 +354,8 @@ def watched(world: World, stop_signals: tuple[signal.Signals, ...], parent: int)
     if watcher.launched:  # the kernel's SIGCONT as the launcher ends (PR_SET_PDEATHSIG; Linux): a rank paused (Ctrl-Z)
         with suppress(OSError, AttributeError):  # whose launcher was then killed stayed stopped for good, lock held
             ctypes.CDLL(None).prctl(1, signal.SIGCONT)  # (continued, its watcher sees the launcher gone: it stops)
-    threading.Thread(target=watcher.run, name="ddp-lifeline", daemon=True).start()
+    thread = threading.Thread(target=watcher.run, name="ddp-lifeline", daemon=True)
+    thread.start()
     try:
         yield
     finally:
@@ -355,6 +365,7 @@ def watched(world: World, stop_signals: tuple[signal.Signals, ...], parent: int)
             if signal.getsignal(sig) is _noted:  # not one the stop's exit has set to SIG_IGN
                 signal.signal(sig, handler)
         signal.set_wakeup_fd(previous_fd)
+        watcher.close(thread)
 
 
 @contextmanager
@@ -370,19 +381,6 @@ def busy() -> Iterator[None]:
         if watcher is not None:
             watcher.busy -= 1
             watcher.progressed = watcher.awake()
-
-
-@contextmanager
-def backstop(seconds: float) -> Iterator[None]:
-    """Around a call into torch that may hang holding the interpreter's lock: the watcher, a Python thread, never
-    runs again (torch 2.4's gloo in destroy_process_group, once in a loaded suite: a rank outlived its launcher by an
-    hour). Past `seconds` + SLACK_S + BACKSTOP_S faulthandler's thread, which needs no lock, writes each thread's
-    stack to stderr (where it hangs) and ends the process, exit 1."""
-    faulthandler.dump_traceback_later(seconds + SLACK_S + BACKSTOP_S, exit=True, file=2)
-    try:
-        yield
-    finally:
-        faulthandler.cancel_dump_traceback_later()
 
 
 @contextmanager

@@ -399,6 +399,36 @@ def test_the_clock_of_deadlines_stands_still_while_the_process_is_stopped(monkey
     assert lifeline.stopped_s() == 0
 
 
+def test_the_watcher_keeps_its_clock_past_descriptor_1023_and_each_run_gives_its_descriptors_back():
+    """Each run (lifeline.watched) left its wake-up pipe open: ~500 runs in one process (a notebook's, a test suite's
+    worker) put it past 1023, where select.select raised in the watcher's thread, which ended; its clock, awake(),
+    stood (every deadline on it never came), and stop signals went unheard. CI's run hung so, 6 tests from its end."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1100:
+        pytest.skip(f"needs 1100 open files; this machine's hard limit is {hard}")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1100) if soft != resource.RLIM_INFINITY else soft, hard))
+    world = World(0, 0, 1, torch.device("cpu"), "none")
+    held = []
+    try:
+        while not held or held[-1] < 1030:
+            held.append(os.open(os.devnull, os.O_RDONLY))
+        open_before = len(os.listdir("/proc/self/fd"))
+        with lifeline.watched(world, (signal.SIGTERM,), os.getppid()):
+            start, awake = time.monotonic(), lifeline.awake()
+            time.sleep(1.3)  # past LATE_S (1 s): a watcher that no longer looks leaves awake() standing there
+            assert lifeline.awake() - awake > 1.25 and time.monotonic() - start < 1.6
+        with lifeline.watched(world, (signal.SIGTERM,), os.getppid()):
+            pass
+        assert len(os.listdir("/proc/self/fd")) == open_before
+        assert not [t for t in threading.enumerate() if t.name == "ddp-lifeline"]
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
 def test_a_pause_is_taken_once_at_a_safe_point_or_by_the_watcher_in_time_and_a_sigcont_first_ends_it(monkeypatch):
     """The watcher reads SIGTSTP (a pause: Ctrl-Z of ddp/torchrun.py) and SIGCONT in the order they came. In training
     the pause waits for a safe point (lifeline.safe_point: the main thread, where no collective is under way), or the

@@ -113,10 +113,16 @@ class _Watcher:
             return self.awake()
 
     def run(self) -> None:
+        try:
+            self.watch()
+        except Exception as e:  # (no watcher: no deadline would come, no stop signal be heard; a hang, later)
+            _leave(f"error: {self.who}: its watcher thread failed ({type(e).__name__}: {e}): left")
+
+    def watch(self) -> None:
         poller = select.poll()  # (select.select refuses a descriptor past 1023: after ~500 runs in one process, a test
         poller.register(self.wakeup_read, select.POLLIN)  # suite's, it raised, the watcher was gone, its clock stood)
         while not self.done.is_set():
-            if poller.poll(_POLL_S * 1000) and not self.done.is_set():  # (done: close's byte woke it, nothing to do)
+            if poller.poll(_POLL_S * 1000) and not self.done.is_set():  # (done: watched's byte woke it, nothing to do)
                 signums = os.read(self.wakeup_read, 64)
                 if pausing := [s for s in signums if s in (signal.SIGTSTP, signal.SIGCONT)]:
                     self.asked_to_pause(pausing[-1] == signal.SIGTSTP)  # (a SIGTSTP then a SIGCONT: over)
@@ -137,16 +143,6 @@ class _Watcher:
                 _leave(f"error: {self.who}: stopping on {why} after training, but it had not ended {waited}: left"
                        if _loop_ended else f"error: {self.who}: stopping on {why}, but no step boundary came "
                        f"{waited}: left without a checkpoint")  # fmt: skip
-
-    def close(self, thread: threading.Thread) -> None:
-        """The wake-up pipe closed once the thread has ended (woken: done, and a byte that is no signal). Each run left
-        its two descriptors open: a notebook's runs, a test suite's, in one process."""
-        with suppress(BlockingIOError):
-            os.write(self.wakeup_write, b"\0")
-        thread.join(timeout=2 * _POLL_S)
-        if not thread.is_alive():  # (else left open: a descriptor closed under a thread may be another file's by then)
-            os.close(self.wakeup_read)
-            os.close(self.wakeup_write)
 
     def watch_launchers(self) -> None:
         """A launcher's end asks for a stop. A launcher stopped in training, at this look and the one before (a job
@@ -365,7 +361,12 @@ def watched(world: World, stop_signals: tuple[signal.Signals, ...], parent: int)
             if signal.getsignal(sig) is _noted:  # not one the stop's exit has set to SIG_IGN
                 signal.signal(sig, handler)
         signal.set_wakeup_fd(previous_fd)
-        watcher.close(thread)
+        with suppress(BlockingIOError):  # the watcher woken (done; a byte that is no signal), its pipe closed after it
+            os.write(watcher.wakeup_write, b"\0")
+        thread.join(timeout=2 * _POLL_S)
+        if not thread.is_alive():  # (else left open: a descriptor closed under a thread may be another file's by then)
+            os.close(watcher.wakeup_read)
+            os.close(watcher.wakeup_write)
 
 
 @contextmanager

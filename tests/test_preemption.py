@@ -429,6 +429,21 @@ def test_the_watcher_keeps_its_clock_past_descriptor_1023_and_each_run_gives_its
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
+def test_a_watcher_thread_that_fails_ends_the_run_with_a_line_where_its_end_was_a_hang_later(monkeypatch):
+    """The watcher's thread ended by an error (as select.select's above): the run went on with no deadline and no stop
+    signal heard. Now its line, and the process ends (played here: _leave noted, not taken)."""
+    watcher = lifeline._Watcher(World(0, 0, 1, torch.device("cpu"), "none"), os.getppid(), ())
+    left = []
+    monkeypatch.setattr(lifeline, "_leave", left.append)
+    monkeypatch.setattr(watcher, "looking", lambda: 1 / 0)
+    try:
+        watcher.run()
+    finally:
+        os.close(watcher.wakeup_read)
+        os.close(watcher.wakeup_write)
+    assert left == ["error: the run: its watcher thread failed (ZeroDivisionError: division by zero): left"]
+
+
 def test_a_pause_is_taken_once_at_a_safe_point_or_by_the_watcher_in_time_and_a_sigcont_first_ends_it(monkeypatch):
     """The watcher reads SIGTSTP (a pause: Ctrl-Z of ddp/torchrun.py) and SIGCONT in the order they came. In training
     the pause waits for a safe point (lifeline.safe_point: the main thread, where no collective is under way), or the

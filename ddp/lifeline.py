@@ -119,8 +119,8 @@ class _Watcher:
             _leave(f"error: {self.who}: its watcher thread failed ({type(e).__name__}: {e}): left")
 
     def watch(self) -> None:
-        poller = select.poll()  # (select.select refuses a descriptor past 1023: after ~500 runs in one process, a test
-        poller.register(self.wakeup_read, select.POLLIN)  # suite's, it raised, the watcher was gone, its clock stood)
+        poller = select.poll()  # (select.select refuses a descriptor past 1023: a process with many files open, or
+        poller.register(self.wakeup_read, select.POLLIN)  # ~500 runs in one before each closed its pipe)
         while not self.done.is_set():
             if poller.poll(_POLL_S * 1000) and not self.done.is_set():  # (done: watched's byte woke it, nothing to do)
                 signums = os.read(self.wakeup_read, 64)

@@ -400,9 +400,9 @@ def test_the_clock_of_deadlines_stands_still_while_the_process_is_stopped(monkey
 
 
 def test_the_watcher_keeps_its_clock_past_descriptor_1023_and_each_run_gives_its_descriptors_back():
-    """Each run (lifeline.watched) left its wake-up pipe open: ~500 runs in one process (a notebook's, a test suite's
-    worker) put it past 1023, where select.select raised in the watcher's thread, which ended; its clock, awake(),
-    stood (every deadline on it never came), and stop signals went unheard. CI's run hung so, 6 tests from its end."""
+    """Each run (lifeline.watched) left its wake-up pipe open: ~500 runs in one process (a notebook's train.main, seen
+    with a loop of them) put it past 1023, where select.select raised in the watcher's thread, which ended; its clock,
+    awake(), stood (no deadline on it came), and stop signals went unheard. (A suite's worker reaches ~130.)"""
     import resource
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)

@@ -14,6 +14,7 @@ cli.command turns them into one line on stderr and the exit code; nothing else d
 says the same of an exception, for a rank that leaves it for the others (lost_rank).
 """
 
+import codecs
 import contextlib
 import errno
 import os
@@ -106,12 +107,24 @@ def to_devnull(fd: int) -> None:
     os.close(devnull)
 
 
+def _bytes_or_escape(error: UnicodeError) -> tuple[str | bytes, int]:
+    """stdout's errors: a path's bytes that are no text (surrogateescape's) as they are; text its encoding lacks (an é
+    under PYTHONIOENCODING=ascii, where every path with one printed was a UnicodeEncodeError's traceback) escaped."""
+    try:
+        return codecs.lookup_error("surrogateescape")(error)
+    except UnicodeError:
+        return codecs.lookup_error("backslashreplace")(error)
+
+
+codecs.register_error("ddp-bytes-or-escape", _bytes_or_escape)
+
+
 def standard_streams() -> None:
     """A command's fds 0-2 open and sys.stderr a LossyStderr. A closed one (`2>&-`) gets /dev/null: Python leaves
     sys.stderr None there, and the next file opened takes the number 2, so that torch's C++ warnings on fd 2 were
     written into it (a checkpoint being saved, the run's lock). stdout writes the bytes of a path that are not text
     in its encoding (a directory named in Latin-1) as they are, as Python's UTF-8 mode does: a UnicodeEncodeError
-    traceback under a UTF-8 locale outside that mode."""
+    traceback under a UTF-8 locale outside that mode (_bytes_or_escape)."""
     for fd in (0, 1, 2):
         try:
             os.fstat(fd)
@@ -120,7 +133,7 @@ def standard_streams() -> None:
     sys.stdout = sys.stdout or open(1, "w", buffering=1, closefd=False)  # noqa: SIM115 (the process's own)
     sys.stderr = sys.stderr or open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
     if getattr(sys.stdout, "errors", None) == "strict" and hasattr(sys.stdout, "reconfigure"):
-        sys.stdout.reconfigure(errors="surrogateescape")  # a path's bytes that are no text here: written as they are
+        sys.stdout.reconfigure(errors="ddp-bytes-or-escape")  # a path's bytes that are no text here: as they are
     if not isinstance(sys.stderr, LossyStderr):
         sys.stderr = LossyStderr(sys.stderr)
 

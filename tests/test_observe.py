@@ -123,7 +123,8 @@ def test_a_run_whose_path_is_not_utf8_is_drawn_under_its_name(tmp_path):
     """A directory named in another encoding (Latin-1's bytes, say): matplotlib's font refused the name's
     surrogates in the legend and the confusion chart's title with a traceback; now a replacement character. Its
     charts' paths are printed with the directory's bytes, where a UTF-8 locale outside Python's UTF-8 mode
-    (PYTHONIOENCODING=utf-8:strict here) refused them with a traceback (ddp/train.py's "resumed from" line too)."""
+    (PYTHONIOENCODING=utf-8:strict here) refused them with a traceback (ddp/train.py's "resumed from" line too); so did
+    PYTHONIOENCODING=ascii a path with an é in it (ddp.evaluate's first line too): escaped now, as \\xe9."""
     run = tmp_path / os.fsdecode(b"caf\xe9")
     write_metrics(run, EPOCH % 1)
     proc = subprocess.run([sys.executable, "-m", "ddp.plot", run], cwd=REPO, capture_output=True,
@@ -132,6 +133,11 @@ def test_a_run_whose_path_is_not_utf8_is_drawn_under_its_name(tmp_path):
     assert proc.stdout.endswith(b"caf\xe9/confusion-caf\xe9.png\n")
     assert png_size(run / os.fsdecode(b"confusion-caf\xe9.png")) == (700, 600)  # its file keeps the path's bytes
     assert plot.drawable(run.name) == "caf\ufffd"
+    ascii_only = tmp_path / "café"  # an é where stdout's encoding has none: escaped, not a traceback
+    write_metrics(ascii_only, EPOCH % 1)
+    proc = subprocess.run([sys.executable, "-m", "ddp.plot", ascii_only], cwd=REPO, capture_output=True,
+                          env=clean_env(PYTHONIOENCODING="ascii"))  # fmt: skip
+    assert proc.returncode == 0 and proc.stdout.endswith(b"caf\\xe9/confusion-caf\\xe9.png\n"), proc
 
 
 def test_plot_leaves_out_records_whose_classes_accuracies_or_confusion_do_not_fit(tmp_path, capsys):

@@ -1,5 +1,6 @@
 """`python -m ddp`: which commands ddp-cifar has, one line each; each runs as its own `python -m ddp.NAME`
-(train as ddp/train.py, under a launcher for several processes). Exit 0; 2 with arguments (nothing runs)."""
+(train as ddp/train.py, under a launcher for several processes). Exit 0, also with -h/--help (each command listed
+takes it, so a user types it here too); 2 with other arguments (nothing runs)."""
 
 import sys
 
@@ -14,7 +15,7 @@ ddp-cifar's commands (each with --help):
 
 
 def main(argv: list[str]) -> int:
-    if argv:
+    if argv and argv not in (["-h"], ["--help"]):
         print(f"error: python -m ddp takes no arguments (it lists the commands); got {' '.join(argv)}\n{COMMANDS}",
               file=sys.stderr)  # fmt: skip
         return 2

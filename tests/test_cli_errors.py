@@ -818,7 +818,8 @@ def test_what_a_rank_tells_the_others_when_it_leaves_is_its_own_line_and_exit_co
 def test_python_m_ddp_lists_every_command_and_takes_no_arguments():
     """`python -m ddp` was Python's own "No module named ddp.__main__". It lists the commands: each module that
     runs as a command (its `__main__` guard) but the launchers' own (torchrun.py, accelerate_launch.py, which the
-    launch files start), and nothing else; with arguments it runs nothing, exit 2."""
+    launch files start), and nothing else; with arguments it runs nothing, exit 2. `--help`, which each listed
+    command takes, was such an argument's error: it lists them, exit 0."""
     listed = subprocess.run([sys.executable, "-m", "ddp"], cwd=REPO, env=clean_env(), capture_output=True, text=True)
     assert listed.returncode == 0 and listed.stderr == "", listed.stderr
     named = set(re.findall(r"-m ddp\.(\w+)|ddp/(train)\.py", listed.stdout))
@@ -828,3 +829,7 @@ def test_python_m_ddp_lists_every_command_and_takes_no_arguments():
                            text=True)  # fmt: skip
     assert given.returncode == 2 and given.stdout == "", given
     assert given.stderr.startswith("error: python -m ddp takes no arguments (it lists the commands); got train\n")
+    for asked in ("-h", "--help"):
+        helped = subprocess.run([sys.executable, "-m", "ddp", asked], cwd=REPO, env=clean_env(), capture_output=True,
+                                text=True)  # fmt: skip
+        assert (helped.returncode, helped.stdout, helped.stderr) == (0, listed.stdout, ""), helped

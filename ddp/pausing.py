@@ -1,6 +1,6 @@
 """Ctrl-Z of ddp/torchrun.py (SIGTSTP), torchrun's agent: it pauses the ranks, then itself, and fg or bg continues
-them all; SLURM's suspend, which every rank has too, it leaves to them. The ranks' side: lifeline (outside training)
-and preemption.StopRequest (at a step boundary)."""
+them all; SLURM's suspend, which every rank has too, it leaves to them; SIGUSR1/2 it sends on to them (pass_on).
+The ranks' side: lifeline (outside training) and preemption.StopRequest (at a step boundary)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,22 @@ from pathlib import Path
 from ddp import launchers, processes
 
 PAUSE_S = 30.0  # how long Ctrl-Z waits for a rank to pause before it stops it where it is (its watcher: 2 steps)
+PASSED_ON = (signal.SIGUSR1, signal.SIGUSR2)  # what torch's agent leaves to their default action: its end
+
+
+def pass_on(signum: int, frame: object) -> None:
+    """PASSED_ON's handler in torchrun's agent: the signal to each of its ranks, which stop on it (run.stop_signal:
+    SIGUSR1 by default) with their checkpoint, and the agent ends with their exit code. It ended the agent (exit
+    138): srun passes SIGUSR1 on to its tasks (`scancel --signal=USR1 JOB`), and the ranks, their launcher gone,
+    stopped on its end, or were killed meanwhile with the rest of the SLURM step. Before a rank runs (or after the
+    last), the agent ends as on SIGTERM (torch's SignalException: 128 + N)."""
+    ranks = processes.children()
+    if not ranks:
+        from torch.distributed.elastic.multiprocessing.api import SignalException
+
+        raise SignalException(f"Process {os.getpid()} got signal: {signum}", sigval=signal.Signals(signum))
+    for pid in ranks:
+        _signal(pid, signal.Signals(signum), group=False)
 
 
 class Pause:

@@ -70,7 +70,7 @@ from torch.distributed.run import main as torchrun  # noqa: E402
 from torch.distributed.run import parse_args  # noqa: E402
 
 from ddp import cli, lost_rank, network, pausing, processes  # noqa: E402
-from ddp.errors import EXIT_FAILURE, EXIT_USAGE, MACHINE_MEMORY_FIX, lost_interrupt, oom_killed  # noqa: E402
+from ddp.errors import EXIT_FAILURE, EXIT_STOPPED, EXIT_USAGE, MACHINE_MEMORY_FIX, lost_interrupt, oom_killed  # noqa: E402
 from ddp.torchrun_args import launch_refused  # noqa: E402
 
 GRACE_S = 20.0  # how long the agent may outlive its ranks (its own exit barrier waits on the other hosts)
@@ -144,6 +144,8 @@ def main(argv: list[str]) -> int:
         pause = pausing.Pause(one_machine[0], by_slurm=pausing.by_slurm())
         signal.signal(signal.SIGTSTP, pause)
         signal.signal(signal.SIGCONT, pause.resumed)
+    for passed in (s for s in pausing.PASSED_ON if signal.getsignal(s) == signal.SIG_DFL):  # (ignored: left so)
+        signal.signal(passed, pausing.pass_on)
     if store or not elastic:  # (an elastic job without an endpoint of its own: not watched)
         watched = (store, elastic, fixed_nodes_store(args))
         watch = threading.Thread(target=leave_after_the_ranks, args=watched, name="ddp-agent-watch", daemon=True)
@@ -229,7 +231,8 @@ def failed(error: ChildFailedError) -> int:
     """A line for the ranks that ended without writing their own (killed by a signal: no error file), one for each
     way they ended (32 ranks in 2 GiB: 7 lines for 7 the kernel killed, the same but for the rank), but none for
     those torchrun itself stopped with SIGTERM once another had failed ("rank 1 was killed by SIGTERM" was the last
-    line under rank 0's usage error); the exit code of the first rank that failed otherwise (128 +
+    line under rank 0's usage error), nor for those that stopped to be resumed (exit 75: rank 0 said why, and the
+    others, silent, were each "exited 75" under it); the exit code of the first rank that failed otherwise (128 +
     N for signal N): an error file's time is in whole seconds, and a rank stopped the same second could pass
     for the first."""
     failures = error.failures
@@ -238,7 +241,7 @@ def failed(error: ChildFailedError) -> int:
     unsaid: dict[int, list[int]] = {}  # exit code: the ranks that ended so without a line (one line for them all)
     for rank, failure in sorted(failures.items()):
         stopped = rank != first and failure.exitcode == -signal.SIGTERM  # torchrun's "closing signal SIGTERM"
-        if not os.path.isfile(failure.error_file) and not stopped:
+        if not os.path.isfile(failure.error_file) and not stopped and failure.exitcode != EXIT_STOPPED:
             unsaid.setdefault(failure.exitcode, []).append(rank)
     for code, ranks in unsaid.items():
         pids, many = ", ".join(str(failures[rank].pid) for rank in ranks), len(ranks) > 1

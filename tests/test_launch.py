@@ -129,6 +129,42 @@ def test_ctrl_c_on_the_torchrun_script_ends_with_our_lines_and_130_and_a_killed_
     assert not list(tmp.glob("torchelastic_*")), list(tmp.iterdir())
 
 
+def test_sigusr1_to_torchruns_agent_alone_stops_its_ranks_with_their_checkpoint(tmp_path):
+    """srun passes SIGUSR1 on to its task, torchrun's agent (`scancel --signal=USR1 JOB`), and torch leaves that
+    signal to its default action: the agent ended (exit 138), and its ranks, their launcher gone, stopped on its end
+    (under SLURM, ended with the rest of the job step meanwhile). ddp/torchrun.py sends it on to its ranks: they
+    stop on SIGUSR1 (a stop signal by default) with their checkpoint, exit 75, and under rank 0's line no other
+    says "error: rank 1 (pid ...) exited 75"."""
+    job = [*TINY, "data.synthetic_train=2048", "train.epochs=20", f"run.out_dir={tmp_path}"]
+    proc = subprocess.Popen(["bash", "launch/torchrun.sh", *job], cwd=REPO, env=clean_env(), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "metrics.jsonl").is_file() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGUSR1)  # the agent alone (the script's exec): its ranks run in sessions of their own
+        out = proc.communicate(timeout=120)[0]
+    finally:
+        kill_orphans(session(proc.pid))
+    lines = [line for line in out.splitlines() if not line.startswith(("W1", "*****", "+ "))]  # torchrun's, ours
+    assert proc.returncode == 75 and "Traceback" not in out and "error" not in out, out
+    saved = re.fullmatch(r"stopping on SIGUSR1: checkpoint (\S+)", lines[-2])
+    assert saved and Path(saved[1]).is_file() and lines[-1] == "stopped on SIGUSR1; run the same command to resume", out
+
+
+def test_sigusr1_before_the_agents_ranks_run_ends_it_as_sigterm_does(monkeypatch):
+    """With no rank to send it on to (before they start), SIGUSR1 ends the agent as SIGTERM does: torch's
+    SignalException, which ddp/torchrun.py ends as 128 + N, its log dir removed."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    from ddp import pausing
+
+    monkeypatch.setattr(processes, "children", lambda parent=None: [])
+    with pytest.raises(SignalException) as raised:
+        pausing.pass_on(signal.SIGUSR1, None)
+    assert raised.value.sigval == signal.SIGUSR1
+
+
 def test_a_rank_the_kernels_out_of_memory_killer_ends_is_said_to_be_out_of_memory_by_torchrun_and_its_peer(tmp_path):
     """Rank 1 takes memory in step 3 until the kernel kills it (DDP_CIFAR_FAULT=memory; the job in a memory cgroup
     of 2.5 GB, about twice what it needs): a SIGKILL leaves no word, and torchrun's line was only "rank 1 (pid N)
@@ -172,7 +208,9 @@ def test_the_ranks_torchrun_stops_after_one_failed_get_no_line_of_their_own(tmp_
     time (whole seconds) was not before the stopped rank's, the exit code was 143, not the cause's. A rank killed
     by another signal, or by SIGTERM with no other failure (before its stop handler), still gets its line; a SIGKILL
     with the kernel's out-of-memory kills counted since torchrun began says so. Ranks that ended the same way: one
-    line (7 of 32 ranks killed for memory were 7 lines, the same but for the rank)."""
+    line (7 of 32 ranks killed for memory were 7 lines, the same but for the rank). Ranks that stopped to be resumed
+    (exit 75; rank 0's line in its file) get none: "error: rank 1 (pid ...) exited 75" followed rank 0's "stopped on
+    SIGTERM; run the same command to resume" where the ranks alone had the signal."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
     monkeypatch.setattr(errors, "OOM_KILLS_AT_START", 5)  # as this process began
@@ -186,6 +224,10 @@ def test_the_ranks_torchrun_stops_after_one_failed_get_no_line_of_their_own(tmp_
         return ProcessFailure(rank, 100 + rank, code, str(tmp_path / (f"rank{rank}.json" if said else "none")))
 
     assert launcher.failed(ChildFailedError("train.py", {0: failure(0, 2, said=True), 1: failure(1, -15)})) == 2
+    assert capsys.readouterr().err == ""
+    assert launcher.failed(ChildFailedError("train.py", {0: failure(0, 75, said=True), 1: failure(1, 75)})) == 75
+    assert capsys.readouterr().err == ""
+    assert launcher.failed(ChildFailedError("train.py", {2: failure(2, 75), 3: failure(3, 75)})) == 75  # node 1's
     assert capsys.readouterr().err == ""
     assert launcher.failed(ChildFailedError("train.py", {0: failure(0, 2, said=True), 1: failure(1, -9)})) == 2
     assert capsys.readouterr().err == "error: rank 1 (pid 101) was killed by SIGKILL\n"

@@ -20,9 +20,9 @@ PASSED_ON = (signal.SIGUSR1, signal.SIGUSR2)  # what torch's agent leaves to the
 def pass_on(signum: int, frame: object) -> None:
     """PASSED_ON's handler in torchrun's agent: the signal to each of its ranks, which stop on it (run.stop_signal:
     SIGUSR1 by default) with their checkpoint, and the agent ends with their exit code. It ended the agent (exit
-    138): srun passes SIGUSR1 on to its tasks (`scancel --signal=USR1 JOB`), and the ranks, their launcher gone,
-    stopped on its end, or were killed meanwhile with the rest of the SLURM step. Before a rank runs (or after the
-    last), the agent ends as on SIGTERM (torch's SignalException: 128 + N)."""
+    138; under SLURM, `scancel --signal=USR1 JOB`: "srun: error: task 0: User defined signal 1"), and where the agent
+    alone had it (`kill -USR1` of a launch file's pid) the ranks stopped on its end instead, a loss of the launcher.
+    Before a rank runs (or after the last), the agent ends as on SIGTERM (torch's SignalException: 128 + N)."""
     ranks = processes.children()
     if not ranks:
         from torch.distributed.elastic.multiprocessing.api import SignalException

@@ -130,11 +130,10 @@ def test_ctrl_c_on_the_torchrun_script_ends_with_our_lines_and_130_and_a_killed_
 
 
 def test_sigusr1_to_torchruns_agent_alone_stops_its_ranks_with_their_checkpoint(tmp_path):
-    """srun passes SIGUSR1 on to its task, torchrun's agent (`scancel --signal=USR1 JOB`), and torch leaves that
-    signal to its default action: the agent ended (exit 138), and its ranks, their launcher gone, stopped on its end
-    (under SLURM, ended with the rest of the job step meanwhile). ddp/torchrun.py sends it on to its ranks: they
-    stop on SIGUSR1 (a stop signal by default) with their checkpoint, exit 75, and under rank 0's line no other
-    says "error: rank 1 (pid ...) exited 75"."""
+    """`kill -USR1 PID` of a launch file (its pid: torchrun's agent). torch leaves SIGUSR1 to its default action:
+    the agent ended (exit 138), and its ranks, their launcher gone, stopped on its end. ddp/torchrun.py sends it on
+    to its ranks: they stop on SIGUSR1 (a stop signal by default) with their checkpoint, exit 75, and under rank 0's
+    line no other says "error: rank 1 (pid ...) exited 75"."""
     job = [*TINY, "data.synthetic_train=2048", "train.epochs=20", f"run.out_dir={tmp_path}"]
     proc = subprocess.Popen(["bash", "launch/torchrun.sh", *job], cwd=REPO, env=clean_env(), text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip

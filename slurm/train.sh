@@ -20,8 +20,8 @@
 # - Preemption: 120 s before the time limit (--signal=TERM@120), or when SLURM preempts the job, every
 #   process gets SIGTERM: all ranks stop at the next step boundary, rank 0 saves a checkpoint and
 #   requeues the job (scontrol requeue); the requeued job resumes from that checkpoint in the same
-#   out_dir. --open-mode=append keeps the log of every run in one file. Signal the steps, not this shell (no B:,
-#   no scancel -b): it becomes srun, which ends the job at once on SIGTERM, its ranks killed without a checkpoint.
+#   out_dir. --open-mode=append keeps the log of every run in one file. A signal for this shell (B:TERM, scancel -b)
+#   it sends on to the steps, the same stop; not scancel --full's SIGTERM, which srun has too: it ends the job at once.
 set -euo pipefail
 root=${DDP_CIFAR_ROOT:-${SLURM_SUBMIT_DIR:-$(pwd)}}
 if [ ! -f "$root/ddp/train.py" ]; then
@@ -56,4 +56,18 @@ cmd=(srun --ntasks-per-node=1 --kill-on-bad-exit=1
   --rdzv_endpoint="$(endpoint "$addr" "$port")" --rdzv_id="$job"
   ddp/train.py run.out_dir="${OUT_ROOT:-runs}/slurm-$job" "$@")
 shown "${cmd[@]}"
-exec "${cmd[@]}"
+# srun runs as this shell's child, not in its place: srun takes SIGTERM (SIGHUP, SIGQUIT) as the job's end and kills
+# its tasks, so a SIGTERM for this shell (#SBATCH --signal=B:TERM@120, scancel -b) ended the job at once, FAILED,
+# without a checkpoint. The signals this shell gets go to the job's steps instead (scancel --signal: the ranks, and
+# their torchrun; not this shell again), where a stop signal stops every rank with its checkpoint, as SLURM's own do.
+for sig in TERM INT HUP USR1 USR2; do
+  trap "signalled=1; scancel --signal=$sig \"\$SLURM_JOB_ID\" 2>/dev/null || true" "$sig"
+done
+"${cmd[@]}" &
+step=$!
+while :; do  # until srun ends: a signal's trap ends the wait (its status then > 128), not srun
+  signalled=
+  wait "$step" && code=0 || code=$?
+  [ -n "$signalled" ] && [ "$code" -gt 128 ] || break
+done
+exit "$code"

@@ -243,6 +243,30 @@ def test_scancel_ends_a_job_with_a_checkpoint_and_does_not_requeue_it(slurm, tmp
     assert again in said, said[-3000:]  # ("run the same command" was a new job's new out_dir: a fresh start)
 
 
+def test_a_sigterm_for_the_batch_shell_stops_the_job_with_a_checkpoint_and_requeues_it(slurm, tmp_path):
+    """`scancel -b --signal=TERM JOB`, as `#SBATCH --signal=B:TERM@120` sends it: SIGTERM for the batch shell
+    alone. That shell was srun (slurm/train.sh ended in `exec srun`), which takes SIGTERM as the job's end: it killed
+    the ranks, and the job ended FAILED without a checkpoint. The shell now runs srun as its child and sends the
+    signal on to the job's steps: the ranks stop with a checkpoint and rank 0 requeues the job."""
+    job = submit(slurm, tmp_path, *PREEMPTIBLE)
+    out, log = tmp_path / f"slurm-{job}", tmp_path / f"log-{job}.out"
+    deadline = time.monotonic() + 120
+    try:
+        while not list((out / "checkpoints").glob("step-*.pt")):
+            assert time.monotonic() < deadline, job_field(slurm, job, "JobState")
+            time.sleep(0.1)
+        ok(subprocess.run(["scancel", "--batch", "--signal=TERM", job], env=slurm, capture_output=True, text=True))
+        while "scontrol requeue" not in log.read_text() and job_field(slurm, job, "JobState") not in ("FAILED", ""):
+            assert time.monotonic() < deadline + 60, log.read_text()[-3000:]
+            time.sleep(0.1)
+        said, restarts = log.read_text(), job_field(slurm, job, "Restarts")
+    finally:
+        subprocess.run(["scancel", job], env=slurm)  # (requeued: no later job waits for it)
+    saved = re.search(r"^stopping on SIGTERM: checkpoint (\S+)$", said, re.M)
+    assert saved and Path(saved[1]).is_file() and f"scontrol requeue {job}: requeued" in said, said[-3000:]
+    assert restarts == "1", said[-3000:]
+
+
 def test_a_job_preempted_by_an_urgent_one_saves_requeues_itself_and_ends_as_one_never_preempted(
     slurm, tmp_path, uninterrupted
 ):

@@ -39,7 +39,7 @@ from ddp.startup import quiet_startup  # noqa: E402
 
 quiet_startup(__name__)  # a Ctrl-C or a missing package in the imports: one line, not a traceback
 
-from ddp import cli, processes, torchrun  # noqa: E402
+from ddp import cli, pausing, processes, torchrun  # noqa: E402
 from ddp.errors import EXIT_USAGE  # noqa: E402
 
 
@@ -52,6 +52,7 @@ def main(argv: list[str]) -> int:
               "launch/torchrun.sh", file=sys.stderr)  # fmt: skip
         return EXIT_USAGE
     torchrun.quiet_agent_logs()
+    pausing.passing_on()  # SIGUSR1/2 to the ranks (through mpirun, _through_mpirun's own forward): they ended it
     args = launch_command_parser().parse_args(argv)
     # accelerate has mpirun bind each rank to a socket, and Open MPI refused more ranks than the socket's cores
     # (NPROC=4 on 2 cores: its box, exit 1); ranks may share cores, as under torchrun (its option, not an argument)

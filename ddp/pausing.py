@@ -17,6 +17,14 @@ PAUSE_S = 30.0  # how long Ctrl-Z waits for a rank to pause before it stops it w
 PASSED_ON = (signal.SIGUSR1, signal.SIGUSR2)  # what torch's agent leaves to their default action: its end
 
 
+def passing_on() -> None:
+    """pass_on for PASSED_ON in this process, torchrun's agent (ddp/torchrun.py, ddp/accelerate_launch.py); one
+    ignored where this process started (`nohup`, a script's `&`) is left ignored."""
+    for passed in PASSED_ON:
+        if signal.getsignal(passed) == signal.SIG_DFL:
+            signal.signal(passed, pass_on)
+
+
 def pass_on(signum: int, frame: object) -> None:
     """PASSED_ON's handler in torchrun's agent: the signal to each of its ranks, which stop on it (run.stop_signal:
     SIGUSR1 by default) with their checkpoint, and the agent ends with their exit code. It ended the agent (exit

@@ -144,8 +144,7 @@ def main(argv: list[str]) -> int:
         pause = pausing.Pause(one_machine[0], by_slurm=pausing.by_slurm())
         signal.signal(signal.SIGTSTP, pause)
         signal.signal(signal.SIGCONT, pause.resumed)
-    for passed in (s for s in pausing.PASSED_ON if signal.getsignal(s) == signal.SIG_DFL):  # (ignored: left so)
-        signal.signal(passed, pausing.pass_on)
+    pausing.passing_on()  # SIGUSR1/2 to the ranks: its default action ended this process
     if store or not elastic:  # (an elastic job without an endpoint of its own: not watched)
         watched = (store, elastic, fixed_nodes_store(args))
         watch = threading.Thread(target=leave_after_the_ranks, args=watched, name="ddp-agent-watch", daemon=True)

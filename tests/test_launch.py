@@ -719,13 +719,15 @@ def test_ctrl_c_of_an_accelerate_launch_ends_with_our_lines_and_130_and_a_killed
     assert re.search(r"^error: rank 1( \(pid \d+\))? was killed by SIGKILL$", killed.stderr, re.M), killed.stderr
 
 
-@pytest.mark.parametrize("mode", ["config", "mpirun"])
-def test_a_kill_of_the_accelerate_scripts_pid_stops_the_run_with_a_checkpoint(tmp_path, mode):
+@pytest.mark.parametrize("mode, sent", [("config", signal.SIGUSR1), ("mpirun", signal.SIGTERM)])
+def test_a_kill_of_the_accelerate_scripts_pid_stops_the_run_with_a_checkpoint(tmp_path, mode, sent):
     """`kill PID` of `bash launch/accelerate.sh` killed the shell alone: accelerate and its ranks trained on to the
     end (20 of 20 epochs), and no one could stop them but by their own pids. The script now runs accelerate in its
-    own process (exec; mpirun's hostfile is a file of the repository, not one the shell removed at its end). Its
-    config's path (one machine of NUM_MACHINES=1; on GPUs the one-machine path is the same): the ranks stop with a
-    checkpoint, exit 128 + SIGTERM. Through mpirun (no GPU) accelerate sends the ranks the SIGTERM: the same."""
+    own process (exec; mpirun's hostfile is a file of the repository, not one the shell removed at its end). Through
+    mpirun (no GPU) accelerate sends the ranks the SIGTERM: they stop with a checkpoint, exit 128 + SIGTERM. Its
+    config's path (one machine of NUM_MACHINES=1; on GPUs the one-machine path is the same) runs torchrun's agent,
+    whose SIGTERM the Ctrl-C test's SIGINT shares; `kill -USR1` ended it there (exit 138, its ranks stopping on
+    the launcher's end): it sends SIGUSR1 on to its ranks, which stop on it with a checkpoint, exit 75."""
     env = clean_env(NPROC="2", MASTER_PORT=str(free_port()), OMPI_ALLOW_RUN_AS_ROOT="1",
                     OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")  # fmt: skip
     if mode == "config":
@@ -740,13 +742,14 @@ def test_a_kill_of_the_accelerate_scripts_pid_stops_the_run_with_a_checkpoint(tm
         deadline = time.monotonic() + 120
         while not (tmp_path / "metrics.jsonl").is_file() and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.2)
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(sent)
         out = proc.communicate(timeout=120)[0]
         seconds_until_gone(session(proc.pid), time.monotonic())  # (mpirun may close its output a moment before)
     finally:
         kill_orphans(session(proc.pid))
-    assert proc.returncode == 128 + signal.SIGTERM and "Traceback" not in out and "non-zero" not in out, out
-    saved = re.search(r"^stopping on SIGTERM: checkpoint (\S+)$", out, re.M)
+    code = 128 + sent if sent == signal.SIGTERM else errors.EXIT_STOPPED
+    assert proc.returncode == code and "Traceback" not in out and "non-zero" not in out and "error" not in out, out
+    saved = re.search(rf"^stopping on {sent.name}: checkpoint (\S+)$", out, re.M)
     assert saved and Path(saved[1]).is_file() and "epoch 20/20" not in out, out
 
 

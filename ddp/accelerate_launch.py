@@ -52,7 +52,6 @@ def main(argv: list[str]) -> int:
               "launch/torchrun.sh", file=sys.stderr)  # fmt: skip
         return EXIT_USAGE
     torchrun.quiet_agent_logs()
-    pausing.passing_on()  # SIGUSR1/2 to the ranks (through mpirun, _through_mpirun's own forward): they ended it
     args = launch_command_parser().parse_args(argv)
     # accelerate has mpirun bind each rank to a socket, and Open MPI refused more ranks than the socket's cores
     # (NPROC=4 on 2 cores: its box, exit 1); ranks may share cores, as under torchrun (its option, not an argument)
@@ -60,7 +59,8 @@ def main(argv: list[str]) -> int:
     accelerates = launch.simple_launcher  # (launch_command calls it for --cpu: through mpirun, or one process)
     launch.simple_launcher = lambda args: (_through_mpirun if args.mpirun_hostfile else accelerates)(args)
     launch._validate_launch_command = _validated(launch._validate_launch_command)
-    with torchrun.log_dir(args.log_dir, needed=not args.mpirun_hostfile) as args.log_dir:  # (--multi_gpu's agent)
+    # (SIGUSR1/2: passed on to the ranks, which they ended; through mpirun, _through_mpirun's own forward)
+    with torchrun.log_dir(args.log_dir, needed=not args.mpirun_hostfile) as args.log_dir, pausing.passing_on():
         try:
             launch_command(args)  # (it sets args.num_machines from --config_file's when the command line has none)
         except Refused as e:  # its arguments, before anything started

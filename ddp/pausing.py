@@ -9,6 +9,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from ddp import launchers, processes
@@ -17,12 +18,20 @@ PAUSE_S = 30.0  # how long Ctrl-Z waits for a rank to pause before it stops it w
 PASSED_ON = (signal.SIGUSR1, signal.SIGUSR2)  # what torch's agent leaves to their default action: its end
 
 
-def passing_on() -> None:
-    """pass_on for PASSED_ON in this process, torchrun's agent (ddp/torchrun.py, ddp/accelerate_launch.py); one
-    ignored where this process started (`nohup`, a script's `&`) is left ignored."""
-    for passed in PASSED_ON:
-        if signal.getsignal(passed) == signal.SIG_DFL:
+@contextlib.contextmanager
+def passing_on() -> Iterator[None]:
+    """While inside, pass_on for PASSED_ON in this process, torchrun's agent (ddp/torchrun.py,
+    ddp/accelerate_launch.py); one ignored where this process started (`nohup`, a script's `&`) is left ignored.
+    The handlers before are back after (a launcher's main called in a test's process)."""
+    before = {passed: signal.getsignal(passed) for passed in PASSED_ON}
+    for passed, handler in before.items():
+        if handler == signal.SIG_DFL:
             signal.signal(passed, pass_on)
+    try:
+        yield
+    finally:
+        for passed, handler in before.items():
+            signal.signal(passed, handler)
 
 
 def pass_on(signum: int, frame: object) -> None:

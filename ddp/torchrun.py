@@ -144,12 +144,11 @@ def main(argv: list[str]) -> int:
         pause = pausing.Pause(one_machine[0], by_slurm=pausing.by_slurm())
         signal.signal(signal.SIGTSTP, pause)
         signal.signal(signal.SIGCONT, pause.resumed)
-    pausing.passing_on()  # SIGUSR1/2 to the ranks: its default action ended this process
     if store or not elastic:  # (an elastic job without an endpoint of its own: not watched)
         watched = (store, elastic, fixed_nodes_store(args))
         watch = threading.Thread(target=leave_after_the_ranks, args=watched, name="ddp-agent-watch", daemon=True)
         watch.start()
-    with log_dir(args.log_dir) as logs:
+    with log_dir(args.log_dir) as logs, pausing.passing_on():  # SIGUSR1/2 to the ranks: by default they ended it
         try:
             torchrun(argv if logs == args.log_dir else ["--log-dir", logs, *argv])
         except SignalException as e:  # the ranks were stopped: their lines are printed

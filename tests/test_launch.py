@@ -153,7 +153,8 @@ def test_sigusr1_to_torchruns_agent_alone_stops_its_ranks_with_their_checkpoint(
 
 def test_sigusr1_before_the_agents_ranks_run_ends_it_as_sigterm_does(monkeypatch):
     """With no rank to send it on to (before they start), SIGUSR1 ends the agent as SIGTERM does: torch's
-    SignalException, which ddp/torchrun.py ends as 128 + N, its log dir removed."""
+    SignalException, which ddp/torchrun.py ends as 128 + N, its log dir removed. The handlers are the launcher's
+    only while it runs (its main in a test's process leaves none behind), and one ignored at the start stays so."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
     from ddp import pausing
@@ -162,6 +163,14 @@ def test_sigusr1_before_the_agents_ranks_run_ends_it_as_sigterm_does(monkeypatch
     with pytest.raises(SignalException) as raised:
         pausing.pass_on(signal.SIGUSR1, None)
     assert raised.value.sigval == signal.SIGUSR1
+    before = signal.signal(signal.SIGUSR2, signal.SIG_IGN)
+    try:
+        with pausing.passing_on():
+            assert signal.getsignal(signal.SIGUSR1) is pausing.pass_on
+            assert signal.getsignal(signal.SIGUSR2) == signal.SIG_IGN
+        assert signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL
+    finally:
+        signal.signal(signal.SIGUSR2, before)
 
 
 def test_a_rank_the_kernels_out_of_memory_killer_ends_is_said_to_be_out_of_memory_by_torchrun_and_its_peer(tmp_path):

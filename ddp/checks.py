@@ -1,6 +1,6 @@
-"""The checks made before any rank joins the process group (train.checked makes them, in order) and
-what they decide, the Plan: each rank's share of the global batch, the steps, the autocast dtype, the
-stop signals, the steps to profile. Settings that each parse but do not go together are refused here."""
+"""The checks made before any rank joins the process group (train.checked makes them, in order) and what they decide,
+the Plan: each rank's share of the global batch, the steps, the autocast dtype, the stop signals, the steps to
+profile. Settings that each parse but do not go together are refused here; those a run never reads, noted (unused)."""
 
 from __future__ import annotations
 
@@ -10,12 +10,13 @@ import shutil
 import signal
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ddp import cpus, fsdp, mixing, models
-from ddp.config import Config, DdpConfig
+from ddp.config import Config, DdpConfig, to_dict
 from ddp.devices import World
 from ddp.errors import UsageError
 
@@ -305,3 +306,48 @@ def check_fp16_weights(cfg: Config) -> None:
     for key, (on, why) in refused.items():
         if on:
             raise UsageError(f"{key} does not work with run.amp=fp16-weights ({why}); use run.amp=bf16 for it")
+
+
+def unused(cfg: Config, say: Callable[[str], None] | None = None) -> list[str]:
+    """Settings given a value other than their default that the run never reads, with why, a line for each reason,
+    each `say`d as a note (rank 0's, before the data: data.path without data.dataset=npz fetched CIFAR-10 instead,
+    silently). Notes, not errors: an ablation turns a method off and keeps the settings its recipe gives it. Not
+    data.workers, which recipes set for data.loader=torch ahead (configs/resnet18.yaml)."""
+    d, t, o = cfg.data, cfg.train, cfg.optim
+    never_read = [  # (whether the run reads none of them, the keys, why)
+        (d.dataset != "npz", ("data.path",), f"data.dataset={d.dataset} (data.dataset=npz's file)"),
+        (d.dataset not in ("cifar10", "cifar100"), ("data.root", "data.download"), f"data.dataset={d.dataset} (CIFAR's "
+         "settings)"),
+        (d.dataset != "synthetic", ("data.synthetic_train", "data.synthetic_test", "data.synthetic_classes"),
+         f"data.dataset={d.dataset}"),
+        (not d.augment, ("data.translate", "data.pad", "data.flip"), "data.augment=false"),
+        (d.mixup_alpha == d.cutmix_alpha == 0, ("data.mix_prob", "data.mix_off_epoch"), "MixUp and CutMix are off "
+         "(data.mixup_alpha=0, data.cutmix_alpha=0)"),
+        (t.ema_decay == 0, ("train.ema_warmup",), "the moving average is off (train.ema_decay=0)"),
+        (t.lookahead_every == 0, ("train.lookahead_decay",), "lookahead is off (train.lookahead_every=0)"),
+        (o.name != "sgd", ("optim.momentum", "optim.nesterov"), f"optim.name={o.name} (SGD's settings)"),
+        (o.muon_lr == 0, ("optim.muon_momentum",), "Muon is off (optim.muon_lr=0)"),
+        (o.schedule == "constant", ("optim.final_lr",), "optim.schedule=constant"),
+        (o.warmup_epochs == 0, ("optim.warmup_from",), "no warm-up (optim.warmup_epochs=0)"),
+        (not cfg.model.whiten, ("optim.whiten_bias_epochs",), "model.whiten=false"),
+    ]  # fmt: skip
+    values, defaults = to_dict(cfg), to_dict(Config())
+    notes = []
+    for unread, keys, why in never_read:
+        given = [k for k in keys if unread and _value(values, k) != _value(defaults, k)]
+        if given:
+            typed = ", ".join(f"{k}={_typed(_value(values, k))}" for k in given)
+            notes.append(f"{typed} {'does' if len(given) == 1 else 'do'} nothing here: {why}")
+            if say:
+                say(f"note: {notes[-1]}")
+    return notes
+
+
+def _value(sections: dict[str, dict[str, Any]], dotted: str) -> Any:
+    section, key = dotted.split(".")
+    return sections[section][key]
+
+
+def _typed(value: Any) -> str:
+    """A setting's value as it is typed on the command line: true, 0.95, reflect."""
+    return str(value).lower() if isinstance(value, bool) else f"{value:g}" if isinstance(value, float) else str(value)

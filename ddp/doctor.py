@@ -335,6 +335,7 @@ def main(argv: list[str]) -> int:
     cfg = config.load(args.config, args.overrides)
     cfg.run = launchers.accelerate_flags(cfg.run)
     checks.settings(copy.deepcopy(cfg), devices.resolve(cfg.run))  # those ddp/train.py refuses first: its line, exit 2
+    checks.unused(cfg, show if launchers.detect_launch(launcher=cfg.run.launcher).rank == 0 else None)  # its notes
     preemption.parse_signals(cfg.run.stop_signal)
     if cfg.run.tensorboard:
         logs.check_tensorboard()

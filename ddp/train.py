@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         return preflight(cfg, args.preflight)
     world = devices.resolve(cfg.run)  # rank, local_rank, world_size from the launcher; device cuda:<local_rank>
     devices.share_cpus(cfg.run)  # its threads: its share of the CPUs it may use (a container's quota too)
-    with checked(cfg, world) as (data, plan):  # every mistake found before a rank can wait for another
+    with checked(cfg, world, logs.say if world.is_main else None) as (data, plan):  # every mistake before the group
         with lifeline.watched(world, plan.stop_signals, PARENT):  # the launcher's end, signals, deadlines
             with distributed.setup(world, cfg.run.timeout_s) as world, graphed.stream(plan.recorded, world.device):
                 alike.check(cfg, data, world)  # each machine's own code, settings and data: one that differs, said
@@ -98,17 +98,19 @@ def preflight(cfg: Config, processes: int) -> None:
     launcher's traceback. Downloads the data here, once, if it must. On the machines of a job on
     several (NODE_RANK set), also whether MASTER_ADDR resolves and answers; only node 0 locks."""
     node = launchers.node_rank()
-    with checked(cfg, devices.planned(cfg.run, processes, node)):
+    with checked(cfg, devices.planned(cfg.run, processes, node), say=None):  # notes: rank 0's, after it
         if node is not None:
             network.check_master(launchers.master_address() or "", launchers.master_port(), node, cfg.run.timeout_s)
 
 
 @contextlib.contextmanager
-def checked(cfg: Config, world: World) -> Iterator[tuple[datasets.Data, Plan]]:
+def checked(cfg: Config, world: World, say: Callable[[str], None] | None) -> Iterator[tuple[datasets.Data, Plan]]:
     """Everything checked before joining the process group, so that a mistake stops every rank alike instead of
     leaving some waiting, cheapest first: the settings; run.out_dir, locked for this run while inside (rank 0
-    holds it), against run.resume; the data (read here) and what depends on it. Yields the data and the Plan."""
+    holds it), against run.resume; the data (read here) and what depends on it. Yields the data and the Plan.
+    `say`: where its notes go (rank 0's; None for a preflight, which rank 0 follows and would repeat)."""
     per_rank_batch, precision = checks.settings(cfg, world)  # autocast, weights, loss scale
+    checks.unused(cfg, say)  # settings that do nothing in this run: notes
     stop_signals = tuple(preemption.parse_signals(cfg.run.stop_signal))
     if cfg.run.tensorboard:
         logs.check_tensorboard()
@@ -117,7 +119,7 @@ def checked(cfg: Config, world: World) -> Iterator[tuple[datasets.Data, Plan]]:
         data = datasets.read(cfg.data, world)  # a file that lies stops every rank alike, before the group
         steps = checks.steps_per_epoch(cfg, len(data.train.labels))
         profile_steps = profiling.parse(cfg.run.profile, steps * cfg.train.epochs)
-        recorded = checks.cuda_graph(cfg, world, logs.say if world.is_main else None)  # auto: where it can be
+        recorded = checks.cuda_graph(cfg, world, say)  # auto: where it can be
         yield data, Plan(per_rank_batch, steps, *precision, stop_signals, profile_steps, recorded)
 
 

@@ -352,3 +352,44 @@ def test_help_lists_every_key_as_a_module():
     out = ok(python("-m", "ddp.train", "--help")).stdout
     for key in ("data.dataset", "train.batch_size", "optim.lr", "run.parallel", "run.amp", "run.channels_last"):
         assert key in out
+
+
+def test_a_setting_the_run_never_reads_is_a_note_naming_why_and_a_recipe_gets_none():
+    """A value given to a setting that nothing reads in this run is said once, with why: data.path without
+    data.dataset=npz (it trained on CIFAR-10, downloaded, silently), a method's setting with the method off. Not for
+    the default value (an ablation keeps its recipe's), nor for any recipe in configs/ as it is."""
+    from ddp import checks
+
+    said = []
+    overrides = ["data.path=mine.npz", "data.augment=false", "data.pad=reflect", "data.flip=alternate",
+                 "data.translate=4", "optim.muon_momentum=0.9", "train.lookahead_decay=0.5", "optim.name=adamw",
+                 "optim.nesterov=false", "optim.schedule=constant", "optim.final_lr=0.1", "model.whiten=false",
+                 "optim.whiten_bias_epochs=5", "data.mix_prob=0.5", "train.ema_warmup=3"]  # fmt: skip
+    notes = checks.unused(config.load(None, overrides), said.append)
+    assert said == [f"note: {n}" for n in notes]
+    assert notes == [
+        "data.path=mine.npz does nothing here: data.dataset=cifar10 (data.dataset=npz's file)",
+        "data.pad=reflect, data.flip=alternate do nothing here: data.augment=false",  # translate=4: the default's
+        "data.mix_prob=0.5 does nothing here: MixUp and CutMix are off (data.mixup_alpha=0, data.cutmix_alpha=0)",
+        "train.ema_warmup=3 does nothing here: the moving average is off (train.ema_decay=0)",
+        "train.lookahead_decay=0.5 does nothing here: lookahead is off (train.lookahead_every=0)",
+        "optim.nesterov=false does nothing here: optim.name=adamw (SGD's settings)",
+        "optim.muon_momentum=0.9 does nothing here: Muon is off (optim.muon_lr=0)",
+        "optim.final_lr=0.1 does nothing here: optim.schedule=constant",
+        "optim.whiten_bias_epochs=5 does nothing here: model.whiten=false",
+    ]
+    used = ["data.dataset=npz", "data.path=mine.npz", "data.pad=reflect", "optim.muon_lr=0.1",
+            "optim.muon_momentum=0.9", "data.cutmix_alpha=1", "data.mix_prob=0.5", "optim.warmup_epochs=0",
+            "optim.warmup_from=0"]  # fmt: skip
+    assert checks.unused(config.load(None, used)) == []
+    synthetic = ["data.dataset=synthetic", "data.root=/scratch", "data.download=false", "optim.warmup_epochs=0",
+                 "optim.warmup_from=0.2"]  # fmt: skip
+    assert checks.unused(config.load(None, synthetic)) == [
+        "data.root=/scratch, data.download=false do nothing here: data.dataset=synthetic (CIFAR's settings)",
+        "optim.warmup_from=0.2 does nothing here: no warm-up (optim.warmup_epochs=0)",
+    ]
+    assert checks.unused(config.load(None, ["data.dataset=npz", "data.synthetic_train=100"])) == [
+        "data.synthetic_train=100 does nothing here: data.dataset=npz"
+    ]
+    for recipe in CONFIGS:
+        assert checks.unused(config.load(str(recipe), [])) == [], recipe.name

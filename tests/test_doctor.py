@@ -243,8 +243,10 @@ def test_an_out_dir_that_cannot_be_written_is_a_problem(tmp_path):
 
 
 def test_under_torchrun_every_rank_reports_and_an_all_reduce_runs(tmp_path):
-    proc = ok(torchrun(2, "-m", "ddp.doctor", f"run.out_dir={tmp_path}", *SYNTHETIC))
+    proc = ok(torchrun(2, "-m", "ddp.doctor", f"run.out_dir={tmp_path}", *SYNTHETIC, "train.lookahead_decay=0.5"))
     assert "rank 0/2  local_rank 0" in proc.stdout and "rank 1/2  local_rank 1" in proc.stdout
+    said = "note: train.lookahead_decay=0.5 does nothing here: lookahead is off (train.lookahead_every=0)\n"
+    assert proc.stdout.count(said) == 1  # a setting the run would not read: rank 0's note, as ddp/train.py's
     assert proc.stdout.count("  data: 64 training and 32 test images, 10 classes") == 1  # one machine: once
     assert "RANK=1" in proc.stdout and "launcher torchrun" in proc.stdout
     assert "all_reduce over 2 ranks (gloo): 1 (expected 1)" in proc.stdout

@@ -71,12 +71,16 @@ def test_scripts_parse_and_every_path_they_name_exists(script):
 
 def test_torchrun_launcher_defaults_to_2_cpu_processes_each_with_its_share_of_the_cores(tmp_path):
     """From another directory, NPROC unset: 2 processes, the arguments passed on, and OMP_NUM_THREADS =
-    cores / processes set by the script (torchrun has nothing to warn about)."""
+    cores / processes set by the script (torchrun has nothing to warn about). Rank 0's notes come once: the
+    script's preflight said run.cuda_graph=auto's too, before the ranks said it again."""
     env = clean_env()
     env.pop("NPROC", None)
-    proc = run_script("launch/torchrun.sh", *ONE_EPOCH, f"run.out_dir={tmp_path}", env=env, cwd=tmp_path)
+    noted = ["optim.muon_momentum=0.9", "run.cuda_graph=auto"]  # notes, rank 0's alone: once, not the preflight's too
+    proc = run_script("launch/torchrun.sh", *ONE_EPOCH, *noted, f"run.out_dir={tmp_path}", env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert "ddp/torchrun.py --standalone --nproc_per_node=2" in proc.stderr
+    for note in ("note: optim.muon_momentum=0.9 does nothing here", "run.cuda_graph=auto: the step runs eager"):
+        assert (proc.stdout + proc.stderr).count(note) == 1, proc.stdout
     assert metrics(tmp_path)[0]["world_size"] == 2
     assert "Setting OMP_NUM_THREADS" not in proc.stderr
     assert f"threads={cpus.threads(2)}" in proc.stdout  # (the CPUs this process may use: a quota's too)

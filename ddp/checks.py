@@ -8,7 +8,7 @@ import math
 import os
 import shutil
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -308,11 +308,11 @@ def check_fp16_weights(cfg: Config) -> None:
             raise UsageError(f"{key} does not work with run.amp=fp16-weights ({why}); use run.amp=bf16 for it")
 
 
-def unused(cfg: Config, say: Callable[[str], None] | None = None) -> list[str]:
+def unused(cfg: Config, say: Callable[[str], None] | None = None, typed: Collection[str] | None = None) -> list[str]:
     """Settings given a value other than their default that the run never reads, with why, a line for each reason,
     each `say`d as a note (rank 0's, before the data: data.path without data.dataset=npz fetched CIFAR-10 instead,
-    silently). Notes, not errors: an ablation turns a method off and keeps the settings its recipe gives it. Not
-    data.workers, which recipes set for data.loader=torch ahead (configs/resnet18.yaml)."""
+    silently); `typed`: only these keys (evaluate's overrides). Notes, not errors: an ablation turns a method off and
+    keeps the settings its recipe gives it. Not data.workers, which recipes set for data.loader=torch ahead."""
     d, t, o = cfg.data, cfg.train, cfg.optim
     never_read = [  # (whether the run reads none of them, the keys, why)
         (d.dataset != "npz", ("data.path",), f"data.dataset={d.dataset} (data.dataset=npz's file)"),
@@ -331,13 +331,13 @@ def unused(cfg: Config, say: Callable[[str], None] | None = None) -> list[str]:
         (o.warmup_epochs == 0, ("optim.warmup_from",), "no warm-up (optim.warmup_epochs=0)"),
         (not cfg.model.whiten, ("optim.whiten_bias_epochs",), "model.whiten=false"),
     ]  # fmt: skip
-    values, defaults = to_dict(cfg), to_dict(Config())
+    now, defaults = to_dict(cfg), to_dict(Config())
     notes = []
     for unread, keys, why in never_read:
-        given = [k for k in keys if unread and _value(values, k) != _value(defaults, k)]
+        given = [k for k in keys if unread and _value(now, k) != _value(defaults, k) and (typed is None or k in typed)]
         if given:
-            typed = ", ".join(f"{k}={_typed(_value(values, k))}" for k in given)
-            notes.append(f"{typed} {'does' if len(given) == 1 else 'do'} nothing here: {why}")
+            settings = ", ".join(f"{k}={_typed(_value(now, k))}" for k in given)
+            notes.append(f"{settings} {'does' if len(given) == 1 else 'do'} nothing here: {why}")
             if say:
                 say(f"note: {notes[-1]}")
     return notes

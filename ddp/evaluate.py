@@ -14,6 +14,7 @@ With more than 20 classes (CIFAR-100) the table lists the 10 best and the 10 wor
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,20 @@ from ddp.startup import quiet_startup
 
 quiet_startup(__name__)  # run as a command: a Ctrl-C or a missing package in the imports below is one line
 
-from ddp import __version__, checkpoint, cli, config, datasets, devices, files, loaders, metrics, models, weights
+from ddp import (
+    __version__,
+    checkpoint,
+    checks,
+    cli,
+    config,
+    datasets,
+    devices,
+    files,
+    loaders,
+    metrics,
+    models,
+    weights,
+)
 from ddp.config import RunConfig
 from ddp.errors import CorruptCheckpoint, UsageError
 
@@ -64,6 +78,7 @@ def measure(path: str, device: str, batch_size: int, overrides: list[str], raw: 
     if state["epoch"] is None and raw:  # (it was not evaluated otherwise without a word)
         raise UsageError(f"--raw: {path} is an export, which holds one set of weights (export --raw chooses them)")
     config.override(cfg, overrides)
+    checks.unused(cfg, lambda note: print(note, file=sys.stderr), [o.split("=")[0].strip() for o in overrides])
     try:
         world = devices.resolve(run := RunConfig(device=device, parallel="none", launcher="none"))
     except UsageError as e:  # what the user typed here is --device

@@ -393,3 +393,5 @@ def test_a_setting_the_run_never_reads_is_a_note_naming_why_and_a_recipe_gets_no
     ]
     for recipe in CONFIGS:
         assert checks.unused(config.load(str(recipe), [])) == [], recipe.name
+    checkpoints = config.load(None, ["data.path=x.npz", "train.ema_warmup=3"])  # evaluate: the keys it was given only
+    assert checks.unused(checkpoints, typed=[]) == [] and len(checks.unused(checkpoints, typed=["data.path"])) == 1

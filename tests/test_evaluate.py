@@ -42,9 +42,15 @@ def test_the_table_reads_like_the_tutorials(ddp_run):
 
 
 def test_data_overrides_evaluate_on_other_data(ddp_run):
-    got = json.loads(ok(evaluate("--checkpoint", str(ddp_run / "checkpoints" / "last.pt"), "--json",
-                                 "data.synthetic_test=37")).stdout)  # fmt: skip
-    assert got["test_images"] == 37
+    """One that the checkpoint's dataset never reads is a note on stderr (a copy of CIFAR-10 was evaluated instead,
+    silently); the checkpoint's own settings are not the user's to hear of."""
+    proc = ok(evaluate("--checkpoint", str(ddp_run / "checkpoints" / "last.pt"), "--json", "data.synthetic_test=37",
+                       "data.path=elsewhere.npz"))  # fmt: skip
+    assert json.loads(proc.stdout)["test_images"] == 37
+    assert (
+        proc.stderr
+        == "note: data.path=elsewhere.npz does nothing here: data.dataset=synthetic (data.dataset=npz's file)\n"
+    )
 
 
 def test_a_file_with_only_a_test_split_is_enough(ddp_run, tmp_path):

@@ -331,21 +331,21 @@ def unused(cfg: Config, say: Callable[[str], None] | None = None, typed: Collect
         (o.warmup_epochs == 0, ("optim.warmup_from",), "no warm-up (optim.warmup_epochs=0)"),
         (not cfg.model.whiten, ("optim.whiten_bias_epochs",), "model.whiten=false"),
     ]  # fmt: skip
-    now, defaults = to_dict(cfg), to_dict(Config())
+    now, defaults = _dotted(cfg), _dotted(Config())
     notes = []
     for unread, keys, why in never_read:
-        given = [k for k in keys if unread and _value(now, k) != _value(defaults, k) and (typed is None or k in typed)]
+        given = [k for k in keys if unread and now[k] != defaults[k] and (typed is None or k in typed)]
         if given:
-            settings = ", ".join(f"{k}={_typed(_value(now, k))}" for k in given)
+            settings = ", ".join(f"{k}={_typed(now[k])}" for k in given)
             notes.append(f"{settings} {'does' if len(given) == 1 else 'do'} nothing here: {why}")
             if say:
                 say(f"note: {notes[-1]}")
     return notes
 
 
-def _value(sections: dict[str, dict[str, Any]], dotted: str) -> Any:
-    section, key = dotted.split(".")
-    return sections[section][key]
+def _dotted(cfg: Config) -> dict[str, Any]:
+    """Every setting by its section.key."""
+    return {f"{section}.{key}": v for section, keys in to_dict(cfg).items() for key, v in keys.items()}
 
 
 def _typed(value: Any) -> str:

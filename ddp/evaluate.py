@@ -78,7 +78,7 @@ def measure(path: str, device: str, batch_size: int, overrides: list[str], raw: 
     if state["epoch"] is None and raw:  # (it was not evaluated otherwise without a word)
         raise UsageError(f"--raw: {path} is an export, which holds one set of weights (export --raw chooses them)")
     config.override(cfg, overrides)
-    checks.unused(cfg, lambda note: print(note, file=sys.stderr), [o.split("=")[0].strip() for o in overrides])
+    checks.unused(cfg, lambda note: print(note, file=sys.stderr), [o.partition("=")[0].strip() for o in overrides])
     try:
         world = devices.resolve(run := RunConfig(device=device, parallel="none", launcher="none"))
     except UsageError as e:  # what the user typed here is --device

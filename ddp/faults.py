@@ -11,6 +11,9 @@ a lost node does: no handler runs, nothing is flushed.
                                   lost (with one process per node)
     DDP_CIFAR_FAULT=pause:N[:rR]  SIGSTOP rank R in global step N, once its optimizer step is taken: the test
                                   that sends a stop signal then, and SIGCONTs it, knows the step it lands in
+    DDP_CIFAR_FAULT=wait:N[:rR]   rank R waits in global step N, once its optimizer step is taken, until its stop
+                                  signal has come (WAIT_S at most): a test whose stop comes seconds after it asks for
+                                  one (SLURM's preemption) knows that it lands in training, however fast the steps
     DDP_CIFAR_FAULT=oom:N[:rR]    rank R runs out of memory in global step N (a CUDA OutOfMemoryError's text, raised
                                   as its optimizer step is taken): an error of that rank alone, said by it
     DDP_CIFAR_FAULT=memory:N[:rR] rank R takes memory in global step N, 64 MB at a time, until the kernel's
@@ -26,14 +29,16 @@ import itertools
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from ddp import rundir
+from ddp import lifeline, rundir
 
 VAR = "DDP_CIFAR_FAULT"
+WAIT_S = 120.0  # wait:N's longest wait for the stop signal
 
 
 def arm(out_dir: str, rank: int, steps_done: int) -> None:
@@ -47,7 +52,7 @@ def arm(out_dir: str, rank: int, steps_done: int) -> None:
     marker = rundir.fault_marker(out_dir, point, step)
     if rank != target or marker.exists():
         return
-    if point in ("step", "node", "pause", "oom", "memory"):
+    if point in ("step", "node", "pause", "wait", "oom", "memory"):
         steps = itertools.count(steps_done + 1)  # the global step each optimizer step completes
 
         def after_optimizer_step(*_: Any) -> None:
@@ -55,6 +60,12 @@ def arm(out_dir: str, rank: int, steps_done: int) -> None:
                 if point == "pause":
                     marker.write_text(spec)
                     os.kill(os.getpid(), signal.SIGSTOP)  # on until the test's SIGCONT
+                    return
+                if point == "wait":
+                    marker.write_text(spec)
+                    until = time.monotonic() + WAIT_S
+                    while not lifeline.stop_requested() and time.monotonic() < until:
+                        time.sleep(0.01)
                     return
                 if point == "oom":
                     marker.write_text(spec)

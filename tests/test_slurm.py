@@ -31,6 +31,8 @@ from conftest import (
 )
 from slurm_hosts import private_munged
 
+from ddp import rundir
+
 CLUSTER = REPO / "slurm" / "cluster.sh"
 # Long enough (4 epochs x 32 steps, ~1 s an epoch) that a stop signal lands mid-run.
 PREEMPTIBLE = [*TINY, "data.synthetic_train=1024", "train.epochs=4", "run.save_every_steps=10"]
@@ -274,11 +276,13 @@ def test_a_job_preempted_by_an_urgent_one_saves_requeues_itself_and_ends_as_one_
     urgent partition needs both CPUs, and SLURM sends the running job SIGTERM, to cancel it at the end of its grace
     time. The ranks stop with a checkpoint, rank 0 requeues the job (still running: scancel's COMPLETING is not this),
     the urgent job runs, and the requeued one resumes and ends with the numbers of a run never preempted.
-    (PreemptMode=REQUEUE, where SLURM requeues it too: the same, by hand.)"""
-    env = {**slurm, "OUT_ROOT": str(tmp_path)}
+    (PreemptMode=REQUEUE, where SLURM requeues it too: the same, by hand.) Rank 0 waits in global step 40 for the
+    stop signal (DDP_CIFAR_FAULT=wait): the preemption's SIGTERM came 2-3 s after the urgent job's sbatch, and on a
+    fast machine the job had ended its last epoch by then (exit 143 from the agent: FAILED, never requeued)."""
+    env = {**slurm, "OUT_ROOT": str(tmp_path), "DDP_CIFAR_FAULT": "wait:40"}
     job = submit(env, tmp_path, *PREEMPTIBLE)
     out, deadline = tmp_path / f"slurm-{job}", time.monotonic() + 120
-    while not ((out / "metrics.jsonl").exists() and metrics(out)):
+    while not rundir.fault_marker(out, "wait", 40).exists():
         assert time.monotonic() < deadline, job_field(slurm, job, "JobState")
         time.sleep(0.05)
     urgent = ["sbatch", "--parsable", "--partition=urgent", "--ntasks=2", f"--output={tmp_path}/urgent-%j.out"]
@@ -290,6 +294,8 @@ def test_a_job_preempted_by_an_urgent_one_saves_requeues_itself_and_ends_as_one_
     said = ["stopping on SIGTERM: checkpoint", f"scontrol requeue {job}: requeued", "resumed from",
             "stopped on SIGTERM; SLURM starts the job again, and it resumes from this checkpoint"]  # fmt: skip
     assert all(line in log for line in said), log[-3000:]
+    stopped_at = int(re.search(r"^stopping on SIGTERM: checkpoint \S+step-(\d+)\.pt$", log, re.M)[1])
+    assert 40 <= stopped_at <= 42, log[-3000:]  # (the agreement is a step late; the signal may reach ranks apart)
     epochs, reference = metrics(out), metrics(uninterrupted)
     for key in ("train_loss", "grad_norm_mean", "grad_norm_max", "test_acc", "confusion"):
         assert [e[key] for e in epochs] == [e[key] for e in reference], key

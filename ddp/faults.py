@@ -35,7 +35,7 @@ from typing import Any
 
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from ddp import lifeline, rundir
+from ddp import rundir
 
 VAR = "DDP_CIFAR_FAULT"
 WAIT_S = 120.0  # wait:N's longest wait for the stop signal
@@ -63,9 +63,7 @@ def arm(out_dir: str, rank: int, steps_done: int) -> None:
                     return
                 if point == "wait":
                     marker.write_text(spec)
-                    until = time.monotonic() + WAIT_S
-                    while not lifeline.stop_requested() and time.monotonic() < until:
-                        time.sleep(0.01)
+                    _wait_for_a_signal(WAIT_S)
                     return
                 if point == "oom":
                     marker.write_text(spec)
@@ -88,6 +86,28 @@ def arm(out_dir: str, rank: int, steps_done: int) -> None:
                 _kill(marker, spec, os.getpid() if point == "write" else os.getppid())
 
         sys.addaudithook(on_rename)
+
+
+def _wait_for_a_signal(seconds: float) -> None:
+    """Here until a signal that has a handler of its own comes (the run's stop signals: their handlers run too),
+    `seconds` at most."""
+    came, previous = [], {}
+
+    def noted(signum: int, frame: Any) -> None:
+        came.append(signum)
+        previous[signum](signum, frame)
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
+        if callable(handler := signal.getsignal(sig)):
+            previous[sig] = handler
+            signal.signal(sig, noted)
+    try:
+        until = time.monotonic() + seconds
+        while not came and time.monotonic() < until:
+            time.sleep(0.01)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _take_memory() -> None:

@@ -57,9 +57,6 @@ class LoopStop(Protocol):
     longest_step_s: float
     last_step_s: float
 
-    @property
-    def requested(self) -> bool: ...
-
     def request(self, why: str) -> None: ...
 
 
@@ -309,12 +306,6 @@ def progress(evaluating: bool = True) -> None:
     in a long batch, a rank held the others in the agreement's collective, and past run.timeout_s the run ended."""
     if (watcher := _watcher) is not None:
         watcher.progressed, watcher.evaluating = watcher.awake(), evaluating
-
-
-def stop_requested() -> bool:
-    """Whether the training loop, while it runs, has been asked to stop (a stop signal, the launcher's end)."""
-    stop = _loop_stop
-    return stop is not None and stop.requested
 
 
 def set_loop_stop(stop: LoopStop | None) -> None:

@@ -60,7 +60,11 @@ def main(argv: list[str]) -> int:
     launch.simple_launcher = lambda args: (_through_mpirun if args.mpirun_hostfile else accelerates)(args)
     launch._validate_launch_command = _validated(launch._validate_launch_command)
     # (SIGUSR1/2: passed on to the ranks, which they ended; through mpirun, _through_mpirun's own forward)
-    with torchrun.log_dir(args.log_dir, needed=not args.mpirun_hostfile) as args.log_dir, pausing.passing_on():
+    with (
+        torchrun.log_dir(args.log_dir, needed=not args.mpirun_hostfile) as args.log_dir,
+        pausing.passing_on(),
+        pausing.finish_marks() as marks,
+    ):
         try:
             launch_command(args)  # (it sets args.num_machines from --config_file's when the command line has none)
         except Refused as e:  # its arguments, before anything started
@@ -69,7 +73,7 @@ def main(argv: list[str]) -> int:
         except SentToTheRanks as e:  # a stop signal: they saved, and said so
             return 128 + e.signum
         except torchrun.SignalException as e:  # the ranks were stopped: their lines are printed
-            return 128 + int(e.sigval)
+            return pausing.signalled(e.sigval, marks)
         except torchrun.ChildFailedError as e:
             return torchrun.failed(e)
         except subprocess.CalledProcessError as e:  # mpirun's exit: a rank's failure (its line said why), or a signal's

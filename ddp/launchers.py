@@ -281,6 +281,26 @@ def record_error(line: str, env: Env = os.environ) -> None:
         Path(path).write_text(json.dumps({"message": error}))
 
 
+# A folder of the agent's (pausing.finish_marks: ddp/torchrun.py's, ddp/accelerate_launch.py's) where each of its
+# ranks leaves a mark as its training ends.
+FINISHED_DIR = "DDP_CIFAR_FINISHED_DIR"
+
+
+def record_finished(env: Env = os.environ) -> None:
+    """Under pausing.finish_marks' agent: this rank has trained to its last epoch (its checkpoint written), marked
+    where the agent looks after a stop signal that came later: the run is complete, not stopped. Elsewhere nothing."""
+    folder = env.get(FINISHED_DIR)
+    if folder and "LOCAL_RANK" in env:
+        with contextlib.suppress(OSError):  # (no mark: the agent's exit code says the signal, as without one)
+            Path(folder, f"local-rank-{env['LOCAL_RANK']}").write_text(env.get("LOCAL_WORLD_SIZE", "1"))
+
+
+def all_finished(folder: str | Path) -> bool:
+    """Whether every rank of an agent (LOCAL_WORLD_SIZE of them) left its mark in `folder` (record_finished)."""
+    marks = [mark.read_text() for mark in Path(folder).glob("local-rank-*")]
+    return bool(marks) and all(mark == str(len(marks)) for mark in marks)
+
+
 def accelerate_flags(run: RunConfig, env: Env = os.environ) -> RunConfig:
     """run with `accelerate launch --cpu / --mixed_precision / --use_fsdp / --dynamo_backend inductor` applied: they
     choose what the config left at its default; a config that says otherwise, or a choice this loop lacks, is an error,

@@ -1,13 +1,16 @@
-"""Ctrl-Z of ddp/torchrun.py (SIGTSTP), torchrun's agent: it pauses the ranks, then itself, and fg or bg continues
-them all; SLURM's suspend, which every rank has too, it leaves to them; SIGUSR1/2 it sends on to them (pass_on).
-The ranks' side: lifeline (outside training) and preemption.StopRequest (at a step boundary)."""
+"""Ctrl-Z of ddp/torchrun.py (SIGTSTP), torchrun's agent: it pauses the ranks, then itself, and fg or bg continues them
+all; SLURM's suspend it leaves to the ranks; SIGUSR1/2 it sends on to them (pass_on); a stop after they all trained to
+their last epoch is exit 0 (signalled). The ranks' side: lifeline (outside training), preemption.StopRequest (in it)."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
+import socket
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -47,6 +50,34 @@ def pass_on(signum: int, frame: object) -> None:
         raise SignalException(f"Process {os.getpid()} got signal: {signum}", sigval=signal.Signals(signum))
     for pid in ranks:
         _signal(pid, signal.Signals(signum), group=False)
+
+
+@contextlib.contextmanager
+def finish_marks() -> Iterator[Path]:
+    """A folder of this agent's, named to its ranks (launchers.FINISHED_DIR in the environment they get from this
+    process), where each leaves a mark as its training ends (launchers.record_finished); removed after."""
+    ours, before = tempfile.mkdtemp(prefix="ddp-cifar-finished-"), os.environ.get(launchers.FINISHED_DIR)
+    os.environ[launchers.FINISHED_DIR] = ours
+    try:
+        yield Path(ours)
+    finally:
+        if before is None:
+            del os.environ[launchers.FINISHED_DIR]
+        else:  # (a launcher's main called again in one process: a test's)
+            os.environ[launchers.FINISHED_DIR] = before
+        shutil.rmtree(ours, ignore_errors=True)
+
+
+def signalled(signum: int, marks: Path) -> int:
+    """The exit code of an agent that stop signal `signum` ended (torch's SignalException): 128 + N, as a shell says; 0
+    where every rank it started had trained to its last epoch first (launchers.all_finished in `marks`). A SLURM
+    preemption's or time limit's SIGTERM in a job's last seconds (its last evaluation and checkpoint, the ranks' exit)
+    left the job FAILED (143), not requeued, with no word, though its work was done."""
+    if not launchers.all_finished(marks):
+        return 128 + int(signum)
+    _say(f"note: {signal.Signals(int(signum)).name} came after every rank on {socket.gethostname()} had trained to its "
+         "last epoch: the run is complete, nothing was stopped")  # fmt: skip
+    return 0
 
 
 class Pause:

@@ -150,6 +150,8 @@ class StopRequest:
 
     def __exit__(self, kind: type | None, value: BaseException | None, tb: TracebackType | None) -> None:
         lifeline.set_loop_stop(None)
+        if kind is None:  # trained to the last epoch, saved: a stop signal from here on stops nothing (its agent says)
+            launchers.record_finished()
         if kind is not None and issubclass(kind, Stopped):
             # Leaving with a checkpoint on disk: a late signal must not turn exit 75 into a kill. When
             # one rank has exited, torchrun SIGTERMs the others while they are still on their way out,

@@ -148,11 +148,11 @@ def main(argv: list[str]) -> int:
         watched = (store, elastic, fixed_nodes_store(args))
         watch = threading.Thread(target=leave_after_the_ranks, args=watched, name="ddp-agent-watch", daemon=True)
         watch.start()
-    with log_dir(args.log_dir) as logs, pausing.passing_on():  # SIGUSR1/2 to the ranks: by default they ended it
+    with log_dir(args.log_dir) as logs, pausing.passing_on(), pausing.finish_marks() as marks:  # SIGUSR1/2: on
         try:
             torchrun(argv if logs == args.log_dir else ["--log-dir", logs, *argv])
         except SignalException as e:  # the ranks were stopped: their lines are printed
-            return 128 + int(e.sigval)
+            return pausing.signalled(e.sigval, marks)
         except ChildFailedError as e:
             return failed(e)
     return 0

@@ -37,7 +37,7 @@ from conftest import (
     state,
 )
 
-from ddp import cpus, errors, lost_rank, processes, torchrun_args
+from ddp import checkpoint, cpus, errors, lost_rank, processes, torchrun_args
 from ddp import torchrun as launcher
 
 SCRIPTS = sorted([*(REPO / "launch").glob("*.sh"), *(REPO / "slurm").glob("*.sh")])
@@ -153,6 +153,32 @@ def test_sigusr1_to_torchruns_agent_alone_stops_its_ranks_with_their_checkpoint(
     assert proc.returncode == 75 and "Traceback" not in out and "error" not in out, out
     saved = re.fullmatch(r"stopping on SIGUSR1: checkpoint (\S+)", lines[-2])
     assert saved and Path(saved[1]).is_file() and lines[-1] == "stopped on SIGUSR1; run the same command to resume", out
+
+
+def test_a_sigterm_after_the_last_epoch_leaves_a_complete_run_exit_0_and_says_so(tmp_path):
+    """SIGTERM for torchrun's agent as the last epoch's line comes (a SLURM preemption's or time limit's signal in a
+    job's last seconds): the ranks, trained to their last epoch, save it and end as they would, and the agent exits 0
+    with a note, where it exited 143 silently (a complete job FAILED, never requeued). The marks' folder is gone."""
+    (tmp := tmp_path / "tmp").mkdir()
+    job = ["ddp/torchrun.py", "--standalone", "--nproc_per_node=2", "ddp/train.py", *TINY, f"run.out_dir={tmp_path}"]
+    proc = subprocess.Popen([sys.executable, *job], cwd=REPO, env=clean_env(TMPDIR=str(tmp)), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+    said = []
+    try:
+        for line in iter(proc.stdout.readline, ""):
+            said.append(line)
+            if line.startswith("epoch 2/2"):
+                proc.send_signal(signal.SIGTERM)  # the agent alone (its ranks: sessions of their own), as SLURM's
+                break
+        out = "".join(said) + proc.communicate(timeout=120)[0]
+    finally:
+        kill_orphans(session(proc.pid))
+    assert proc.returncode == 0 and "Traceback" not in out, out
+    assert re.search(r"^note: SIGTERM came after every rank on \S+ had trained to its last epoch: the run is complete",
+                     out, re.M), out  # fmt: skip
+    saved = checkpoint.load(tmp_path / "checkpoints" / "last.pt")
+    assert (saved["epoch"], saved["step"], saved["global_step"]) == (2, 0, 16), out
+    assert not list(tmp.glob("ddp-cifar-finished-*")), list(tmp.iterdir())
 
 
 def test_sigusr1_before_the_agents_ranks_run_ends_it_as_sigterm_does(monkeypatch):

@@ -390,3 +390,17 @@ def test_srun_with_slurms_pmi2_is_slurms_launch_not_mpiruns():
     assert (launch.launcher, launch.rank, launch.local_rank, launch.world_size) == ("slurm", 1, 1, 2)
     assert not launchers.speaks_for_its_machine(task)
     assert launchers.detect_launch({"PMI_RANK": "0", "PMI_SIZE": "2"}).launcher == "none"  # (no srun: one process)
+
+
+def test_an_agents_ranks_are_finished_when_each_of_them_left_its_mark(tmp_path):
+    """launchers.record_finished under ddp/torchrun.py's agent (its FINISHED_DIR named): all_finished once every one
+    of LOCAL_WORLD_SIZE ranks has marked; never elsewhere, and a folder that is gone is no error."""
+    env = {launchers.FINISHED_DIR: str(tmp_path), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2"}
+    assert not launchers.all_finished(tmp_path)
+    launchers.record_finished(env)
+    assert not launchers.all_finished(tmp_path)  # one of two
+    launchers.record_finished({**env, "LOCAL_RANK": "1"})
+    assert launchers.all_finished(tmp_path)
+    launchers.record_finished({**env, launchers.FINISHED_DIR: str(tmp_path / "gone")})  # (no mark, no error)
+    launchers.record_finished({"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"})  # not under that agent: nothing
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["local-rank-0", "local-rank-1"]

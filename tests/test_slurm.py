@@ -277,8 +277,8 @@ def test_a_job_preempted_by_an_urgent_one_saves_requeues_itself_and_ends_as_one_
     time. The ranks stop with a checkpoint, rank 0 requeues the job (still running: scancel's COMPLETING is not this),
     the urgent job runs, and the requeued one resumes and ends with the numbers of a run never preempted.
     (PreemptMode=REQUEUE, where SLURM requeues it too: the same, by hand.) Rank 0 waits in global step 40 for the
-    stop signal (DDP_CIFAR_FAULT=wait): the preemption's SIGTERM came 2-3 s after the urgent job's sbatch, and on a
-    fast machine the job had ended its last epoch by then (exit 143 from the agent: FAILED, never requeued)."""
+    stop signal (DDP_CIFAR_FAULT=wait): the urgent job was sent after epoch 1, and on a fast machine (0.5-1.1 s epochs)
+    the job had ended its last epoch before the preemption's SIGTERM came (exit 143 from the agent then: FAILED)."""
     env = {**slurm, "OUT_ROOT": str(tmp_path), "DDP_CIFAR_FAULT": "wait:40"}
     job = submit(env, tmp_path, *PREEMPTIBLE)
     out, deadline = tmp_path / f"slurm-{job}", time.monotonic() + 120

@@ -22,7 +22,7 @@ import json
 import os
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -279,6 +279,25 @@ def record_error(line: str, env: Env = os.environ) -> None:
     error = {"message": line, "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))}}
     with contextlib.suppress(OSError):  # the report is a courtesy: the line is on stderr already
         Path(path).write_text(json.dumps({"message": error}))
+
+
+@contextlib.contextmanager
+def environment_changed(changes: dict[str, str | None]) -> Iterator[None]:
+    """os.environ with `changes` while inside (None: the variable unset), as it was after."""
+    before = {name: os.environ.get(name) for name in changes}
+
+    def put(values: dict[str, str | None]) -> None:
+        for name, value in values.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+    put(changes)
+    try:
+        yield
+    finally:
+        put(before)
 
 
 # A folder of the agent's (pausing.finish_marks: ddp/torchrun.py's, ddp/accelerate_launch.py's) where each of its

@@ -56,15 +56,11 @@ def pass_on(signum: int, frame: object) -> None:
 def finish_marks() -> Iterator[Path]:
     """A folder of this agent's, named to its ranks (launchers.FINISHED_DIR in the environment they get from this
     process), where each leaves a mark as its training ends (launchers.record_finished); removed after."""
-    ours, before = tempfile.mkdtemp(prefix="ddp-cifar-finished-"), os.environ.get(launchers.FINISHED_DIR)
-    os.environ[launchers.FINISHED_DIR] = ours
+    ours = tempfile.mkdtemp(prefix="ddp-cifar-finished-")
     try:
-        yield Path(ours)
+        with launchers.environment_changed({launchers.FINISHED_DIR: ours}):
+            yield Path(ours)
     finally:
-        if before is None:
-            del os.environ[launchers.FINISHED_DIR]
-        else:  # (a launcher's main called again in one process: a test's)
-            os.environ[launchers.FINISHED_DIR] = before
         shutil.rmtree(ours, ignore_errors=True)
 
 

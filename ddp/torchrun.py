@@ -69,7 +69,7 @@ from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 from torch.distributed.run import main as torchrun  # noqa: E402
 from torch.distributed.run import parse_args  # noqa: E402
 
-from ddp import cli, lost_rank, network, pausing, processes  # noqa: E402
+from ddp import cli, launchers, lost_rank, network, pausing, processes  # noqa: E402
 from ddp.errors import EXIT_FAILURE, EXIT_STOPPED, EXIT_USAGE, MACHINE_MEMORY_FIX, lost_interrupt, oom_killed  # noqa: E402
 from ddp.torchrun_args import launch_refused  # noqa: E402
 
@@ -148,7 +148,11 @@ def main(argv: list[str]) -> int:
         watched = (store, elastic, fixed_nodes_store(args))
         watch = threading.Thread(target=leave_after_the_ranks, args=watched, name="ddp-agent-watch", daemon=True)
         watch.start()
-    with log_dir(args.log_dir) as logs, pausing.passing_on(), pausing.finish_marks() as marks:  # SIGUSR1/2: on
+    with (
+        log_dir(args.log_dir) as logs,
+        pausing.passing_on(),  # SIGUSR1/2 to the ranks: by default they ended it
+        pausing.finish_marks() as marks,  # where the ranks say they trained to the last epoch
+    ):
         try:
             torchrun(argv if logs == args.log_dir else ["--log-dir", logs, *argv])
         except SignalException as e:  # the ranks were stopped: their lines are printed
@@ -202,7 +206,7 @@ def preflight(count: str, argv: list[str]) -> int | None:
     # own, NNODES=1 too, is: node 0 serves the rendezvous on MASTER_PORT, which the preflight checks is free.)
     alone = {"NODE_RANK": None} if args.standalone else {}
     with tempfile.NamedTemporaryFile(suffix=".json") as said:  # its line, where a rank's goes (launchers.record_error)
-        with environment_changed({ERROR_FILE: said.name, **alone}):
+        with launchers.environment_changed({ERROR_FILE: said.name, **alone}):
             code = train.cli(["--preflight", count, *args.training_script_args])
         if code and (store := fixed_nodes_store(args)):  # the other machines wait for this one
             line = json.loads(Path(said.name).read_text() or '{"message": {}}')["message"].get("message", "")
@@ -296,25 +300,6 @@ def leave_after_the_ranks(store: tuple[str, int] | None, elastic: bool, nodes: t
             guess = " (its exit barrier waits on another host?)" if store else ""  # (one machine: a hang of its own)
             _leave(f"torchrun's agent on {host} still ran {GRACE_S:.0f} s after its ranks ended{guess}; it was at "
                    f"{main_thread_at()}")  # fmt: skip
-
-
-@contextlib.contextmanager
-def environment_changed(changes: dict[str, str | None]) -> Iterator[None]:
-    """os.environ with `changes` while inside (None: the variable unset), as it was after."""
-    before = {name: os.environ.get(name) for name in changes}
-
-    def put(values: dict[str, str | None]) -> None:
-        for name, value in values.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-
-    put(changes)
-    try:
-        yield
-    finally:
-        put(before)
 
 
 def fixed_nodes_store(args: Any) -> tuple[str, int] | None:

@@ -10,7 +10,7 @@ before it (tests/test_layers.py), so each can be read knowing only what is below
                         metrics
     data and the step   checks, alike, graphed, loaders, datasets, cifar, mixing, optim, muon
     the process group   distributed, fsdp, lifeline, lost_rank
-    who runs where      devices, cli, startup, launchers, config, config_file
+    who runs where      devices, cli, startup, launchers, requeue, config, config_file
     the ground          models, sync_bn, ema, network, files, cpus, processes, rng, errors
 """
 

@@ -13,7 +13,8 @@ a lost node does: no handler runs, nothing is flushed.
                                   that sends a stop signal then, and SIGCONTs it, knows the step it lands in
     DDP_CIFAR_FAULT=wait:N[:rR]   rank R waits in global step N, once its optimizer step is taken, until its stop
                                   signal has come (WAIT_S at most): a test whose stop comes seconds after it asks for
-                                  one (SLURM's preemption) knows that it lands in training, however fast the steps
+                                  one (SLURM's preemption) knows that it lands in training, however fast the steps;
+                                  wait:0 before the first step (its rendezvous and build done): a stop in start-up
     DDP_CIFAR_FAULT=oom:N[:rR]    rank R runs out of memory in global step N (a CUDA OutOfMemoryError's text, raised
                                   as its optimizer step is taken): an error of that rank alone, said by it
     DDP_CIFAR_FAULT=memory:N[:rR] rank R takes memory in global step N, 64 MB at a time, until the kernel's
@@ -52,7 +53,10 @@ def arm(out_dir: str, rank: int, steps_done: int) -> None:
     marker = rundir.fault_marker(out_dir, point, step)
     if rank != target or marker.exists():
         return
-    if point in ("step", "node", "pause", "wait", "oom", "memory"):
+    if point == "wait" and step == 0:
+        marker.write_text(spec)
+        _wait_for_a_signal(WAIT_S)
+    elif point in ("step", "node", "pause", "wait", "oom", "memory"):
         steps = itertools.count(steps_done + 1)  # the global step each optimizer step completes
 
         def after_optimizer_step(*_: Any) -> None:

@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import shlex
 import signal
-import subprocess
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from types import FrameType, TracebackType
 from typing import TypeVar
 
-from ddp import distributed, launchers, lifeline, logs
+from ddp import distributed, launchers, lifeline, logs, requeue
 from ddp.devices import World
 from ddp.errors import Stopped, UsageError
 
@@ -190,43 +189,6 @@ def _pause(world: World, where: str) -> None:
                  "SLURM's suspend): no collective was under way, so the pause could outlast run.timeout_s")  # fmt: skip
 
 
-def requeue_outcome(result: subprocess.CompletedProcess) -> str:
-    """What `scontrol requeue` did. The requeue stops the job's processes at once, and scontrol is one of
-    them: ended by a signal (SIGKILL: it ignores SIGTERM) before it exits 0, it did requeue, most likely."""
-    if result.returncode == 0:
-        return "requeued"
-    if result.returncode < 0:
-        return (
-            f"scontrol ended by {signal.Signals(-result.returncode).name} as the job stopped (the requeue, or a cancel)"
-        )
-    return result.stderr.strip() or f"scontrol exited {result.returncode}"
-
-
-def scontrol(*args: str) -> subprocess.CompletedProcess:
-    """`scontrol ARGS`, SIGTERM ignored (kept across exec): a stop or a requeue signals the job's processes, scontrol
-    among them. One that does not answer within 60 s (slurmctld down) exits 1, saying so."""
-    cmd = ["sh", "-c", 'trap "" TERM; exec "$@"', "sh", "scontrol", *args]
-    try:
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=60)
-    except subprocess.TimeoutExpired:
-        return subprocess.CompletedProcess(cmd, 1, "", f"scontrol {args[0]}: no answer within 60 s")
-
-
-def requeue(job: str) -> tuple[bool | None, str]:
-    """`scontrol requeue JOB`: whether it was requeued (None: not known), and what came of it. Not where `scancel`
-    ended the job (JobState COMPLETING, Reason None; CANCELLED): the requeue brought it back, PENDING, and it ran
-    again. SIGTERM before its time limit (RUNNING), at it (COMPLETING, Reason TimeLimit) or a preemption requeue it, as
-    does a state scontrol does not say."""
-    fields = dict(w.split("=", 1) for w in scontrol("show", "job", "-o", job).stdout.split() if "=" in w)
-    state = fields.get("JobState", "")
-    if state == "CANCELLED" or state == "COMPLETING" and fields.get("Reason") == "None":
-        scancel = "scancel ended it; scancel --signal=TERM stops a job to requeue it"
-        return False, f"not requeued: the job is {state} ({scancel})"
-    result = scontrol("requeue", job)
-    requeued = True if result.returncode == 0 else None if result.returncode < 0 else False  # (< 0: ended by it)
-    return requeued, f"scontrol requeue {job}: {requeue_outcome(result)}"
-
-
 def how_to_resume(job: str | None, requeued: bool | None, out_dir: str | Path) -> str:
     """The stop's last words: how this run goes on. A job that SLURM did not requeue resumes only with its out_dir
     named: `sbatch slurm/train.sh` again wrote to the new job's own (runs/slurm-<its id>), and started afresh."""
@@ -250,7 +212,7 @@ def finish_stop(signal_name: str | None, saved: Path | None, world: World, out_d
     if world.is_main:
         logs.say(f"stopping on {cause}: checkpoint {saved}")
         if job:
-            requeued, said = requeue(job)
+            requeued, said = requeue.ask(job)
             logs.say(said)
     distributed.barrier(world)  # leave together, after rank 0's checkpoint is on disk
     why = f"stopped on {cause}; {how_to_resume(job, requeued, out_dir)}"

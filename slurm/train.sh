@@ -20,7 +20,8 @@
 # - Preemption: 120 s before the time limit (--signal=TERM@120), or when SLURM preempts the job, every
 #   process gets SIGTERM: all ranks stop at the next step boundary, rank 0 saves a checkpoint and
 #   requeues the job (scontrol requeue); the requeued job resumes from that checkpoint in the same
-#   out_dir. --open-mode=append keeps the log of every run in one file. A signal for this shell (B:TERM, scancel -b)
+#   out_dir; one in the job's start-up (nothing to save) ends its step: this shell requeues the job then (not one
+#   scancel ended). --open-mode=append keeps the log of every run in one file. A signal for this shell (B:TERM, scancel -b)
 #   it sends on to the steps, the same stop; not scancel --full's SIGTERM, which srun has too: it ends the job at once.
 set -euo pipefail
 root=${DDP_CIFAR_ROOT:-${SLURM_SUBMIT_DIR:-$(pwd)}}
@@ -61,8 +62,9 @@ shown "${cmd[@]}"
 # without a checkpoint. The signals this shell gets go to the job's steps instead (scancel --signal: the ranks, and
 # their torchrun; not this shell again), where a stop signal stops every rank with its checkpoint, as SLURM's own do.
 for sig in TERM INT HUP USR1 USR2; do
-  trap "signalled=1; scancel --signal=$sig \"\$SLURM_JOB_ID\" 2>/dev/null || true" "$sig"
+  trap "signalled=1 stop_seen=1; scancel --signal=$sig \"\$SLURM_JOB_ID\" 2>/dev/null || true" "$sig"
 done
+stop_seen=
 "${cmd[@]}" &
 step=$!
 while :; do  # until srun ends: a signal's trap ends the wait (its status then > 128), not srun
@@ -70,4 +72,9 @@ while :; do  # until srun ends: a signal's trap ends the wait (its status then >
   wait "$step" && code=0 || code=$?
   [ -n "$signalled" ] && [ "$code" -gt 128 ] || break
 done
+# A stop signal before training (SLURM's preemption and time limit signal the steps alone; scancel -b, sent on) ends
+# the step with nothing to save and no rank to requeue the job: FAILED. This shell requeues it then (ddp/requeue.py),
+# unless the job is no longer RUNNING (rank 0 requeued it, scancel ended it: both signal this shell too).
+python -c 'import sys; from ddp import requeue; sys.exit(requeue.main(sys.argv[1:]))' \
+  "$job" "$code" "${stop_seen:-0}" || true
 exit "$code"

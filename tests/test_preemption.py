@@ -31,7 +31,7 @@ from conftest import (
     seconds_until_gone,
 )
 
-from ddp import lifeline, metrics, preemption, train
+from ddp import lifeline, metrics, preemption, requeue, train
 from ddp.cli import command
 from ddp.devices import World
 from ddp.errors import EXIT_INTERRUPTED, Stopped, UsageError
@@ -134,16 +134,49 @@ def test_a_stop_signal_that_names_none_is_refused(names):
      ("", True)],  # scontrol said nothing (no controller): as before
 )  # fmt: skip
 def test_a_job_is_requeued_unless_scancel_ended_it(tmp_path, monkeypatch, shown, requeued):
-    """preemption.requeue asks `scontrol show job -o` first: a job scancel ended came back when requeued, and ran
+    """requeue.ask asks `scontrol show job -o` first: a job scancel ended came back when requeued, and ran
     again to its end; one at or before its time limit is requeued as before. (scontrol: a stand-in on PATH.)"""
     calls = tmp_path / "calls"
     (tmp_path / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> {calls}\necho "JobId=7 {shown}"\n')
     (tmp_path / "scontrol").chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
-    done, said = preemption.requeue("7")
+    done, said = requeue.ask("7")
     assert calls.read_text().splitlines() == ["show job -o 7", *["requeue 7"] * requeued]
     assert said == "scontrol requeue 7: requeued" if requeued else said.startswith("not requeued: the job is ")
     assert done is requeued
+
+
+def test_a_slurm_step_a_stop_signal_ended_before_training_is_requeued_by_its_batch_shell_without_torch(tmp_path):
+    """slurm/train.sh after its step: SLURM's preemption signals the steps alone, and one it stopped before training
+    (exit 143, no rank to save or requeue) ended the job FAILED. The shell requeues it then, in a Python without
+    torch, also where it got the signal itself and sent it on (scancel -b: the job still RUNNING); not after rank 0's
+    requeue or scancel (the shell signalled, the job COMPLETING), nor for a code no stop signal's. Where scancel ended
+    the job and the shell did not see it, it says so. (scontrol: a stand-in on PATH; the real one: test_slurm.py.)"""
+    calls, state = tmp_path / "calls", tmp_path / "state"
+    (tmp_path / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> {calls}\necho "JobId=$4 $(cat {state})"\n')
+    (tmp_path / "scontrol").chmod(0o755)
+    env = {**os.environ, "PATH": f"{tmp_path}{os.pathsep}{os.environ['PATH']}"}
+    script = "import sys; from ddp import requeue; requeue.main(sys.argv[1:]); print('torch' in sys.modules)"
+    said, running, ended = {}, "JobState=RUNNING Reason=None", "JobState=COMPLETING Reason=None"
+    cases = [("1", 143, "0", running), ("2", 143, "1", running), ("3", 138, "1", ended),
+             ("4", 0, "0", running), ("5", 137, "0", running), ("6", 129, "0", ended)]  # fmt: skip
+    for job, code, signalled, shown in cases:
+        state.write_text(shown)
+        run = subprocess.run([sys.executable, "-c", script, job, str(code), signalled], cwd=REPO, env=env,
+                             capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert run.returncode == 0 and run.stdout.endswith("False\n"), run  # (no torch imported)
+        said[job] = run.stdout.removesuffix("False\n")
+    shown = ["show job -o 1", "requeue 1", "show job -o 2", "requeue 2", "show job -o 3", "show job -o 6"]
+    assert calls.read_text().splitlines() == shown
+    line = (
+        "slurm/train.sh: the job's step ended on SIGTERM (exit 143) and no rank requeued it (a stop before training); "
+        "scontrol requeue 1: requeued; SLURM starts the job again, and it resumes from the out_dir's last checkpoint, "
+        "if any\n"
+    )
+    assert said["1"] == line and said["2"] == line.replace("requeue 1", "requeue 2")  # (the same line, its own job)
+    assert "requeue 2: requeued" in said["2"] and said["3"] == said["4"] == said["5"] == ""
+    assert said["6"].startswith("slurm/train.sh: the job's step ended on SIGHUP (exit 129) and no rank requeued it")
+    assert "not requeued: the job is COMPLETING (scancel ended it" in said["6"] and "to go on, submit it" in said["6"]
 
 
 def test_a_stopped_run_says_how_it_resumes_and_under_slurm_names_its_out_dir():
@@ -168,10 +201,10 @@ def test_what_scontrol_requeue_did_is_said_also_when_the_requeue_ended_it():
     def ran(code: int, err: str = "") -> subprocess.CompletedProcess:
         return subprocess.CompletedProcess(["scontrol", "requeue", "2"], code, "", err)
 
-    assert preemption.requeue_outcome(ran(0)) == "requeued"
-    assert preemption.requeue_outcome(ran(-15)).startswith("scontrol ended by SIGTERM as the job stopped")
-    assert preemption.requeue_outcome(ran(1, "Invalid job id specified\n")) == "Invalid job id specified"
-    assert preemption.requeue_outcome(ran(1)) == "scontrol exited 1"
+    assert requeue.outcome(ran(0)) == "requeued"
+    assert requeue.outcome(ran(-15)).startswith("scontrol ended by SIGTERM as the job stopped")
+    assert requeue.outcome(ran(1, "Invalid job id specified\n")) == "Invalid job id specified"
+    assert requeue.outcome(ran(1)) == "scontrol exited 1"
 
 
 SIGNALS_SEEN = """

@@ -75,6 +75,25 @@ def wait_until_done(env: dict[str, str], job: str, timeout: float) -> str:
     pytest.fail(f"job {job} still {job_field(env, job, 'JobState')} after {timeout} s (cancelled)")
 
 
+def held_job(env: dict[str, str], out_root: Path, step: int, *args: str) -> tuple[str, Path]:
+    """A job submitted with DDP_CIFAR_FAULT=wait:STEP (rank 0 waits there for its stop signal), and its out_dir, once
+    rank 0 waits."""
+    job = submit({**env, "DDP_CIFAR_FAULT": f"wait:{step}"}, out_root, *args)
+    out, deadline = out_root / f"slurm-{job}", time.monotonic() + 120
+    while not rundir.fault_marker(out, "wait", step).exists():
+        if time.monotonic() > deadline:
+            subprocess.run(["scancel", job], env=env)
+            pytest.fail(f"rank 0 of job {job} not waiting after 120 s: {job_field(env, job, 'JobState')} (cancelled)")
+        time.sleep(0.05)
+    return job, out
+
+
+def preempt(env: dict[str, str], out_root: Path) -> str:
+    """An urgent job (slurm/cluster.sh's partition that preempts) that needs both CPUs: its id."""
+    urgent = ["sbatch", "--parsable", "--partition=urgent", "--ntasks=2", f"--output={out_root}/urgent-%j.out"]
+    return ok(subprocess.run([*urgent, "--wrap=sleep 1"], env=env, capture_output=True, text=True)).stdout.strip()
+
+
 def test_sbatch_runs_torchrun_per_node_and_writes_metrics_and_a_checkpoint(slurm, tmp_path):
     parallel = "fsdp" if has_fsdp2() else "ddp"  # ddp: the 2-node sbatch test (tests/test_hosts.py)
     start = time.monotonic()
@@ -279,26 +298,57 @@ def test_a_job_preempted_by_an_urgent_one_saves_requeues_itself_and_ends_as_one_
     (PreemptMode=REQUEUE, where SLURM requeues it too: the same, by hand.) Rank 0 waits in global step 40 for the
     stop signal (DDP_CIFAR_FAULT=wait): the urgent job was sent after epoch 1, and on a fast machine (0.5-1.1 s epochs)
     the job had ended its last epoch before the preemption's SIGTERM came (exit 143 from the agent then: FAILED)."""
-    env = {**slurm, "OUT_ROOT": str(tmp_path), "DDP_CIFAR_FAULT": "wait:40"}
-    job = submit(env, tmp_path, *PREEMPTIBLE)
-    out, deadline = tmp_path / f"slurm-{job}", time.monotonic() + 120
-    while not rundir.fault_marker(out, "wait", 40).exists():
-        assert time.monotonic() < deadline, job_field(slurm, job, "JobState")
-        time.sleep(0.05)
-    urgent = ["sbatch", "--parsable", "--partition=urgent", "--ntasks=2", f"--output={tmp_path}/urgent-%j.out"]
-    urgent = ok(subprocess.run([*urgent, "--wrap=sleep 1"], env=env, capture_output=True, text=True)).stdout.strip()
+    job, out = held_job(slurm, tmp_path, 40, *PREEMPTIBLE)
+    urgent = preempt(slurm, tmp_path)
     state = wait_until_done(slurm, job, timeout=180)
     log = (tmp_path / f"log-{job}.out").read_text()
     ended = (state, job_field(slurm, job, "Restarts"), wait_until_done(slurm, urgent, 30))
     assert ended == ("COMPLETED", "1", "COMPLETED"), (ended, log[-3000:])
     said = ["stopping on SIGTERM: checkpoint", f"scontrol requeue {job}: requeued", "resumed from",
             "stopped on SIGTERM; SLURM starts the job again, and it resumes from this checkpoint"]  # fmt: skip
-    assert all(line in log for line in said), log[-3000:]
+    assert all(line in log for line in said) and "slurm/train.sh: the job's step" not in log, log[-3000:]
     stopped_at = int(re.search(r"^stopping on SIGTERM: checkpoint \S+step-(\d+)\.pt$", log, re.M)[1])
     assert 40 <= stopped_at <= 42, log[-3000:]  # (the agreement is a step late; the signal may reach ranks apart)
     epochs, reference = metrics(out), metrics(uninterrupted)
     for key in ("train_loss", "grad_norm_mean", "grad_norm_max", "test_acc", "confusion"):
         assert [e[key] for e in epochs] == [e[key] for e in reference], key
+
+
+@pytest.mark.parametrize("stop", ["preemption", "batch shell"])
+def test_a_job_stopped_before_training_is_requeued_by_its_batch_shell_and_runs_again_to_its_end(slurm, tmp_path, stop):
+    """SLURM's preemption signals the job's steps, not its batch shell. One that came in a job's start-up (the
+    agent's, the rendezvous, a rank's before its first step) ended the step, exit 143, with no rank to save or
+    requeue: the job ended FAILED, Restarts 0, its log ending in srun's "task 0: Exited with exit code 143".
+    slurm/train.sh requeues it now, and says so; also a stop it got itself and sent on (scancel -b, --signal=B:TERM).
+    Rank 0 waits before its first step for the stop signal (DDP_CIFAR_FAULT=wait:0)."""
+    job, out = held_job(slurm, tmp_path, 0, *TINY)
+    if stop == "preemption":
+        urgent = preempt(slurm, tmp_path)
+    else:
+        ok(subprocess.run(["scancel", "--batch", "--signal=TERM", job], env=slurm, capture_output=True, text=True))
+    state = wait_until_done(slurm, job, timeout=180)
+    log = (tmp_path / f"log-{job}.out").read_text()
+    others = wait_until_done(slurm, urgent, 30) if stop == "preemption" else "COMPLETED"
+    ended = (state, job_field(slurm, job, "Restarts"), others)
+    assert ended == ("COMPLETED", "1", "COMPLETED"), (ended, log[-3000:])
+    said = (f"slurm/train.sh: the job's step ended on SIGTERM (exit 143) and no rank requeued it (a stop before "
+            f"training); scontrol requeue {job}: requeued; SLURM starts the job again")  # fmt: skip
+    assert said in log and "stopping on" not in log and "resumed from" not in log, log[-3000:]  # (nothing to resume)
+    assert len(metrics(out)) == 2, log[-3000:]
+
+
+def test_a_job_scancel_ends_before_training_is_not_requeued(slurm, tmp_path):
+    """The other side of the batch shell's requeue: scancel signals the batch shell too (a requeue does), and a job
+    the user cancelled in its start-up stays CANCELLED: it did not come back."""
+    job, _ = held_job(slurm, tmp_path, 0, *TINY)
+    try:
+        ok(subprocess.run(["scancel", job], env=slurm, capture_output=True, text=True))
+        wait_until_done(slurm, job, timeout=60)
+        time.sleep(2)  # (the shell's requeue, were there one, makes it PENDING)
+        ended, log = (job_field(slurm, job, "JobState"), job_field(slurm, job, "Restarts")), tmp_path / f"log-{job}.out"
+    finally:
+        subprocess.run(["scancel", job], env=slurm)  # (where it came back: no later job waits for it)
+    assert ended == ("CANCELLED", "0") and "slurm/train.sh: the job's step" not in log.read_text(), log.read_text()
 
 
 def test_srun_killed_leaves_no_task_and_the_same_command_resumes_to_the_same_weights(slurm, tmp_path, uninterrupted):

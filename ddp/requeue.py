@@ -74,11 +74,10 @@ def after_step(job: str, code: int, shell_signalled: bool) -> str | None:
     return f"slurm/train.sh: {ended} (a stop before training); {said}; {how}"
 
 
-def main(argv: list[str]) -> int:
-    """`python -c 'import sys; from ddp import requeue; sys.exit(requeue.main(sys.argv[1:]))' JOB CODE SIGNALLED`:
-    after_step's line, if any, on stdout. Its own requeue signals it (SIGTERM) with the job: ignored, to say so."""
+def main(argv: list[str]) -> None:
+    """`python -c 'import sys; from ddp import requeue; requeue.main(sys.argv[1:])' JOB CODE SIGNALLED`: after_step's
+    line, if any, on stdout. Its own requeue signals it (SIGTERM) with the job: ignored, to say so."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     job, code, signalled = argv
     if said := after_step(job, int(code), signalled == "1"):
         print(said, flush=True)
-    return 0

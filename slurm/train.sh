@@ -75,6 +75,6 @@ done
 # A stop signal before training (SLURM's preemption and time limit signal the steps alone; scancel -b, sent on) ends
 # the step with nothing to save and no rank to requeue the job: FAILED. This shell requeues it then (ddp/requeue.py),
 # unless the job is no longer RUNNING (rank 0 requeued it, scancel ended it: both signal this shell too).
-python -c 'import sys; from ddp import requeue; sys.exit(requeue.main(sys.argv[1:]))' \
+python -c 'import sys; from ddp import requeue; requeue.main(sys.argv[1:])' \
   "$job" "$code" "${stop_seen:-0}" || true
 exit "$code"

@@ -15,6 +15,8 @@ a lost node does: no handler runs, nothing is flushed.
                                   signal has come (WAIT_S at most): a test whose stop comes seconds after it asks for
                                   one (SLURM's preemption) knows that it lands in training, however fast the steps;
                                   wait:0 before the first step (its rendezvous and build done): a stop in start-up
+    DDP_CIFAR_FAULT=wait:preflight the preflight (ddp/train.py --preflight: slurm/train.sh's, before srun) waits until
+                                  SLURM chose its job for preemption (WAIT_S at most): a preemption that signals no step
     DDP_CIFAR_FAULT=oom:N[:rR]    rank R runs out of memory in global step N (a CUDA OutOfMemoryError's text, raised
                                   as its optimizer step is taken): an error of that rank alone, said by it
     DDP_CIFAR_FAULT=memory:N[:rR] rank R takes memory in global step N, 64 MB at a time, until the kernel's
@@ -36,7 +38,7 @@ from typing import Any
 
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from ddp import rundir
+from ddp import launchers, requeue, rundir
 
 VAR = "DDP_CIFAR_FAULT"
 WAIT_S = 120.0  # wait:N's longest wait for the stop signal
@@ -49,6 +51,8 @@ def arm(out_dir: str, rank: int, steps_done: int) -> None:
     if not spec:
         return
     point, at, *who = spec.split(":")
+    if at == "preflight":  # the preflight's: preflight()
+        return
     target, step = (int(who[0].removeprefix("r")) if who else 0), int(at)
     marker = rundir.fault_marker(out_dir, point, step)
     if rank != target or marker.exists():
@@ -90,6 +94,18 @@ def arm(out_dir: str, rank: int, steps_done: int) -> None:
                 _kill(marker, spec, os.getpid() if point == "write" else os.getppid())
 
         sys.addaudithook(on_rename)
+
+
+def preflight(out_dir: str) -> None:
+    """wait:preflight, once per out_dir: here until SLURM chose this job for preemption, WAIT_S at most."""
+    marker = rundir.fault_marker(out_dir, "wait", "preflight")
+    if os.environ.get(VAR) != "wait:preflight" or marker.exists() or not (job := launchers.slurm_job()):
+        return
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    marker.write_text("wait:preflight")
+    until = time.monotonic() + WAIT_S
+    while requeue.preempted(requeue.shown(job)) is None and time.monotonic() < until:
+        time.sleep(0.1)
 
 
 def _wait_for_a_signal(seconds: float) -> None:

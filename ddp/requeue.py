@@ -1,10 +1,13 @@
 """SLURM's requeue of a job (`scontrol requeue`), asked by rank 0 after its stop checkpoint, and by slurm/train.sh for a
-step a stop signal ended before any checkpoint (in its start-up): not for a job scancel ended. Imports no torch."""
+job SLURM preempts before srun, or whose step a stop signal ended before any checkpoint: not one scancel ended.
+Imports no torch: the batch shell's checks are a Python start and a scontrol call."""
 
 from __future__ import annotations
 
 import signal
 import subprocess
+
+from ddp.errors import EXIT_STOPPED
 
 # A step's exit code for a stop signal (128 + SIGTERM, SIGINT, SIGHUP, SIGUSR1, SIGUSR2): torchrun's agent ended so.
 STOPPED_BY = {128 + s: s.name for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)}
@@ -32,10 +35,26 @@ def scontrol(*args: str) -> subprocess.CompletedProcess:
         return subprocess.CompletedProcess(cmd, 1, "", f"scontrol {args[0]}: no answer within 60 s")
 
 
+def shown(job: str) -> dict[str, str]:
+    """The job's fields as `scontrol show job -o` says them (JobState=RUNNING: {"JobState": "RUNNING"}); {} where it
+    says nothing."""
+    return dict(w.split("=", 1) for w in scontrol("show", "job", "-o", job).stdout.split() if "=" in w)
+
+
 def state(job: str) -> tuple[str, str]:
-    """The job's (JobState, Reason) as `scontrol show job -o` says them; ("", "") where it says nothing."""
-    fields = dict(w.split("=", 1) for w in scontrol("show", "job", "-o", job).stdout.split() if "=" in w)
+    """The job's (JobState, Reason); ("", "") where scontrol says nothing."""
+    fields = shown(job)
     return fields.get("JobState", ""), fields.get("Reason", "")
+
+
+def preempted(fields: dict[str, str]) -> str | None:
+    """When SLURM chose the job (its `shown` fields) for preemption, if it did and the job still runs: PreemptTime.
+    None where it did not, and for a job ever suspended (PreemptMode=SUSPEND and gang scheduling set PreemptTime too,
+    and SuspendTime: the job goes on after its resume)."""
+    unset = ("", "None", "Unknown")
+    if fields.get("JobState") != "RUNNING" or fields.get("SuspendTime", "") not in unset:
+        return None
+    return None if fields.get("PreemptTime", "") in unset else fields["PreemptTime"]
 
 
 def ask(job: str, now: tuple[str, str] | None = None) -> tuple[bool | None, str]:
@@ -52,6 +71,17 @@ def ask(job: str, now: tuple[str, str] | None = None) -> tuple[bool | None, str]
     return requeued, f"scontrol requeue {job}: {outcome(result)}"
 
 
+def before_step(job: str) -> str | None:
+    """slurm/train.sh's check before srun: SLURM's preemption in the job's start-up (its rendezvous port, the preflight)
+    signals its steps (SIGTERM), none yet: lost, the job trained on through the GraceTime until SLURM killed it. Such a
+    job is requeued here instead of started; the line that says so. None where SLURM preempts nothing."""
+    if (when := preempted(fields := shown(job))) is None:
+        return None
+    requeued, said = ask(job, (fields["JobState"], fields.get("Reason", "")))
+    chosen = f"SLURM chose the job for preemption at {when}, before its step (no rank to signal), so it does not start"
+    return f"slurm/train.sh: {chosen}; {said}; {_how_it_goes_on(job, requeued)}"
+
+
 def after_step(job: str, code: int, shell_signalled: bool) -> str | None:
     """slurm/train.sh's last word on a step that exited `code`: a stop signal (SLURM's preemption, its warning before
     the time limit, scancel --signal; scancel -b's, which the shell sent on) that ended it before training (the agent's
@@ -64,20 +94,28 @@ def after_step(job: str, code: int, shell_signalled: bool) -> str | None:
     if shell_signalled and now[0] != "RUNNING":
         return None
     requeued, said = ask(job, now)
-    again = "submit it again with this job's run.out_dir (slurm/train.sh gives a new job an out_dir of its own)"
-    how = f"to go on, {again}"
-    if requeued is None:  # scontrol ended by the requeue's signal, most likely
-        how = f"if SLURM does not start the job again (squeue -j {job}), {again}"
-    if requeued:
-        how = "SLURM starts the job again, and it resumes from the out_dir's last checkpoint, if any"
     ended = f"the job's step ended on {STOPPED_BY[code]} (exit {code}) and no rank requeued it"
-    return f"slurm/train.sh: {ended} (a stop before training); {said}; {how}"
+    return f"slurm/train.sh: {ended} (a stop before training); {said}; {_how_it_goes_on(job, requeued)}"
 
 
-def main(argv: list[str]) -> None:
-    """`python -c 'import sys; from ddp import requeue; requeue.main(sys.argv[1:])' JOB CODE SIGNALLED`: after_step's
+def _how_it_goes_on(job: str, requeued: bool | None) -> str:
+    again = "submit it again with this job's run.out_dir (slurm/train.sh gives a new job an out_dir of its own)"
+    if requeued is None:  # scontrol ended by the requeue's signal, most likely
+        return f"if SLURM does not start the job again (squeue -j {job}), {again}"
+    if requeued:
+        return "SLURM starts the job again, and it resumes from the out_dir's last checkpoint, if any"
+    return f"to go on, {again}"
+
+
+def main(argv: list[str]) -> int:
+    """slurm/train.sh's `python -c 'import sys; from ddp import requeue; sys.exit(requeue.main(sys.argv[1:]))'` with
+    `before JOB` (before_step: exit 75 where the job must not start) or `after JOB CODE SIGNALLED` (after_step): the
     line, if any, on stdout. Its own requeue signals it (SIGTERM) with the job: ignored, to say so."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    job, code, signalled = argv
-    if said := after_step(job, int(code), signalled == "1"):
+    if argv[0] == "before":
+        said = before_step(argv[1])
+    else:
+        said = after_step(argv[1], int(argv[2]), argv[3] == "1")
+    if said:
         print(said, flush=True)
+    return EXIT_STOPPED if argv[0] == "before" and said else 0

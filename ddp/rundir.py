@@ -108,7 +108,7 @@ def profile_path(out_dir: str | Path, rank: int) -> Path:
     return Path(out_dir) / "profile" / f"rank{rank}.json"
 
 
-def fault_marker(out_dir: str | Path, point: str, n: int) -> Path:
+def fault_marker(out_dir: str | Path, point: str, n: int | str) -> Path:
     return Path(out_dir) / f"fault-fired.{point}.{n}"
 
 

@@ -93,14 +93,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
 
 
 def preflight(cfg: Config, processes: int) -> None:
-    """`--preflight N`, run by the launch scripts before they start N processes: the checks every
-    rank would make, made once, so that a mistake is one line (exit 2) instead of one per rank and the
-    launcher's traceback. Downloads the data here, once, if it must. On the machines of a job on
-    several (NODE_RANK set), also whether MASTER_ADDR resolves and answers; only node 0 locks."""
+    """`--preflight N`, run by the launch scripts before they start N processes: the checks every rank would make, made
+    once, so that a mistake is one line (exit 2) instead of one per rank and the launcher's traceback. Downloads the
+    data here, once, if it must. A job on several machines (NODE_RANK): whether MASTER_ADDR answers; node 0 locks."""
     node = launchers.node_rank()
     with checked(cfg, devices.planned(cfg.run, processes, node), say=None):  # notes: rank 0's, after it
         if node is not None:
             network.check_master(launchers.master_address() or "", launchers.master_port(), node, cfg.run.timeout_s)
+    faults.preflight(cfg.run.out_dir)  # the tests' only; none unless DDP_CIFAR_FAULT=wait:preflight
 
 
 @contextlib.contextmanager

@@ -21,8 +21,9 @@
 #   process gets SIGTERM: all ranks stop at the next step boundary, rank 0 saves a checkpoint and
 #   requeues the job (scontrol requeue); the requeued job resumes from that checkpoint in the same
 #   out_dir; one in the job's start-up (nothing to save) ends its step: this shell requeues the job then (not one
-#   scancel ended). --open-mode=append keeps the log of every run in one file. A signal for this shell (B:TERM, scancel -b)
-#   it sends on to the steps, the same stop; not scancel --full's SIGTERM, which srun has too: it ends the job at once.
+#   scancel ended), and before srun one SLURM preempts already (no step to signal yet). --open-mode=append keeps the
+#   log of every run in one file. A signal for this shell (B:TERM, scancel -b) it sends on to the steps, the same stop;
+#   not scancel --full's SIGTERM, which srun has too: it ends the job at once.
 set -euo pipefail
 root=${DDP_CIFAR_ROOT:-${SLURM_SUBMIT_DIR:-$(pwd)}}
 if [ ! -f "$root/ddp/train.py" ]; then
@@ -56,6 +57,9 @@ cmd=(srun --ntasks-per-node=1 --kill-on-bad-exit=1
   python ddp/torchrun.py --nnodes="$SLURM_JOB_NUM_NODES" --nproc_per_node="$nproc" --rdzv_backend=c10d
   --rdzv_endpoint="$(endpoint "$addr" "$port")" --rdzv_id="$job"
   ddp/train.py run.out_dir="${OUT_ROOT:-runs}/slurm-$job" "$@")
+# SLURM's preemption in the start-up above (the rendezvous port, the preflight) signalled the job's steps, none yet:
+# lost, the job trained on through its GraceTime, until SLURM killed it. It is requeued here instead (ddp/requeue.py).
+python -c 'import sys; from ddp import requeue; sys.exit(requeue.main(sys.argv[1:]))' before "$job" || exit $?
 shown "${cmd[@]}"
 # srun runs as this shell's child, not in its place: srun takes SIGTERM (SIGHUP, SIGQUIT) as the job's end and kills
 # its tasks, so a SIGTERM for this shell (#SBATCH --signal=B:TERM@120, scancel -b) ended the job at once, FAILED,
@@ -75,6 +79,6 @@ done
 # A stop signal before training (SLURM's preemption and time limit signal the steps alone; scancel -b, sent on) ends
 # the step with nothing to save and no rank to requeue the job: FAILED. This shell requeues it then (ddp/requeue.py),
 # unless the job is no longer RUNNING (rank 0 requeued it, scancel ended it: both signal this shell too).
-python -c 'import sys; from ddp import requeue; requeue.main(sys.argv[1:])' \
-  "$job" "$code" "${stop_seen:-0}" || true
+python -c 'import sys; from ddp import requeue; sys.exit(requeue.main(sys.argv[1:]))' \
+  after "$job" "$code" "${stop_seen:-0}" || true
 exit "$code"

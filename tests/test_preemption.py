@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -146,26 +147,41 @@ def test_a_job_is_requeued_unless_scancel_ended_it(tmp_path, monkeypatch, shown,
     assert done is requeued
 
 
+def stand_in_scontrol(tmp_path: Path) -> tuple[Path, Callable[..., tuple[int, str]]]:
+    """A stand-in scontrol on PATH (its calls in the file returned; `show job` says JobId and the state given; requeue
+    refuses where the state says NoRequeue), and slurm/train.sh's call of requeue.main with it: (exit code, stdout)
+    for (state, *argv), torch not imported."""
+    calls, state = tmp_path / "calls", tmp_path / "state"
+    refused = f'[ "$1" = requeue ] && grep -q NoRequeue {state} && echo "error: disabled for job $2" >&2 && exit 1\n'
+    (tmp_path / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> {calls}\n{refused}echo "JobId=$4 $(cat {state})"\n')
+    (tmp_path / "scontrol").chmod(0o755)
+    env = {**os.environ, "PATH": f"{tmp_path}{os.pathsep}{os.environ['PATH']}"}
+    script = "import sys; from ddp import requeue; code = requeue.main(sys.argv[1:]); print('torch' in sys.modules)"
+    script += "; sys.exit(code)"
+
+    def requeue_main(shown: str, *argv: str) -> tuple[int, str]:
+        state.write_text(shown)
+        run = subprocess.run([sys.executable, "-c", script, *argv], cwd=REPO, env=env, capture_output=True, text=True,
+                             timeout=60)  # fmt: skip
+        assert run.stdout.endswith("False\n") and not run.stderr, run  # (no torch imported)
+        return run.returncode, run.stdout.removesuffix("False\n")
+
+    return calls, requeue_main
+
+
 def test_a_slurm_step_a_stop_signal_ended_before_training_is_requeued_by_its_batch_shell_without_torch(tmp_path):
     """slurm/train.sh after its step: SLURM's preemption signals the steps alone, and one it stopped before training
     (exit 143, no rank to save or requeue) ended the job FAILED. The shell requeues it then, in a Python without
     torch, also where it got the signal itself and sent it on (scancel -b: the job still RUNNING); not after rank 0's
     requeue or scancel (the shell signalled, the job COMPLETING), nor for a code no stop signal's. Where scancel ended
     the job and the shell did not see it, it says so. (scontrol: a stand-in on PATH; the real one: test_slurm.py.)"""
-    calls, state = tmp_path / "calls", tmp_path / "state"
-    (tmp_path / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> {calls}\necho "JobId=$4 $(cat {state})"\n')
-    (tmp_path / "scontrol").chmod(0o755)
-    env = {**os.environ, "PATH": f"{tmp_path}{os.pathsep}{os.environ['PATH']}"}
-    script = "import sys; from ddp import requeue; requeue.main(sys.argv[1:]); print('torch' in sys.modules)"
+    calls, requeue_main = stand_in_scontrol(tmp_path)
     said, running, ended = {}, "JobState=RUNNING Reason=None", "JobState=COMPLETING Reason=None"
     cases = [("1", 143, "0", running), ("2", 143, "1", running), ("3", 138, "1", ended),
              ("4", 0, "0", running), ("5", 137, "0", running), ("6", 129, "0", ended)]  # fmt: skip
     for job, code, signalled, shown in cases:
-        state.write_text(shown)
-        run = subprocess.run([sys.executable, "-c", script, job, str(code), signalled], cwd=REPO, env=env,
-                             capture_output=True, text=True, timeout=60)  # fmt: skip
-        assert run.returncode == 0 and run.stdout.endswith("False\n"), run  # (no torch imported)
-        said[job] = run.stdout.removesuffix("False\n")
+        code, said[job] = requeue_main(shown, "after", job, str(code), signalled)
+        assert code == 0
     shown = ["show job -o 1", "requeue 1", "show job -o 2", "requeue 2", "show job -o 3", "show job -o 6"]
     assert calls.read_text().splitlines() == shown
     line = (
@@ -177,6 +193,34 @@ def test_a_slurm_step_a_stop_signal_ended_before_training_is_requeued_by_its_bat
     assert "requeue 2: requeued" in said["2"] and said["3"] == said["4"] == said["5"] == ""
     assert said["6"].startswith("slurm/train.sh: the job's step ended on SIGHUP (exit 129) and no rank requeued it")
     assert "not requeued: the job is COMPLETING (scancel ended it" in said["6"] and "to go on, submit it" in said["6"]
+
+
+def test_a_slurm_job_preempted_before_its_step_is_requeued_by_its_batch_shell_instead_of_started(tmp_path):
+    """slurm/train.sh before srun: SLURM's preemption in the job's start-up signals its steps, none yet, and the job
+    trained on through the GraceTime. One SLURM chose (PreemptTime, RUNNING) is requeued and not started (exit 75);
+    not one that SLURM preempts nothing, that is no longer RUNNING, or that was ever suspended (SUSPEND, gang
+    scheduling: PreemptTime too, and it goes on), nor where scontrol says nothing. One SLURM does not requeue
+    (sbatch --no-requeue) does not start either, and says how to go on. (The real scontrol: test_slurm.py.)"""
+    calls, requeue_main = stand_in_scontrol(tmp_path)
+    chosen = "JobState=RUNNING Reason=None PreemptTime=2026-12-07T05:20:00 SuspendTime=None"
+    code, said = requeue_main(chosen, "before", "1")
+    assert code == 75 and said == (
+        "slurm/train.sh: SLURM chose the job for preemption at 2026-12-07T05:20:00, before its step (no rank to "
+        "signal), so it does not start; scontrol requeue 1: requeued; SLURM starts the job again, and it resumes from "
+        "the out_dir's last checkpoint, if any\n"
+    )
+    others = [("2", "JobState=RUNNING Reason=None PreemptTime=None SuspendTime=None"),
+              ("3", chosen.replace("RUNNING", "COMPLETING")),
+              ("4", chosen.replace("SuspendTime=None", "SuspendTime=2026-12-07T05:19:00")), ("5", "")]  # fmt: skip
+    for job, shown in others:
+        assert requeue_main(shown, "before", job) == (0, ""), job
+    code, said = requeue_main(f"{chosen} NoRequeue=1", "before", "6")
+    assert code == 75 and said.endswith(
+        "scontrol requeue 6: error: disabled for job 6; to go on, submit it again with "
+        "this job's run.out_dir (slurm/train.sh gives a new job an out_dir of its own)\n"
+    )
+    shows = [f"show job -o {j}" for j, _ in others]
+    assert calls.read_text().splitlines() == ["show job -o 1", "requeue 1", *shows, "show job -o 6", "requeue 6"]
 
 
 def test_a_stopped_run_says_how_it_resumes_and_under_slurm_names_its_out_dir():

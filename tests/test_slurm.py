@@ -75,9 +75,9 @@ def wait_until_done(env: dict[str, str], job: str, timeout: float) -> str:
     pytest.fail(f"job {job} still {job_field(env, job, 'JobState')} after {timeout} s (cancelled)")
 
 
-def held_job(env: dict[str, str], out_root: Path, step: int, *args: str) -> tuple[str, Path]:
-    """A job submitted with DDP_CIFAR_FAULT=wait:STEP (rank 0 waits there for its stop signal), and its out_dir, once
-    rank 0 waits."""
+def held_job(env: dict[str, str], out_root: Path, step: int | str, *args: str) -> tuple[str, Path]:
+    """A job submitted with DDP_CIFAR_FAULT=wait:STEP (rank 0 waits there for its stop signal; wait:preflight, the
+    preflight for SLURM's preemption), and its out_dir, once it waits."""
     job = submit({**env, "DDP_CIFAR_FAULT": f"wait:{step}"}, out_root, *args)
     out, deadline = out_root / f"slurm-{job}", time.monotonic() + 120
     while not rundir.fault_marker(out, "wait", step).exists():
@@ -335,6 +335,22 @@ def test_a_job_stopped_before_training_is_requeued_by_its_batch_shell_and_runs_a
             f"training); scontrol requeue {job}: requeued; SLURM starts the job again")  # fmt: skip
     assert said in log and "stopping on" not in log and "resumed from" not in log, log[-3000:]  # (nothing to resume)
     assert len(metrics(out)) == 2, log[-3000:]
+
+
+def test_a_job_preempted_before_its_step_is_requeued_at_once_and_runs_again_to_its_end(slurm, tmp_path):
+    """SLURM's preemption in a job's start-up before srun (the preflight) signalled no process: the job trained on
+    through its GraceTime, until SLURM killed it; a short one ran to its end, COMPLETED, Restarts 0, while the urgent
+    job waited. slurm/train.sh requeues it instead of starting it, and says so. The preflight waits until SLURM chose
+    the job (DDP_CIFAR_FAULT=wait:preflight)."""
+    job, out = held_job(slurm, tmp_path, "preflight", *TINY)
+    urgent = preempt(slurm, tmp_path)
+    state = wait_until_done(slurm, job, timeout=180)
+    log = (tmp_path / f"log-{job}.out").read_text()
+    ended = (state, job_field(slurm, job, "Restarts"), wait_until_done(slurm, urgent, 30))
+    assert ended == ("COMPLETED", "1", "COMPLETED"), (ended, log[-3000:])
+    said = f"before its step (no rank to signal), so it does not start; scontrol requeue {job}: requeued; SLURM starts"
+    assert "slurm/train.sh: SLURM chose the job for preemption at " in log and said in log, log[-3000:]
+    assert log.count("+ srun ") == 1 and len(metrics(out)) == 2, log[-3000:]  # one step: the job's second start
 
 
 def test_a_job_scancel_ends_before_training_is_not_requeued(slurm, tmp_path):

@@ -16,7 +16,8 @@ a lost node does: no handler runs, nothing is flushed.
                                   one (SLURM's preemption) knows that it lands in training, however fast the steps;
                                   wait:0 before the first step (its rendezvous and build done): a stop in start-up
     DDP_CIFAR_FAULT=wait:preflight the preflight (ddp/train.py --preflight: slurm/train.sh's, before srun) waits until
-                                  SLURM chose its job for preemption (WAIT_S at most): a preemption that signals no step
+                                  SLURM chose its job for preemption, or the test writes "go" into its marker (WAIT_S
+                                  at most): a preemption that signals no step; a signal for the shell in its preflight
     DDP_CIFAR_FAULT=oom:N[:rR]    rank R runs out of memory in global step N (a CUDA OutOfMemoryError's text, raised
                                   as its optimizer step is taken): an error of that rank alone, said by it
     DDP_CIFAR_FAULT=memory:N[:rR] rank R takes memory in global step N, 64 MB at a time, until the kernel's
@@ -97,14 +98,15 @@ def arm(out_dir: str, rank: int, steps_done: int) -> None:
 
 
 def preflight(out_dir: str) -> None:
-    """wait:preflight, once per out_dir: here until SLURM chose this job for preemption, WAIT_S at most."""
+    """wait:preflight, once per out_dir: here until SLURM chose this job for preemption or the marker says go, WAIT_S at
+    most."""
     marker = rundir.fault_marker(out_dir, "wait", "preflight")
     if os.environ.get(VAR) != "wait:preflight" or marker.exists() or not (job := launchers.slurm_job()):
         return
     marker.parent.mkdir(parents=True, exist_ok=True)
     marker.write_text("wait:preflight")
     until = time.monotonic() + WAIT_S
-    while requeue.preempted(requeue.shown(job)) is None and time.monotonic() < until:
+    while requeue.preempted(requeue.shown(job)) is None and marker.read_text() != "go" and time.monotonic() < until:
         time.sleep(0.1)
 
 

@@ -71,14 +71,17 @@ def ask(job: str, now: tuple[str, str] | None = None) -> tuple[bool | None, str]
     return requeued, f"scontrol requeue {job}: {outcome(result)}"
 
 
-def before_step(job: str) -> str | None:
+def before_step(job: str, stop_seen: str) -> str | None:
     """slurm/train.sh's check before srun: SLURM's preemption in the job's start-up (its rendezvous port, the preflight)
     signals its steps (SIGTERM), none yet: lost, the job trained on through the GraceTime until SLURM killed it. Such a
-    job is requeued here instead of started; the line that says so. None where SLURM preempts nothing."""
-    if (when := preempted(fields := shown(job))) is None:
+    job is requeued here instead of started, as is one whose shell got `stop_seen` (SIGTERM, say: scancel -b) by then;
+    the line that says so. None where neither came."""
+    fields = shown(job)
+    if (when := preempted(fields)) is None and not stop_seen:
         return None
-    requeued, said = ask(job, (fields["JobState"], fields.get("Reason", "")))
-    chosen = f"SLURM chose the job for preemption at {when}, before its step (no rank to signal), so it does not start"
+    requeued, said = ask(job, (fields.get("JobState", ""), fields.get("Reason", "")))
+    came = f"{stop_seen} came for this shell" if stop_seen else f"SLURM chose the job for preemption at {when}"
+    chosen = f"{came}, before its step (no rank to signal), so it does not start"
     return f"slurm/train.sh: {chosen}; {said}; {_how_it_goes_on(job, requeued)}"
 
 
@@ -109,13 +112,14 @@ def _how_it_goes_on(job: str, requeued: bool | None) -> str:
 
 def main(argv: list[str]) -> int:
     """slurm/train.sh's `python -c 'import sys; from ddp import requeue; sys.exit(requeue.main(sys.argv[1:]))'` with
-    `before JOB` (before_step: exit 75 where the job must not start) or `after JOB CODE SIGNALLED` (after_step): the
-    line, if any, on stdout. Its own requeue signals it (SIGTERM) with the job: ignored, to say so."""
+    `before JOB STOP_SEEN` (before_step: exit 75 where the job must not start) or `after JOB CODE STOP_SEEN`
+    (after_step; STOP_SEEN: the stop signal the shell got, if any): the line, if any, on stdout. Its own requeue
+    signals it (SIGTERM) with the job: ignored, to say so."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if argv[0] == "before":
-        said = before_step(argv[1])
+        said = before_step(argv[1], argv[2])
     else:
-        said = after_step(argv[1], int(argv[2]), argv[3] == "1")
+        said = after_step(argv[1], int(argv[2]), bool(argv[3]))
     if said:
         print(said, flush=True)
     return EXIT_STOPPED if argv[0] == "before" and said else 0

@@ -22,9 +22,15 @@
 #   requeues the job (scontrol requeue); the requeued job resumes from that checkpoint in the same
 #   out_dir; one in the job's start-up (nothing to save) ends its step: this shell requeues the job then (not one
 #   scancel ended), and before srun one SLURM preempts already (no step to signal yet). --open-mode=append keeps the
-#   log of every run in one file. A signal for this shell (B:TERM, scancel -b) it sends on to the steps, the same stop;
-#   not scancel --full's SIGTERM, which srun has too: it ends the job at once.
+#   log of every run in one file. A signal for this shell (B:TERM, scancel -b) it sends on to the steps, the same stop
+#   (before srun: the job is requeued, not started); not scancel --full's SIGTERM, which srun has too: it ends the job.
 set -euo pipefail
+# A stop signal for this shell before srun (scancel -b, --signal=B:TERM@120 in the preflight: bash takes it once the
+# command it waits for ends) is noted, and the job requeued before srun instead of started (ddp/requeue.py).
+stop_seen=
+for sig in TERM INT HUP USR1 USR2; do
+  trap "stop_seen=SIG$sig" "$sig"
+done
 root=${DDP_CIFAR_ROOT:-${SLURM_SUBMIT_DIR:-$(pwd)}}
 if [ ! -f "$root/ddp/train.py" ]; then
   echo "slurm/train.sh: no ddp/train.py in $root: submit from the repository root or set DDP_CIFAR_ROOT" >&2
@@ -58,17 +64,18 @@ cmd=(srun --ntasks-per-node=1 --kill-on-bad-exit=1
   --rdzv_endpoint="$(endpoint "$addr" "$port")" --rdzv_id="$job"
   ddp/train.py run.out_dir="${OUT_ROOT:-runs}/slurm-$job" "$@")
 # SLURM's preemption in the start-up above (the rendezvous port, the preflight) signalled the job's steps, none yet:
-# lost, the job trained on through its GraceTime, until SLURM killed it. It is requeued here instead (ddp/requeue.py).
-python -c 'import sys; from ddp import requeue; sys.exit(requeue.main(sys.argv[1:]))' before "$job" || exit $?
+# lost, the job trained on through its GraceTime, until SLURM killed it. It is requeued here instead, as is one this
+# shell was signalled to stop (ddp/requeue.py).
+python -c 'import sys; from ddp import requeue; sys.exit(requeue.main(sys.argv[1:]))' before "$job" "$stop_seen" ||
+  exit $?
 shown "${cmd[@]}"
 # srun runs as this shell's child, not in its place: srun takes SIGTERM (SIGHUP, SIGQUIT) as the job's end and kills
 # its tasks, so a SIGTERM for this shell (#SBATCH --signal=B:TERM@120, scancel -b) ended the job at once, FAILED,
 # without a checkpoint. The signals this shell gets go to the job's steps instead (scancel --signal: the ranks, and
 # their torchrun; not this shell again), where a stop signal stops every rank with its checkpoint, as SLURM's own do.
 for sig in TERM INT HUP USR1 USR2; do
-  trap "signalled=1 stop_seen=1; scancel --signal=$sig \"\$SLURM_JOB_ID\" 2>/dev/null || true" "$sig"
+  trap "signalled=1 stop_seen=SIG$sig; scancel --signal=$sig \"\$SLURM_JOB_ID\" 2>/dev/null || true" "$sig"
 done
-stop_seen=
 "${cmd[@]}" &
 step=$!
 while :; do  # until srun ends: a signal's trap ends the wait (its status then > 128), not srun
@@ -80,5 +87,5 @@ done
 # the step with nothing to save and no rank to requeue the job: FAILED. This shell requeues it then (ddp/requeue.py),
 # unless the job is no longer RUNNING (rank 0 requeued it, scancel ended it: both signal this shell too).
 python -c 'import sys; from ddp import requeue; sys.exit(requeue.main(sys.argv[1:]))' \
-  after "$job" "$code" "${stop_seen:-0}" || true
+  after "$job" "$code" "$stop_seen" || true
 exit "$code"

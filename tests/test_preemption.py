@@ -177,8 +177,8 @@ def test_a_slurm_step_a_stop_signal_ended_before_training_is_requeued_by_its_bat
     the job and the shell did not see it, it says so. (scontrol: a stand-in on PATH; the real one: test_slurm.py.)"""
     calls, requeue_main = stand_in_scontrol(tmp_path)
     said, running, ended = {}, "JobState=RUNNING Reason=None", "JobState=COMPLETING Reason=None"
-    cases = [("1", 143, "0", running), ("2", 143, "1", running), ("3", 138, "1", ended),
-             ("4", 0, "0", running), ("5", 137, "0", running), ("6", 129, "0", ended)]  # fmt: skip
+    cases = [("1", 143, "", running), ("2", 143, "SIGTERM", running), ("3", 138, "SIGUSR2", ended),
+             ("4", 0, "", running), ("5", 137, "", running), ("6", 129, "", ended)]  # fmt: skip
     for job, code, signalled, shown in cases:
         code, said[job] = requeue_main(shown, "after", job, str(code), signalled)
         assert code == 0
@@ -200,10 +200,11 @@ def test_a_slurm_job_preempted_before_its_step_is_requeued_by_its_batch_shell_in
     trained on through the GraceTime. One SLURM chose (PreemptTime, RUNNING) is requeued and not started (exit 75);
     not one that SLURM preempts nothing, that is no longer RUNNING, or that was ever suspended (SUSPEND, gang
     scheduling: PreemptTime too, and it goes on), nor where scontrol says nothing. One SLURM does not requeue
-    (sbatch --no-requeue) does not start either, and says how to go on. (The real scontrol: test_slurm.py.)"""
+    (sbatch --no-requeue) does not start either, and says how to go on. Nor does one whose shell got a stop signal by
+    then (scancel -b): requeued, unless scancel ended it. (The real scontrol: test_slurm.py.)"""
     calls, requeue_main = stand_in_scontrol(tmp_path)
     chosen = "JobState=RUNNING Reason=None PreemptTime=2026-12-07T05:20:00 SuspendTime=None"
-    code, said = requeue_main(chosen, "before", "1")
+    code, said = requeue_main(chosen, "before", "1", "")
     assert code == 75 and said == (
         "slurm/train.sh: SLURM chose the job for preemption at 2026-12-07T05:20:00, before its step (no rank to "
         "signal), so it does not start; scontrol requeue 1: requeued; SLURM starts the job again, and it resumes from "
@@ -213,14 +214,24 @@ def test_a_slurm_job_preempted_before_its_step_is_requeued_by_its_batch_shell_in
               ("3", chosen.replace("RUNNING", "COMPLETING")),
               ("4", chosen.replace("SuspendTime=None", "SuspendTime=2026-12-07T05:19:00")), ("5", "")]  # fmt: skip
     for job, shown in others:
-        assert requeue_main(shown, "before", job) == (0, ""), job
-    code, said = requeue_main(f"{chosen} NoRequeue=1", "before", "6")
+        assert requeue_main(shown, "before", job, "") == (0, ""), job
+    code, said = requeue_main(f"{chosen} NoRequeue=1", "before", "6", "")
     assert code == 75 and said.endswith(
         "scontrol requeue 6: error: disabled for job 6; to go on, submit it again with "
         "this job's run.out_dir (slurm/train.sh gives a new job an out_dir of its own)\n"
     )
+    code, said = requeue_main(others[0][1], "before", "7", "SIGTERM")  # (scancel -b --signal=TERM in the preflight)
+    assert code == 75 and said.startswith(
+        "slurm/train.sh: SIGTERM came for this shell, before its step (no rank to signal), so it does not start; "
+        "scontrol requeue 7: requeued; SLURM starts the job again"
+    )
+    code, said = requeue_main("JobState=CANCELLED Reason=None", "before", "8", "SIGTERM")  # (scancel's TERM)
+    assert code == 75 and "; not requeued: the job is CANCELLED (scancel ended it;" in said
     shows = [f"show job -o {j}" for j, _ in others]
-    assert calls.read_text().splitlines() == ["show job -o 1", "requeue 1", *shows, "show job -o 6", "requeue 6"]
+    assert calls.read_text().splitlines() == [
+        "show job -o 1", "requeue 1", *shows, "show job -o 6", "requeue 6", "show job -o 7", "requeue 7",
+        "show job -o 8",
+    ]  # fmt: skip
 
 
 def test_a_stopped_run_says_how_it_resumes_and_under_slurm_names_its_out_dir():

@@ -337,19 +337,27 @@ def test_a_job_stopped_before_training_is_requeued_by_its_batch_shell_and_runs_a
     assert len(metrics(out)) == 2, log[-3000:]
 
 
-def test_a_job_preempted_before_its_step_is_requeued_at_once_and_runs_again_to_its_end(slurm, tmp_path):
+@pytest.mark.parametrize("stop", ["preemption", "batch shell"])
+def test_a_job_stopped_before_its_step_is_requeued_at_once_and_runs_again_to_its_end(slurm, tmp_path, stop):
     """SLURM's preemption in a job's start-up before srun (the preflight) signalled no process: the job trained on
     through its GraceTime, until SLURM killed it; a short one ran to its end, COMPLETED, Restarts 0, while the urgent
-    job waited. slurm/train.sh requeues it instead of starting it, and says so. The preflight waits until SLURM chose
-    the job (DDP_CIFAR_FAULT=wait:preflight)."""
+    job waited. A stop signal for the batch shell then (scancel -b) ended the shell, FAILED. slurm/train.sh requeues
+    either job instead of starting it, and says so. The preflight waits until SLURM chose the job, or the test says go
+    (DDP_CIFAR_FAULT=wait:preflight): bash takes the shell's signal once the preflight ends."""
     job, out = held_job(slurm, tmp_path, "preflight", *TINY)
-    urgent = preempt(slurm, tmp_path)
+    if stop == "preemption":
+        urgent, came = preempt(slurm, tmp_path), "SLURM chose the job for preemption at "
+    else:
+        ok(subprocess.run(["scancel", "--batch", "--signal=TERM", job], env=slurm, capture_output=True, text=True))
+        time.sleep(1)  # (slurmd's signal on its way to the shell)
+        urgent, came = None, "slurm/train.sh: SIGTERM came for this shell"
+        rundir.fault_marker(out, "wait", "preflight").write_text("go")
     state = wait_until_done(slurm, job, timeout=180)
     log = (tmp_path / f"log-{job}.out").read_text()
-    ended = (state, job_field(slurm, job, "Restarts"), wait_until_done(slurm, urgent, 30))
+    ended = (state, job_field(slurm, job, "Restarts"), wait_until_done(slurm, urgent, 30) if urgent else "COMPLETED")
     assert ended == ("COMPLETED", "1", "COMPLETED"), (ended, log[-3000:])
     said = f"before its step (no rank to signal), so it does not start; scontrol requeue {job}: requeued; SLURM starts"
-    assert "slurm/train.sh: SLURM chose the job for preemption at " in log and said in log, log[-3000:]
+    assert came in log and said in log, log[-3000:]
     assert log.count("+ srun ") == 1 and len(metrics(out)) == 2, log[-3000:]  # one step: the job's second start
 
 

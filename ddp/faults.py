@@ -43,6 +43,7 @@ from ddp import launchers, requeue, rundir
 
 VAR = "DDP_CIFAR_FAULT"
 WAIT_S = 120.0  # wait:N's longest wait for the stop signal
+START_UP_S = 5.0  # wait:0's time in start-up after its signal: the watcher ends the process within it
 
 
 def arm(out_dir: str, rank: int, steps_done: int) -> None:
@@ -61,6 +62,9 @@ def arm(out_dir: str, rank: int, steps_done: int) -> None:
     if point == "wait" and step == 0:
         marker.write_text(spec)
         _wait_for_a_signal(WAIT_S)
+        # still in start-up, where the watcher (lifeline) ends this process: without the wait the loop began first, at
+        # times, and its handler took the signal instead (seen once: a stop with its checkpoint at step 2)
+        time.sleep(START_UP_S)
     elif point in ("step", "node", "pause", "wait", "oom", "memory"):
         steps = itertools.count(steps_done + 1)  # the global step each optimizer step completes
 

@@ -79,10 +79,11 @@ def parse_signals(names: str) -> list[signal.Signals]:
 
 class StopRequest:
     """Context manager: while inside, the given signals request a stop instead of killing, and the
-    lifeline may request one (the launcher's end). The loop asks at_step_boundary() after each step."""
+    lifeline may request one (the launcher's end). The loop asks at_step_boundary() after each step. `main`:
+    rank 0's, which asks SLURM as it enters whether a preemption came that signalled no rank."""
 
-    def __init__(self, signals: list[signal.Signals] | tuple[signal.Signals, ...]) -> None:
-        self.signals, self.received, self._previous = signals, None, {}
+    def __init__(self, signals: list[signal.Signals] | tuple[signal.Signals, ...], main: bool = False) -> None:
+        self.signals, self.received, self._previous, self.main = signals, None, {}, main
         self.last_boundary = time.monotonic()
         self.longest_step_s = 0.0  # the longest time between two step boundaries: what a stop may take
         self.last_step_s = 0.0  # the last one: what a pause may take (lifeline)
@@ -145,6 +146,9 @@ class StopRequest:
             self._previous[sig] = signal.signal(sig, self._handle)
         self.last_boundary = time.monotonic()
         lifeline.set_loop_stop(self)
+        if self.main and signal.SIGTERM in self.signals and (job := launchers.slurm_job()):
+            if why := _preempted_unsignalled(job):
+                self.request(why)
         return self
 
     def __exit__(self, kind: type | None, value: BaseException | None, tb: TracebackType | None) -> None:
@@ -161,6 +165,15 @@ class StopRequest:
             return
         for sig, previous in self._previous.items():
             signal.signal(sig, previous)
+
+
+def _preempted_unsignalled(job: str) -> str | None:
+    """Rank 0's ask as training starts (StopRequest, `main`): SLURM's preemption before the job's step, or the ranks'
+    handlers, signalled no rank of it (a batch script's set-up before srun: its modules, its environment, ddp's
+    preflight): the job trained on through its GraceTime until SLURM killed it. A stop's reason then, else None."""
+    if (when := requeue.preempted(requeue.shown(job, timeout_s=10))) is None:
+        return None
+    return f"SLURM's preemption at {when} (its SIGTERM came before this job's step: to no rank)"
 
 
 def agreed_pauses(batches: Iterable[T], world: World) -> Iterator[T]:

@@ -25,20 +25,21 @@ def outcome(result: subprocess.CompletedProcess) -> str:
     return result.stderr.strip() or f"scontrol exited {result.returncode}"
 
 
-def scontrol(*args: str) -> subprocess.CompletedProcess:
+def scontrol(*args: str, timeout_s: float = 60) -> subprocess.CompletedProcess:
     """`scontrol ARGS`, SIGTERM ignored (kept across exec): a stop or a requeue signals the job's processes, scontrol
-    among them. One that does not answer within 60 s (slurmctld down) exits 1, saying so."""
+    among them. One that does not answer within `timeout_s` (slurmctld down) exits 1, saying so."""
     cmd = ["sh", "-c", 'trap "" TERM; exec "$@"', "sh", "scontrol", *args]
     try:
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        return subprocess.CompletedProcess(cmd, 1, "", f"scontrol {args[0]}: no answer within 60 s")
+        return subprocess.CompletedProcess(cmd, 1, "", f"scontrol {args[0]}: no answer within {timeout_s:g} s")
 
 
-def shown(job: str) -> dict[str, str]:
+def shown(job: str, timeout_s: float = 60) -> dict[str, str]:
     """The job's fields as `scontrol show job -o` says them (JobState=RUNNING: {"JobState": "RUNNING"}); {} where it
-    says nothing."""
-    return dict(w.split("=", 1) for w in scontrol("show", "job", "-o", job).stdout.split() if "=" in w)
+    says nothing (within `timeout_s`)."""
+    said = scontrol("show", "job", "-o", job, timeout_s=timeout_s).stdout
+    return dict(w.split("=", 1) for w in said.split() if "=" in w)
 
 
 def state(job: str) -> tuple[str, str]:

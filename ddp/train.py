@@ -213,7 +213,7 @@ def fit(cfg: Config, world: World, data: datasets.Data, plan: Plan) -> dict[str,
         job.warmup_s = warm_up(job, first_epoch, position)
     with (
         contextlib.closing(board) if board else contextlib.nullcontext(),
-        preemption.StopRequest(plan.stop_signals) as stop,
+        preemption.StopRequest(plan.stop_signals, world.is_main) as stop,
         profiling.Profile(profile_steps, cfg.run.out_dir, world) as profile,
     ):
         for epoch in range(first_epoch, cfg.train.epochs + 1):

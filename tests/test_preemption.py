@@ -147,10 +147,10 @@ def test_a_job_is_requeued_unless_scancel_ended_it(tmp_path, monkeypatch, shown,
     assert done is requeued
 
 
-def stand_in_scontrol(tmp_path: Path) -> tuple[Path, Callable[..., tuple[int, str]]]:
+def stand_in_scontrol(tmp_path: Path) -> tuple[Path, Path, Callable[..., tuple[int, str]]]:
     """A stand-in scontrol on PATH (its calls in the file returned; `show job` says JobId and the state given; requeue
-    refuses where the state says NoRequeue), and slurm/train.sh's call of requeue.main with it: (exit code, stdout)
-    for (state, *argv), torch not imported."""
+    refuses where the state says NoRequeue), the state's file, and slurm/train.sh's call of requeue.main with it:
+    (exit code, stdout) for (state, *argv), torch not imported."""
     calls, state = tmp_path / "calls", tmp_path / "state"
     refused = f'[ "$1" = requeue ] && grep -q NoRequeue {state} && echo "error: disabled for job $2" >&2 && exit 1\n'
     (tmp_path / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> {calls}\n{refused}echo "JobId=$4 $(cat {state})"\n')
@@ -166,7 +166,7 @@ def stand_in_scontrol(tmp_path: Path) -> tuple[Path, Callable[..., tuple[int, st
         assert run.stdout.endswith("False\n") and not run.stderr, run  # (no torch imported)
         return run.returncode, run.stdout.removesuffix("False\n")
 
-    return calls, requeue_main
+    return calls, state, requeue_main
 
 
 def test_a_slurm_step_a_stop_signal_ended_before_training_is_requeued_by_its_batch_shell_without_torch(tmp_path):
@@ -175,7 +175,7 @@ def test_a_slurm_step_a_stop_signal_ended_before_training_is_requeued_by_its_bat
     torch, also where it got the signal itself and sent it on (scancel -b: the job still RUNNING); not after rank 0's
     requeue or scancel (the shell signalled, the job COMPLETING), nor for a code no stop signal's. Where scancel ended
     the job and the shell did not see it, it says so. (scontrol: a stand-in on PATH; the real one: test_slurm.py.)"""
-    calls, requeue_main = stand_in_scontrol(tmp_path)
+    calls, _, requeue_main = stand_in_scontrol(tmp_path)
     said, running, ended = {}, "JobState=RUNNING Reason=None", "JobState=COMPLETING Reason=None"
     cases = [("1", 143, "", running), ("2", 143, "SIGTERM", running), ("3", 138, "SIGUSR2", ended),
              ("4", 0, "", running), ("5", 137, "", running), ("6", 129, "", ended)]  # fmt: skip
@@ -202,7 +202,7 @@ def test_a_slurm_job_preempted_before_its_step_is_requeued_by_its_batch_shell_in
     scheduling: PreemptTime too, and it goes on), nor where scontrol says nothing. One SLURM does not requeue
     (sbatch --no-requeue) does not start either, and says how to go on. Nor does one whose shell got a stop signal by
     then (scancel -b): requeued, unless scancel ended it. (The real scontrol: test_slurm.py.)"""
-    calls, requeue_main = stand_in_scontrol(tmp_path)
+    calls, _, requeue_main = stand_in_scontrol(tmp_path)
     chosen = "JobState=RUNNING Reason=None PreemptTime=2026-12-07T05:20:00 SuspendTime=None"
     code, said = requeue_main(chosen, "before", "1", "")
     assert code == 75 and said == (
@@ -232,6 +232,30 @@ def test_a_slurm_job_preempted_before_its_step_is_requeued_by_its_batch_shell_in
         "show job -o 1", "requeue 1", *shows, "show job -o 6", "requeue 6", "show job -o 7", "requeue 7",
         "show job -o 8",
     ]  # fmt: skip
+
+
+def test_rank_0_takes_a_slurm_preemption_that_signalled_no_rank_as_a_stop_as_training_starts(tmp_path, monkeypatch):
+    """A batch script's own set-up before srun (modules, an environment): SLURM's preemption then signalled no rank,
+    and the job trained on through its GraceTime. Rank 0 asks as training starts (one scontrol call): a job SLURM chose
+    stops at its next step boundary, as on the signal. Not the other ranks, a run that takes no SIGTERM as a stop
+    (run.stop_signal), one SLURM did not choose, or one outside SLURM. (The real scontrol: test_slurm.py.)"""
+    calls, state, _ = stand_in_scontrol(tmp_path)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("SLURM_JOB_ID", "9")
+    state.write_text("JobState=RUNNING Reason=None PreemptTime=2026-12-07T05:20:00 SuspendTime=None")
+    with preemption.StopRequest([signal.SIGTERM], main=True) as stop:
+        said = stop.received
+    assert said == "SLURM's preemption at 2026-12-07T05:20:00 (its SIGTERM came before this job's step: to no rank)"
+    for signals, main in (([signal.SIGTERM], False), ([signal.SIGUSR1, signal.SIGINT], True)):
+        with preemption.StopRequest(signals, main) as stop:
+            assert not stop.requested
+    state.write_text("JobState=RUNNING Reason=None PreemptTime=None SuspendTime=None")
+    with preemption.StopRequest([signal.SIGTERM], main=True) as stop:
+        assert not stop.requested
+    monkeypatch.delenv("SLURM_JOB_ID")
+    with preemption.StopRequest([signal.SIGTERM], main=True) as stop:
+        assert not stop.requested
+    assert calls.read_text().splitlines() == ["show job -o 9", "show job -o 9"]
 
 
 def test_a_stopped_run_says_how_it_resumes_and_under_slurm_names_its_out_dir():

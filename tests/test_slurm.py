@@ -361,6 +361,38 @@ def test_a_job_stopped_before_its_step_is_requeued_at_once_and_runs_again_to_its
     assert log.count("+ srun ") == 1 and len(metrics(out)) == 2, log[-3000:]  # one step: the job's second start
 
 
+def test_a_batch_script_of_ones_own_preempted_in_its_set_up_stops_with_its_checkpoint_and_resumes(slurm, tmp_path):
+    """A user's own batch script, `srun python ddp/train.py` after its set-up (modules, an environment; here a wait
+    for the test): SLURM's preemption in the set-up signalled no rank, and the job trained on through its GraceTime,
+    until SLURM killed it (a short one ran to its end, Restarts 0). Rank 0 asks SLURM as training starts: the job stops
+    at its next step boundary with its checkpoint, requeues itself and resumes from it to its end."""
+    out, waiting, go = tmp_path / "run", tmp_path / "waiting", tmp_path / "go"
+    train = shlex.join(["srun", "python", str(TRAIN), *TINY, f"run.out_dir={out}"])
+    (script := tmp_path / "own.sh").write_text(
+        f"#!/bin/bash\n#SBATCH --requeue\n#SBATCH --open-mode=append\nset -e\n"
+        f'[ "${{SLURM_RESTART_COUNT:-0}}" != 0 ] || {{ touch {waiting}; while [ ! -e {go} ]; do sleep 0.1; done; }}\n'
+        f"{train}\n"
+    )
+    sbatch = ["sbatch", "--parsable", "--ntasks=1", f"--output={tmp_path}/log-%j.out", str(script)]
+    job = ok(subprocess.run(sbatch, cwd=REPO, env=slurm, capture_output=True, text=True)).stdout.strip()
+    deadline = time.monotonic() + 60
+    while not waiting.exists():
+        assert time.monotonic() < deadline, job_field(slurm, job, "JobState")
+        time.sleep(0.05)
+    urgent = preempt(slurm, tmp_path)
+    while job_field(slurm, job, "PreemptTime") == "None":  # SLURM chose the job: its SIGTERM went to no step
+        assert time.monotonic() < deadline, job_field(slurm, job, "JobState")
+        time.sleep(0.05)
+    go.touch()
+    state = wait_until_done(slurm, job, timeout=180)
+    log = (tmp_path / f"log-{job}.out").read_text()
+    ended = (state, job_field(slurm, job, "Restarts"), wait_until_done(slurm, urgent, 30))
+    assert ended == ("COMPLETED", "1", "COMPLETED"), (ended, log[-3000:])
+    said = "stopping on SLURM's preemption at "
+    assert said in log and f"scontrol requeue {job}: requeued" in log and "resumed from" in log, log[-3000:]
+    assert [m["epoch"] for m in metrics(out)] == [1, 2], log[-3000:]
+
+
 def test_a_job_scancel_ends_before_training_is_not_requeued(slurm, tmp_path):
     """The other side of the batch shell's requeue: scancel signals the batch shell too (a requeue does), and a job
     the user cancelled in its start-up stays CANCELLED: it did not come back."""

@@ -168,9 +168,9 @@ class StopRequest:
 
 
 def _preempted_unsignalled(job: str) -> str | None:
-    """Rank 0's ask as training starts (StopRequest, `main`): SLURM's preemption before the job's step, or the ranks'
-    handlers, signalled no rank of it (a batch script's set-up before srun: its modules, its environment, ddp's
-    preflight): the job trained on through its GraceTime until SLURM killed it. A stop's reason then, else None."""
+    """Rank 0's ask as training starts (StopRequest, `main`): SLURM's preemption before the job's step (a batch
+    script's set-up before srun: its modules, its environment, ddp's preflight) signalled no rank, and the job trained
+    on through its GraceTime until SLURM killed it. A stop's reason where SLURM chose the job, else None."""
     if (when := requeue.preempted(requeue.shown(job, timeout_s=10))) is None:
         return None
     return f"SLURM's preemption at {when} (its SIGTERM came before this job's step: to no rank)"

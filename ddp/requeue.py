@@ -4,8 +4,11 @@ Imports no torch: the batch shell's checks are a Python start and a scontrol cal
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
+import tempfile
+import time
 
 from ddp.errors import EXIT_STOPPED
 
@@ -26,13 +29,23 @@ def outcome(result: subprocess.CompletedProcess) -> str:
 
 
 def scontrol(*args: str, timeout_s: float = 60) -> subprocess.CompletedProcess:
-    """`scontrol ARGS`, SIGTERM ignored (kept across exec): a stop or a requeue signals the job's processes, scontrol
-    among them. One that does not answer within `timeout_s` (slurmctld down) exits 1, saying so."""
+    """`scontrol ARGS`, SIGTERM ignored: a stop or a requeue signals the job's processes, scontrol among them. It starts
+    with SIGTERM blocked (posix_spawn's mask; from any thread), until its shell ignores it (kept across exec): a second
+    SIGTERM (torchrun's, sent on) that came as it started ended it, and rank 0's start-up, asking, heard nothing. One
+    that does not answer within `timeout_s` (slurmctld down) exits 1, saying so."""
     cmd = ["sh", "-c", 'trap "" TERM; exec "$@"', "sh", "scontrol", *args]
-    try:
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        return subprocess.CompletedProcess(cmd, 1, "", f"scontrol {args[0]}: no answer within {timeout_s:g} s")
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        dup = [(os.POSIX_SPAWN_DUP2, out.fileno(), 1), (os.POSIX_SPAWN_DUP2, err.fileno(), 2)]
+        pid = os.posix_spawnp(cmd[0], cmd, os.environ, file_actions=dup, setsigmask={signal.SIGTERM})
+        until = time.monotonic() + timeout_s
+        while (ended := os.waitpid(pid, os.WNOHANG))[0] == 0:
+            if time.monotonic() > until:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                return subprocess.CompletedProcess(cmd, 1, "", f"scontrol {args[0]}: no answer within {timeout_s:g} s")
+            time.sleep(0.01)
+        said = [f.seek(0) or f.read().decode(errors="replace") for f in (out, err)]
+    return subprocess.CompletedProcess(cmd, os.waitstatus_to_exitcode(ended[1]), *said)
 
 
 def shown(job: str, timeout_s: float = 60) -> dict[str, str]:

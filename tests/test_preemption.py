@@ -258,6 +258,26 @@ def test_rank_0_takes_a_slurm_preemption_that_signalled_no_rank_as_a_stop_as_tra
     assert calls.read_text().splitlines() == ["show job -o 9", "show job -o 9"]
 
 
+def test_scontrol_answers_while_sigterms_keep_coming_to_the_job(tmp_path):
+    """A requeue, a stop and torchrun's signals sent on reach every process of the job, scontrol among them, often
+    twice: one that came as it started (its shell before `trap "" TERM`) ended it, and rank 0, asking SLURM in its
+    start-up whether the job was preempted, heard nothing (seen: 2 of 8 real preemptions there went unrequeued by
+    it). A process group that gets SIGTERM every half millisecond asks 50 times: each time it is answered (before:
+    1 of 50)."""
+    stand_in_scontrol(tmp_path)[1].write_text("JobState=RUNNING")
+    script = (
+        "import os, signal, threading, time\nfrom ddp import requeue\n"
+        "signal.signal(signal.SIGTERM, lambda *_: None)\ndone = []\n"
+        "def spam():\n    while not done:\n        os.killpg(0, signal.SIGTERM)\n        time.sleep(0.0005)\n"
+        "threading.Thread(target=spam, daemon=True).start()\n"
+        "print([requeue.scontrol('show', 'job', '-o', '1').returncode for _ in range(50)])\ndone.append(1)\n"
+    )
+    env = {**os.environ, "PATH": f"{tmp_path}{os.pathsep}{os.environ['PATH']}"}
+    run = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True,
+                         timeout=60, start_new_session=True)  # fmt: skip
+    assert run.returncode == 0 and run.stdout == f"{[0] * 50}\n", run
+
+
 def test_a_stopped_run_says_how_it_resumes_and_under_slurm_names_its_out_dir():
     """The same command resumes a run in its out_dir; but `sbatch slurm/train.sh ARGS` again is a new job, which
     wrote to runs/slurm-<its id>, and started afresh: a job SLURM did not requeue (scancel ended it, or the requeue

@@ -31,7 +31,7 @@ def outcome(result: subprocess.CompletedProcess) -> str:
 def scontrol(*args: str, timeout_s: float = 60) -> subprocess.CompletedProcess:
     """`scontrol ARGS`, SIGTERM ignored: a stop or a requeue signals the job's processes, scontrol among them. It starts
     with SIGTERM blocked (posix_spawn's mask; from any thread), until its shell ignores it (kept across exec): a second
-    SIGTERM (torchrun's, sent on) that came as it started ended it, and rank 0's start-up, asking, heard nothing. One
+    SIGTERM (torchrun's, sent on) that came as it started ended it, and what it was asked went unanswered. One
     that does not answer within `timeout_s` (slurmctld down) exits 1, saying so."""
     cmd = ["sh", "-c", 'trap "" TERM; exec "$@"', "sh", "scontrol", *args]
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:

@@ -260,10 +260,9 @@ def test_rank_0_takes_a_slurm_preemption_that_signalled_no_rank_as_a_stop_as_tra
 
 def test_scontrol_answers_while_sigterms_keep_coming_to_the_job(tmp_path):
     """A requeue, a stop and torchrun's signals sent on reach every process of the job, scontrol among them, often
-    twice: one that came as it started (its shell before `trap "" TERM`) ended it, and rank 0, asking SLURM in its
-    start-up whether the job was preempted, heard nothing (seen: 2 of 8 real preemptions there went unrequeued by
-    it). A process group that gets SIGTERM every half millisecond asks 50 times: each time it is answered (before:
-    1 of 50)."""
+    twice: one that came as it started (its shell before `trap "" TERM`) ended it, unanswered (seen: a rank's
+    `scontrol show job` in 2 of 8 real preemptions in its start-up, ended by SIGTERM, no output). A process group that
+    gets SIGTERM every half millisecond asks 50 times: each time it is answered (before: 1 of 50)."""
     stand_in_scontrol(tmp_path)[1].write_text("JobState=RUNNING")
     script = (
         "import os, signal, threading, time\nfrom ddp import requeue\n"

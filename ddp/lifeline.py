@@ -8,9 +8,10 @@ three, because the main thread may be blocked in C++.
   the grace, leaves at once (exit 1).
 - A stop signal: Python runs its handler only when the main thread is back in Python; it also wakes the watcher
   (signal.set_wakeup_fd): before training it ends the process at once (exit 1, nothing to save; Ctrl-C:
-  errors.INTERRUPTED's line, exit 130); in training the loop takes it at its next step boundary (exit 75), and when none
-  comes within the grace (a wait in a collective), the watcher ends the process (exit 1). After training, a launcher's
-  stop (as one rank dies) gives the process the grace to end by itself, its line said.
+  errors.INTERRUPTED's line, exit 130; SLURM's preemption: rank 0 requeues the job, exit 75); in training the loop
+  takes it at its next step boundary (exit 75), and when none comes within the grace (a wait in a collective), the
+  watcher ends the process (exit 1). After training, a launcher's stop (as one rank dies) gives the process the grace
+  to end by itself, its line said.
 - Deadlines: a wait that torch would let run past run.timeout_s (the store and the rendezvous) is ended by the watcher
   with one line that names what it waited for (exit 1); one inside torch that holds the interpreter's lock, where the
   watcher cannot run, by faulthandler's thread (distributed.backstop). They count time on `awake()`, which stands
@@ -38,9 +39,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from typing import Protocol
 
-from ddp import launchers, processes
+from ddp import launchers, processes, requeue
 from ddp.devices import World
-from ddp.errors import EXIT_FAILURE, EXIT_INTERRUPTED, INTERRUPTED
+from ddp.errors import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_STOPPED, INTERRUPTED
 
 GRACE_S = 5.0  # after a stop is asked for: how long past the slowest step the loop has to take it
 SLACK_S = 5.0  # how long a wait with a deadline of run.timeout_s may overrun it, torch's own timeout first
@@ -67,6 +68,7 @@ class _Watcher:
         self.who = f"rank {world.rank} of {world.world_size}" if world.grouped else "the run"
         self.stop_signals = set(stop_signals)  # other handled signals wake the watcher too (SIGCHLD: loader workers)
         self.launched = world.launcher != "none"  # a plain process may outlive its shell (nohup)
+        self.main, self.job = world.is_main, launchers.slurm_job()  # rank 0 requeues a job preempted in its start-up
         self.launchers = processes.launcher_processes(parent) if self.launched else []
         self.waits: dict[int, tuple[float, str]] = {}  # id -> (monotonic deadline, the line past it)
         self.stop_asked: tuple[float, str] | None = None  # (when, why) a stop was asked for in training
@@ -195,6 +197,8 @@ class _Watcher:
     def signalled(self, name: str) -> None:
         if _loop_stop is None and not _loop_ended and name == "SIGINT":  # Ctrl-C before training (torchrun's too)
             _leave(INTERRUPTED, code=EXIT_INTERRUPTED)
+        if _loop_stop is None and not _loop_ended and self.main and (said := requeue.in_start_up(self.job, name)):
+            _leave(f"{self.who}: {said}", code=EXIT_STOPPED)  # (SLURM's preemption: the job comes back)
         if _loop_stop is None and self.launched:  # the launcher stops its workers: it reports
             if not _loop_ended:  # before training: at once
                 os._exit(EXIT_FAILURE)
@@ -240,8 +244,7 @@ def awake() -> float:
 
 def stopped_lately(within_s: float) -> float:
     """How long this process was last stopped, if that stop ended within `within_s` (+ SLACK_S); else 0."""
-    watcher = _watcher
-    if watcher is None:
+    if (watcher := _watcher) is None:
         return 0.0
     watcher.looking()  # (the watcher may not have looked since the process was continued)
     while watcher.late is not None:  # a gap seen before its SIGCONT was noted (by another thread?): CONTINUED_S
@@ -254,8 +257,7 @@ def stopped_lately(within_s: float) -> float:
 def stopped_s() -> float:
     """The seconds this process has been stopped (SIGSTOP, a pause, SLURM's suspend) as the watcher saw them, to
     within _POLL_S / 2 each; 0 without a watcher (a plain process, a test)."""
-    watcher = _watcher
-    if watcher is None:
+    if (watcher := _watcher) is None:
         return 0.0
     watcher.looking()  # (the watcher may not have looked since the process was continued)
     return watcher.stopped_s
@@ -269,8 +271,7 @@ def pause_asked() -> bool:
 def launcher_held() -> bool:
     """Whether a launcher of this process is stopped (Ctrl-Z of a plain torchrun or accelerate launch, which do not
     pass it on to their ranks; a SIGSTOP), as the watcher last saw in training: the loop's flag (preemption.HOLD)."""
-    watcher = _watcher
-    return watcher is not None and watcher.held
+    return (watcher := _watcher) is not None and watcher.held
 
 
 @contextmanager
@@ -290,8 +291,7 @@ def safe_point(wait_s: float = 0.0) -> float | None:
     """From the main thread where no collective of this process is under way and none of another waits on it (a
     step boundary, or evaluation batch, every rank agreed to pause at): a pause asked for is taken here, or asked for
     within `wait_s` (this rank's SIGTSTP may be on its way); its seconds, None for none. Also progress (below)."""
-    watcher = _watcher
-    if watcher is None:
+    if (watcher := _watcher) is None:
         return None
     watcher.progressed = watcher.awake()
     until = time.monotonic() + wait_s

@@ -1,5 +1,5 @@
-"""SLURM's requeue of a job (`scontrol requeue`), asked by rank 0 after its stop checkpoint, and by slurm/train.sh for a
-job SLURM preempts before srun, or whose step a stop signal ended before any checkpoint: not one scancel ended.
+"""SLURM's requeue of a job (`scontrol requeue`), asked by rank 0 after its stop checkpoint or on a preemption before
+training, and by slurm/train.sh for a job SLURM preempts before srun, or whose step a stop ended before any checkpoint.
 Imports no torch: the batch shell's checks are a Python start and a scontrol call."""
 
 from __future__ import annotations
@@ -97,6 +97,21 @@ def before_step(job: str, stop_seen: str) -> str | None:
     came = f"{stop_seen} came for this shell" if stop_seen else f"SLURM chose the job for preemption at {when}"
     chosen = f"{came}, before its step (no rank to signal), so it does not start"
     return f"slurm/train.sh: {chosen}; {said}; {_how_it_goes_on(job, requeued)}"
+
+
+def in_start_up(job: str | None, signal_name: str) -> str | None:
+    """Rank 0's stop signal before training (lifeline), under SLURM: where SLURM chose the job for preemption (its
+    SIGTERM came while the ranks started, with nothing to save yet), the job is requeued, and the line that says so.
+    None for any other: a stop not SLURM's (scancel --signal, a step's end as a task failed) requeues nothing."""
+    if job is None:
+        return None
+    if "JobState" not in (fields := shown(job, timeout_s=10)):  # no answer (slurmctld busy with the preemption?):
+        fields = shown(job, timeout_s=10)  # asked once more, well within its grace
+    if (when := preempted(fields)) is None:
+        return None
+    requeued, said = ask(job, (fields.get("JobState", ""), fields.get("Reason", "")))
+    stopped = f"stopped on {signal_name} before training (SLURM's preemption at {when}): nothing to save yet"
+    return f"{stopped}; {said}; {_how_it_goes_on(job, requeued)}"
 
 
 def after_step(job: str, code: int, shell_signalled: bool) -> str | None:

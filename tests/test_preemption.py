@@ -277,6 +277,35 @@ def test_scontrol_answers_while_sigterms_keep_coming_to_the_job(tmp_path):
     assert run.returncode == 0 and run.stdout == f"{[0] * 50}\n", run
 
 
+def test_rank_0_stopped_in_its_start_up_requeues_a_job_slurm_preempted_and_no_other(tmp_path, monkeypatch):
+    """SLURM's preemption in the ranks' start-up (before the first step) ended the job FAILED, Restarts 0, where no
+    shell of ours requeues it (`srun python ddp/train.py`). Rank 0's stop signal there (lifeline) asks SLURM: a job it
+    chose is requeued; not one it did not choose (scancel --signal=TERM, srun's end of a step whose task failed: its
+    requeue would start a failing job again and again), one ever suspended, nor where scontrol says nothing, nor
+    outside SLURM (no call). (The real scontrol, and lifeline's call: test_slurm.py.)"""
+    calls, state, _ = stand_in_scontrol(tmp_path)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    chosen = "JobState=RUNNING Reason=None PreemptTime=2026-12-07T05:20:00 SuspendTime=None"
+    state.write_text(chosen)
+    assert requeue.in_start_up("9", "SIGTERM") == (
+        "stopped on SIGTERM before training (SLURM's preemption at 2026-12-07T05:20:00): nothing to save yet; "
+        "scontrol requeue 9: requeued; SLURM starts the job again, and it resumes from the out_dir's last checkpoint, "
+        "if any"
+    )
+    others = ["JobState=RUNNING Reason=None PreemptTime=None SuspendTime=None",
+              chosen.replace("SuspendTime=None", "SuspendTime=2026-12-07T05:19:00"), ""]  # fmt: skip
+    for shown in others:
+        state.write_text(shown)
+        assert requeue.in_start_up("9", "SIGTERM") is None, shown
+    assert requeue.in_start_up(None, "SIGTERM") is None
+    state.write_text(f"{chosen} NoRequeue=1")
+    assert requeue.in_start_up("9", "SIGUSR1").endswith("scontrol requeue 9: error: disabled for job 9; to go on, "
+                                                        "submit it again with this job's run.out_dir (slurm/train.sh "
+                                                        "gives a new job an out_dir of its own)")  # fmt: skip
+    asked = ["show job -o 9", "requeue 9", *["show job -o 9"] * 5, "requeue 9"]  # (no answer: asked twice)
+    assert calls.read_text().splitlines() == asked
+
+
 def test_a_stopped_run_says_how_it_resumes_and_under_slurm_names_its_out_dir():
     """The same command resumes a run in its out_dir; but `sbatch slurm/train.sh ARGS` again is a new job, which
     wrote to runs/slurm-<its id>, and started afresh: a job SLURM did not requeue (scancel ended it, or the requeue

@@ -315,11 +315,12 @@ def test_a_job_preempted_by_an_urgent_one_saves_requeues_itself_and_ends_as_one_
 
 
 @pytest.mark.parametrize("stop", ["preemption", "batch shell"])
-def test_a_job_stopped_before_training_is_requeued_by_its_batch_shell_and_runs_again_to_its_end(slurm, tmp_path, stop):
+def test_a_job_stopped_before_training_is_requeued_and_runs_again_to_its_end(slurm, tmp_path, stop):
     """SLURM's preemption signals the job's steps, not its batch shell. One that came in a job's start-up (the
     agent's, the rendezvous, a rank's before its first step) ended the step, exit 143, with no rank to save or
-    requeue: the job ended FAILED, Restarts 0, its log ending in srun's "task 0: Exited with exit code 143".
-    slurm/train.sh requeues it now, and says so; also a stop it got itself and sent on (scancel -b, --signal=B:TERM).
+    requeue: the job ended FAILED, Restarts 0, its log ending in srun's "task 0: Exited with exit code 143". Rank 0
+    requeues a job SLURM chose (the shell, seeing the requeue, says nothing more); slurm/train.sh requeues one stopped
+    by a stop it got itself and sent on (scancel -b, --signal=B:TERM), which rank 0 does not take for SLURM's.
     Rank 0 waits before its first step for the stop signal (DDP_CIFAR_FAULT=wait:0)."""
     job, out = held_job(slurm, tmp_path, 0, *TINY)
     if stop == "preemption":
@@ -331,9 +332,15 @@ def test_a_job_stopped_before_training_is_requeued_by_its_batch_shell_and_runs_a
     others = wait_until_done(slurm, urgent, 30) if stop == "preemption" else "COMPLETED"
     ended = (state, job_field(slurm, job, "Restarts"), others)
     assert ended == ("COMPLETED", "1", "COMPLETED"), (ended, log[-3000:])
-    said = (f"slurm/train.sh: the job's step ended on SIGTERM (exit 143) and no rank requeued it (a stop before "
-            f"training); scontrol requeue {job}: requeued; SLURM starts the job again")  # fmt: skip
-    assert said in log and "stopping on" not in log and "resumed from" not in log, log[-3000:]  # (nothing to resume)
+    shell = (f"slurm/train.sh: the job's step ended on SIGTERM (exit 143) and no rank requeued it (a stop before "
+             f"training); scontrol requeue {job}: requeued; SLURM starts the job again")  # fmt: skip
+    rank_0 = (r"^rank 0 of 2: stopped on SIGTERM before training \(SLURM's preemption at \S+\): nothing to save yet; "
+              f"scontrol requeue {job}: requeued; SLURM starts the job again")  # fmt: skip
+    if stop == "preemption":
+        assert re.search(rank_0, log, re.M) and "slurm/train.sh: the job's step" not in log, log[-3000:]
+    else:
+        assert shell in log and "before training (SLURM's preemption" not in log, log[-3000:]
+    assert "stopping on" not in log and "resumed from" not in log, log[-3000:]  # (nothing to resume)
     assert len(metrics(out)) == 2, log[-3000:]
 
 
@@ -361,35 +368,45 @@ def test_a_job_stopped_before_its_step_is_requeued_at_once_and_runs_again_to_its
     assert log.count("+ srun ") == 1 and len(metrics(out)) == 2, log[-3000:]  # one step: the job's second start
 
 
-def test_a_batch_script_of_ones_own_preempted_in_its_set_up_stops_with_its_checkpoint_and_resumes(slurm, tmp_path):
+@pytest.mark.parametrize("when", ["set-up", "start-up"])
+def test_a_batch_script_of_ones_own_preempted_before_training_is_requeued_and_runs_to_its_end(slurm, tmp_path, when):
     """A user's own batch script, `srun python ddp/train.py` after its set-up (modules, an environment; here a wait
     for the test): SLURM's preemption in the set-up signalled no rank, and the job trained on through its GraceTime,
     until SLURM killed it (a short one ran to its end, Restarts 0). Rank 0 asks SLURM as training starts: the job stops
-    at its next step boundary with its checkpoint, requeues itself and resumes from it to its end."""
+    at its next step boundary with its checkpoint, requeues itself and resumes from it to its end. Its SIGTERM in the
+    ranks' start-up (rank 0 waits before its first step: DDP_CIFAR_FAULT=wait:0) ended the job FAILED, Restarts 0, no
+    shell of ours there to requeue it: rank 0 requeues it then, and it runs again from the start."""
     out, waiting, go = tmp_path / "run", tmp_path / "waiting", tmp_path / "go"
     train = shlex.join(["srun", "python", str(TRAIN), *TINY, f"run.out_dir={out}"])
-    (script := tmp_path / "own.sh").write_text(
-        f"#!/bin/bash\n#SBATCH --requeue\n#SBATCH --open-mode=append\nset -e\n"
+    set_up = (
         f'[ "${{SLURM_RESTART_COUNT:-0}}" != 0 ] || {{ touch {waiting}; while [ ! -e {go} ]; do sleep 0.1; done; }}\n'
-        f"{train}\n"
+    )
+    (script := tmp_path / "own.sh").write_text(
+        f"#!/bin/bash\n#SBATCH --requeue\n#SBATCH --open-mode=append\nset -e\n{set_up * (when == 'set-up')}{train}\n"
     )
     sbatch = ["sbatch", "--parsable", "--ntasks=1", f"--output={tmp_path}/log-%j.out", str(script)]
-    job = ok(subprocess.run(sbatch, cwd=REPO, env=slurm, capture_output=True, text=True)).stdout.strip()
-    deadline = time.monotonic() + 60
-    while not waiting.exists():
+    env = slurm if when == "set-up" else {**slurm, "DDP_CIFAR_FAULT": "wait:0"}
+    job = ok(subprocess.run(sbatch, cwd=REPO, env=env, capture_output=True, text=True)).stdout.strip()
+    deadline, held = time.monotonic() + 60, waiting if when == "set-up" else rundir.fault_marker(out, "wait", 0)
+    while not held.exists():
         assert time.monotonic() < deadline, job_field(slurm, job, "JobState")
         time.sleep(0.05)
     urgent = preempt(slurm, tmp_path)
-    while job_field(slurm, job, "PreemptTime") == "None":  # SLURM chose the job: its SIGTERM went to no step
+    while when == "set-up" and job_field(slurm, job, "PreemptTime") == "None":  # chosen: its SIGTERM went to no step
         assert time.monotonic() < deadline, job_field(slurm, job, "JobState")
         time.sleep(0.05)
     go.touch()
     state = wait_until_done(slurm, job, timeout=180)
     log = (tmp_path / f"log-{job}.out").read_text()
     ended = (state, job_field(slurm, job, "Restarts"), wait_until_done(slurm, urgent, 30))
-    assert ended == ("COMPLETED", "1", "COMPLETED"), (ended, log[-3000:])
-    said = "stopping on SLURM's preemption at "
-    assert said in log and f"scontrol requeue {job}: requeued" in log and "resumed from" in log, log[-3000:]
+    assert ended == ("COMPLETED", "1", "COMPLETED"), (ended, job_field(slurm, job, "PreemptTime"), log[-3000:])
+    if when == "set-up":
+        said = "stopping on SLURM's preemption at "
+        assert said in log and f"scontrol requeue {job}: requeued" in log and "resumed from" in log, log[-3000:]
+    else:
+        said = (r"^the run: stopped on SIGTERM before training \(SLURM's preemption at \S+\): nothing to save yet; "
+                f"scontrol requeue {job}: requeued; SLURM starts the job again")  # fmt: skip
+        assert re.search(said, log, re.M) and "stopping on" not in log and "resumed from" not in log, log[-3000:]
     assert [m["epoch"] for m in metrics(out)] == [1, 2], log[-3000:]
 
 

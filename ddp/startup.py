@@ -5,6 +5,7 @@ instead (quiet_startup), said by one process per machine. No torch here: it runs
 from __future__ import annotations
 
 import os
+import re
 import signal
 import sys
 from collections.abc import Mapping
@@ -15,15 +16,46 @@ from ddp.processes import first_for_the_oom_killer
 
 SCRIPTS = {"ddp-train": "ddp.train"}  # pyproject.toml's console scripts: the module each imports as its command
 DEBUG_LEVELS = ("OFF", "INFO", "DETAIL")  # TORCH_DISTRIBUTED_DEBUG's, in any case (torch's own reading of it)
+ALLOC_CONF = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")  # the caching allocator's settings (and the newer name)
+ALLOC_CONF_EXAMPLE = "e.g. expandable_segments:True,max_split_size_mb:128"
 
 
 def torch_environment_refused(env: Mapping[str, str] = os.environ) -> str | None:
-    """The line for an environment variable that torch's import itself refuses, in a traceback; None for none:
-    TORCH_DISTRIBUTED_DEBUG other than OFF, INFO or DETAIL ("" too, as `export TORCH_DISTRIBUTED_DEBUG=` leaves it),
-    read as torch.distributed loads, which `import torch` does."""
+    """The line for an environment variable that torch's import itself refuses, in a traceback or an abort; None for
+    none: TORCH_DISTRIBUTED_DEBUG other than OFF, INFO or DETAIL ("" too, as `export TORCH_DISTRIBUTED_DEBUG=` leaves
+    it), read as torch.distributed loads, which `import torch` does; an allocator setting torch cannot split into
+    options (allocator_conf_broken)."""
     level = env.get("TORCH_DISTRIBUTED_DEBUG")
     if level is not None and level.upper() not in DEBUG_LEVELS:
         return f"error: TORCH_DISTRIBUTED_DEBUG={level!r}: torch takes {', '.join(DEBUG_LEVELS)}; set one, or unset it"
+    for name in ALLOC_CONF:
+        if name in env and (why := allocator_conf_broken(env[name])):
+            why += f"; torch takes comma-separated key:value options ({ALLOC_CONF_EXAMPLE})"
+            return f"error: {name}={env[name]!r}: {why}; a CUDA torch aborts on it as it loads: fix it, or unset it"
+    return None
+
+
+def allocator_conf_broken(value: str) -> str | None:
+    """Why torch's tokenizer of PYTORCH_CUDA_ALLOC_CONF (and PYTORCH_ALLOC_CONF) runs out of `value`, None where it
+    does not: a CUDA build of torch (2.14.1 here) reads it as libc10_cuda.so loads, in `import torch`, on a CPU too,
+    and an option without its value (`garbage`, `max_split_size_mb=128`, `a:b c:d` with a space for the comma: read
+    as `a:bc`, then `:d` without a key) ended the process in a C++ abort, exit 134, 40 frames under "INTERNAL ASSERT
+    FAILED ... please report a bug to PyTorch". The tokens are torch's (`,` `:` `[` `]` each one, whitespace
+    dropped); each option is a key, a separator, then a value or a `[...]` list, then one token between options. The
+    keys and values themselves are torch's to check, at its first CUDA use."""
+    tokens = re.findall(r"[,:\[\]]|[^,:\[\]]+", re.sub(r"[ \t\n\v\f\r]+", "", value))
+    i = 0
+    while i < len(tokens):
+        key = tokens[i]
+        if i + 2 >= len(tokens):  # (a space between two letters: two words made one)
+            spaces = " (torch drops spaces: commas part options)" * bool(re.search(r"[^,:\[\]\s]\s+[^,:\[\]\s]", value))
+            return f"option {key!r} has no value after it{spaces}"
+        i += 2
+        if tokens[i] == "[":
+            if "]" not in tokens[i:]:
+                return f"option {key!r} opens a list with '[' and no ']' closes it"
+            i += tokens[i:].index("]")
+        i += 2  # the value, then the token between options
     return None
 
 

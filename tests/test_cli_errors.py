@@ -493,6 +493,75 @@ def test_a_debug_level_that_torchs_import_refuses_is_one_line_before_it(command)
     assert_usage_error(proc, "TORCH_DISTRIBUTED_DEBUG='': torch takes OFF, INFO, DETAIL; set one, or unset it")
 
 
+# PYTORCH_CUDA_ALLOC_CONF values: whether ddp-cifar refuses each, which is whether a CUDA torch's load aborted on it
+# (torch 2.14.1: libc10_cuda.so's load, in `import torch`, on a CPU too; test_..._as_torchs_load_does checks it)
+ALLOC_CONFS = {
+    "": False,
+    "expandable_segments:True": False,
+    "expandable_segments:True,max_split_size_mb:128": False,
+    " expandable_segments : True , max_split_size_mb:128 ,": False,  # (spaces dropped; a comma at the end)
+    "roundup_power2_divisions:[256:1,512:2,>:1],backend:native": False,
+    ",expandable_segments:True": False,  # `export PYTORCH_CUDA_ALLOC_CONF="$PYTORCH_CUDA_ALLOC_CONF,..."`, unset before
+    "expandable_segments:yes": False,  # a value torch checks at its first CUDA use, not as it loads
+    "garbage": True,
+    "max_split_size_mb": True,
+    "max_split_size_mb:": True,
+    "max_split_size_mb=128": True,
+    "expandable_segments:True max_split_size_mb:128": True,  # a space for the comma
+    "expandable_segments:True;max_split_size_mb:128": True,
+    "max_split_size_mb:128:3": True,
+    ",": True,
+    "expandable_segments:True,,": True,
+    "roundup_power2_divisions:[256:1,512:2": True,
+    "[expandable_segments:True]": True,
+}
+
+
+def test_an_allocator_setting_torch_cannot_split_into_options_is_refused_and_no_other():
+    from ddp.startup import allocator_conf_broken
+
+    assert {value: allocator_conf_broken(value) is not None for value in ALLOC_CONFS} == ALLOC_CONFS
+    assert allocator_conf_broken("max_split_size_mb=128") == "option 'max_split_size_mb=128' has no value after it"
+    assert "(torch drops spaces: commas part options)" in allocator_conf_broken("expandable_segments:True a:b")
+    unclosed = allocator_conf_broken("roundup_power2_divisions:[1")
+    assert unclosed == "option 'roundup_power2_divisions' opens a list with '[' and no ']' closes it"
+
+
+def test_the_allocator_settings_refused_are_the_ones_a_cuda_torchs_load_aborts_on_as_torchs_load_does():
+    """Each of ALLOC_CONFS in this torch itself: its libc10_cuda.so loaded (what `import torch` does first, 0.05 s
+    instead of 2), under each of the two names; refused where it aborted (SIGABRT), and nowhere else."""
+    lib = Path(torch.__file__).parent / "lib"
+    if not (lib / "libc10_cuda.so").is_file():
+        pytest.skip(f"this torch {torch.__version__} is a CPU build: no libc10_cuda.so, whose load reads the setting")
+    c10, c10_cuda = str(lib / "libc10.so"), str(lib / "libc10_cuda.so")
+    load = f"import ctypes; ctypes.CDLL({c10!r}, ctypes.RTLD_GLOBAL); ctypes.CDLL({c10_cuda!r})"
+    aborted = {}
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        procs = {value: subprocess.Popen([sys.executable, "-c", load], env=clean_env(**{name: value}),
+                                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                 for value in ALLOC_CONFS}  # fmt: skip
+        for value, proc in procs.items():
+            err = proc.communicate(timeout=60)[1].decode()
+            assert proc.returncode in (0, -signal.SIGABRT), (name, value, proc.returncode, err)
+            aborted[value] = proc.returncode == -signal.SIGABRT
+        if not aborted["garbage"]:
+            pytest.skip(f"torch {torch.__version__} reads {name} at its first CUDA use, not as it loads")
+        assert aborted == ALLOC_CONFS, name
+
+
+def test_an_allocator_setting_that_aborts_torchs_load_is_one_line_before_it_in_every_command():
+    """`PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb=128` (an `=` for the `:`): a CUDA torch aborted in `import torch`,
+    on a CPU too, 40 C++ frames under "INTERNAL ASSERT FAILED ... please report a bug to PyTorch", exit 134."""
+    names = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+    procs = [subprocess.Popen([sys.executable, *command, "--help"], cwd=REPO, env=clean_env(**{names[i % 2]: "a=b"}),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i, command in enumerate(SCRIPTS)]  # fmt: skip
+    for i, (command, proc) in enumerate(zip(SCRIPTS, procs)):
+        proc.stdout, proc.stderr = proc.communicate(timeout=60)
+        assert f"{names[i % 2]}='a=b': option 'a=b' has no value after it" in proc.stderr, command
+        assert_usage_error(proc, "; torch takes comma-separated key:value options (e.g. ", "fix it, or unset it")
+
+
 def test_a_compile_cache_that_cannot_be_made_is_one_line(tmp_path):
     """TORCHINDUCTOR_CACHE_DIR that cannot be made (a file there; a scratch disk this machine lacks): torch makes it
     as torch._dynamo loads, which every run does, and every rank ended in a FileNotFoundError's traceback."""

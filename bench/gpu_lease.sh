@@ -2,10 +2,11 @@
 # One device call of GPU work whose results come back even when the call runs out of time:
 #   bash bench/gpu_lease.sh [--dry-run] [SECONDS]
 # runs `bash bench/gpu_check.sh $CHECK_STEPS` (default: none; `fast airbench` until 2026-11-27, whose figures are
-# in), then `bash bench/gpu_probe.sh $PROBES` (default: mfu fast-muon ddp-runs, what issue 33 still needs: MFU at
-# the best batches on whichever GPU is lent (an H200's memory is faster than the H100's whose kernels capped it),
-# fast.yaml with Muon for its filters (seeds 0-2: its recording, epochs and accuracy on a GPU), then fast.yaml end
-# to end in one process and under torchrun DDP at world size 1; until 2026-11-28: capture pairs;
+# in), then `bash bench/gpu_probe.sh $PROBES` (default: mfu fast-muon ddp-runs alloc-conf, what issue 33 still
+# needs: MFU at the best batches on whichever GPU is lent (an H200's memory is faster than the H100's whose kernels
+# capped it), fast.yaml with Muon for its filters (seeds 0-2: its recording, epochs and accuracy on a GPU), then
+# fast.yaml end to end in one process and under torchrun DDP at world size 1; last, in what time is left, what a
+# run says of allocator settings torch checks at its first CUDA use; until 2026-11-28: capture pairs;
 # until 2026-11-27-b: pairs graphs-split steps recipe-steps); graphs-split runs its pair alone unless GRAPHS_SPLIT
 # names its parts; an mfu probe runs at MFU_MODES=default MFU_MODELS="fast:8192 resnet18:4096" unless set (on an
 # H100 max-autotune-no-cudagraphs added 1.7-2.8% to resnet18's images/s for 252 s of compile); none with
@@ -28,7 +29,7 @@ budget=${1:-540}
 every=${GPU_LEASE_PACK_S:-20}
 [[ $every =~ ^[1-9][0-9]*$ ]] || { echo "gpu_lease.sh: GPU_LEASE_PACK_S must be a whole number >= 1, not '$every'" >&2; exit 64; }
 check=${CHECK_STEPS-}
-probes=${PROBES-mfu fast-muon ddp-runs}
+probes=${PROBES-mfu fast-muon ddp-runs alloc-conf}
 export MFU_MODES="${MFU_MODES-default}" MFU_MODELS="${MFU_MODELS-fast:8192 resnet18:4096}"
 export GRAPHS_SPLIT="${GRAPHS_SPLIT-pair}"  # the fused A/B and the MFU split were measured; the pair's profile not yet
 [ -z "$probes" ] || bash bench/gpu_probe.sh --check $probes || exit 64  # a typo found now, not after the check

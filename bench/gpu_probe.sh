@@ -46,16 +46,20 @@
 #          (2026-11-28: recorded -8.9% and +0.6%, eager +19% and +32%); ddp-runs/ddp-runs.md; at most 300 s
 # Each run's epoch lines (and profile tables) go to $OUT/probe-<step>.log; the fast-* runs' metrics.jsonl
 # to $OUT/<run>/.
+#   alloc-conf   PYTORCH_CUDA_ALLOC_CONF values that torch's load takes and its first CUDA use may not (ALLOC_CONFS,
+#          space-separated; default: a good one, then a bad value, key and range each): what a run of ours on the GPU
+#          (ALLOC_CONF_DEVICE, default cuda) says and exits with; alloc-conf.md (a malformed one is refused before
+#          torch's import: ddp/startup.py; what torch says of these is not yet seen, 2026-12-07)
 #   fsdp   FSDP2 at one rank took 4.1x DDP's step (resnet18, batch 256, bf16, 2026-11-25): the same with
 #          --amp off (bf16 shards each BatchNorm on its own: 27 FSDP2 units instead of 8)
 #   bash bench/gpu_probe.sh [ddp] [tune] [mfu] [graphs] [fast-graphs] [fast-seeds] [fast-muon] [fast-fp16]
-#          [graphs-split] [recipe-steps] [overhead] [steps] [pairs] [capture] [ddp-runs] [fsdp]
+#          [graphs-split] [recipe-steps] [overhead] [steps] [pairs] [capture] [ddp-runs] [alloc-conf] [fsdp]
 # Exit status: 1 if a probe (or one run of it) failed, named in the last line.
 #   bash bench/gpu_probe.sh --check PROBES...   the names and MFU_MODES / MFU_MODELS checked, nothing run: one
 #          line and exit 64 for a bad one (gpu_lease.sh asks first, so a typo costs no device time)
 set -uo pipefail
 cd "$(dirname "$0")/.."
-probes=" ddp tune mfu graphs fast-graphs fast-seeds fast-muon fast-fp16 graphs-split recipe-steps overhead steps pairs capture ddp-runs fsdp "
+probes=" ddp tune mfu graphs fast-graphs fast-seeds fast-muon fast-fp16 graphs-split recipe-steps overhead steps pairs capture ddp-runs alloc-conf fsdp "
 modes=" default reduce-overhead max-autotune max-autotune-no-cudagraphs "  # torch.compile's (run.compile_mode)
 bad() { echo "gpu_probe.sh: $*" >&2; exit 64; }
 for s in ${*#--check}; do [[ $probes == *" $s "* ]] || bad "no probe '$s' (the probes: $(echo $probes))"; done
@@ -218,6 +222,25 @@ open(sys.argv[1] + ".json", "w").write(json.dumps(rows, indent=1))
 open(sys.argv[1] + ".md", "w").write("\n".join(report.ddp(rows)) + "\n")' "$out/ddp-overhead" \
           >"$out/probe-overhead.log" 2>&1 || failed+=" overhead"
         cat "$out/ddp-overhead.md" >>"$out/probe-overhead.log" 2>/dev/null
+        ;;
+      alloc-conf)
+        confs=${ALLOC_CONFS:-expandable_segments:True expandable_segments:yes max_split_size_mb:abc max_split_size_mb:1 \
+garbage_collection_threshold:2 backend:nonesuch no_such_key:1}
+        { echo "| PYTORCH_CUDA_ALLOC_CONF | exit | first error line, or the last line |"; echo "| --- | ---: | --- |"; } \
+          >"$out/alloc-conf.md"
+        for conf in $confs; do
+          rm -rf "$out/alloc-conf-run"
+          PYTORCH_CUDA_ALLOC_CONF=$conf timeout -k 5 120 python3 ddp/train.py "run.device=${ALLOC_CONF_DEVICE:-cuda}" \
+            model.name=small data.dataset=synthetic data.synthetic_train=256 data.synthetic_test=64 train.epochs=1 \
+            train.batch_size=64 run.resume=never run.progress=false "run.out_dir=$out/alloc-conf-run" \
+            >"$out/alloc-conf-run.log" 2>&1
+          code=$?
+          said=$(grep -m1 -iE "error" "$out/alloc-conf-run.log" || tail -n1 "$out/alloc-conf-run.log")
+          echo "| \`$conf\` | $code | ${said//|/\\|} |" | cut -c1-400 >>"$out/alloc-conf.md"
+          { echo "== PYTORCH_CUDA_ALLOC_CONF=$conf: exit $code"; tail -n 30 "$out/alloc-conf-run.log"; } >>"$out/probe-alloc-conf.log"
+        done
+        rm -rf "$out/alloc-conf-run.log" "$out/alloc-conf-run"
+        cat "$out/alloc-conf.md" >>"$out/probe-alloc-conf.log"
         ;;
       fsdp)
         for amp in auto off; do

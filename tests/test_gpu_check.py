@@ -146,7 +146,7 @@ def test_a_gpu_lease_run_to_its_end_packs_the_summary_and_refuses_bad_values_in_
            ((), {"GPU_LEASE_DIR": str(tmp_path / "out")}, "did not write: name a new or empty folder"),
            ((), {"PROBES": "mfu nope"}, "no probe 'nope' (the probes: ddp tune mfu graphs fast-graphs fast-seeds "
                                         "fast-muon fast-fp16 graphs-split recipe-steps overhead steps pairs capture "
-                                        "ddp-runs fsdp)"),
+                                        "ddp-runs alloc-conf fsdp)"),
            ((), {"PROBES": "mfu", "MFU_MODES": "fast"}, "MFU_MODES: 'fast' is no run.compile_mode (one of: default "
                                                         "reduce-overhead max-autotune max-autotune-no-cudagraphs)"),
            ((), {"PROBES": "mfu", "MFU_MODELS": "fast:0"}, "MFU_MODELS: 'fast:0' is not MODEL:BATCH (fast:8192, say)"),
@@ -168,6 +168,19 @@ def test_a_gpu_lease_run_to_its_end_packs_the_summary_and_refuses_bad_values_in_
     said = (tmp_path / "probe" / "probe-mfu.log").read_text()
     assert unknown.returncode == 1 and unknown.stderr.decode().strip().endswith("gpu_probe.sh: failed: mfu")
     assert said.startswith("gpu_probe.sh mfu: MFU_MODELS names ['nonet'], not models (the models:")
+
+
+def test_the_alloc_conf_probe_tables_what_a_run_says_of_each_setting(tmp_path):
+    """bench/gpu_probe.sh alloc-conf on this CPU (ALLOC_CONF_DEVICE=cpu): a good setting trains, a malformed one is
+    ddp-cifar's line and exit 2; on a GPU the same table shows what torch says at its first CUDA use."""
+    path = f"{Path(sys.executable).parent}:{os.environ['PATH']}"  # python3: this environment's, with torch
+    env = clean_env(OUT=str(tmp_path), ALLOC_CONF_DEVICE="cpu", ALLOC_CONFS="expandable_segments:True a=b", PATH=path)
+    proc = subprocess.run(["bash", "bench/gpu_probe.sh", "alloc-conf"], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = (tmp_path / "alloc-conf.md").read_text().splitlines()[2:]
+    assert len(rows) == 2 and rows[0].startswith("| `expandable_segments:True` | 0 | epoch 1/1 "), rows
+    assert rows[1].startswith("| `a=b` | 2 | error: PYTORCH_CUDA_ALLOC_CONF='a=b': option 'a=b' has no value"), rows
 
 
 AIRBENCH_PRINTED = """\

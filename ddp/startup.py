@@ -8,7 +8,10 @@ import os
 import re
 import signal
 import sys
+import traceback
 from collections.abc import Mapping
+from difflib import get_close_matches
+from types import TracebackType
 
 from ddp.errors import EXIT_USAGE, INTERRUPTED, interrupted, remember_interrupts, standard_streams
 from ddp.launchers import launched, speaks_for_its_machine
@@ -59,6 +62,28 @@ def allocator_conf_broken(value: str) -> str | None:
     return None
 
 
+def torch_logs_refused(error: BaseException, tb: object) -> tuple[int, str] | None:
+    """(exit code, line) for the ValueError that `import torch` raised on TORCH_LOGS (torch._logging reads it as
+    torch loads), None for any other error. A name torch does not know (`TORCH_LOGS=recompile`, for recompiles) was
+    a traceback above a list of every valid name, in every command and rank: now that name, the closest valid one
+    (from torch's own list) and exit 2; TORCH_LOGS=help (or +help), which torch answers so, its text and exit 0."""
+    ours = isinstance(error, ValueError) and isinstance(tb, TracebackType) and "TORCH_LOGS" in os.environ
+    frames = traceback.extract_tb(tb) if ours else []
+    if not any(f.filename.replace(os.sep, "/").endswith("torch/_logging/_internal.py") for f in frames):
+        return None
+    setting, text = os.environ.get("TORCH_LOGS", ""), str(error).strip()
+    if setting.strip() in ("help", "+help"):
+        return 0, text
+    listed = re.search(r"^Valid settings:\s*(.+)", text, re.M | re.S)
+    valid = [name.strip() for name in listed[1].split(",")] if listed else []
+    parts = [part.strip().lstrip("+-") for part in setting.split(",")]
+    unknown = [part for part in parts if part and part not in valid and "." not in part]  # (a.b: a module's logger)
+    close = {part: "".join(f" (did you mean {c!r}?)" for c in get_close_matches(part, valid, 1)) for part in unknown}
+    said = "; ".join(f"not {part!r}{close[part]}" for part in unknown) or "its import refused it as it stands"
+    takes = "comma-separated log and artifact names, each with an optional + or -, or module names"
+    return EXIT_USAGE, f"error: TORCH_LOGS={setting!r}: torch takes {takes}; {said}; TORCH_LOGS=help lists them"
+
+
 def is_the_command(module: str) -> bool:
     """Whether `module` (its __name__) is this process's command: run as one (python ddp/train.py, python -m ddp.x:
     "__main__"), or imported by its console script (ddp-train, "python ddp/train.py under another name", whose
@@ -90,6 +115,10 @@ def quiet_startup(module: str) -> None:
         # an error after a Ctrl-C that an import swallowed is the Ctrl-C's: numpy's module left half made by it, then
         # "ImportError: cannot load module more than once per process" (a rank under torchrun, Ctrl-C in its imports)
         ctrl_c = issubclass(kind, KeyboardInterrupt) or interrupted()
+        if not ctrl_c and (logs := torch_logs_refused(value, tb)):  # TORCH_LOGS=help too: torch's list, no traceback
+            if speaks_for_its_machine():
+                print(logs[1], file=sys.stderr if logs[0] else sys.stdout, flush=True)
+            os._exit(logs[0])
         if not ctrl_c and (not missing or missing.split(".")[0] == "ddp"):
             return previous(kind, value, tb)
         if speaks_for_its_machine():

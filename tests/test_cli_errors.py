@@ -562,6 +562,29 @@ def test_an_allocator_setting_that_aborts_torchs_load_is_one_line_before_it_in_e
         assert_usage_error(proc, "; torch takes comma-separated key:value options (e.g. ", "fix it, or unset it")
 
 
+def test_a_torch_logs_name_torch_does_not_know_is_one_line_with_the_closest_and_help_is_torchs_list():
+    """TORCH_LOGS=recompile (for recompiles), as one debugging torch.compile types it: `import torch` raised a
+    ValueError, a traceback over a list of every valid name, in every command and rank. torch's own import here."""
+    runs = {  # TORCH_LOGS: the command
+        "recompile,+dynamo,torch._dynamo,nonesuch": [str(TRAIN), "--help"],
+        "graph_break": [str(REPO / "ddp" / "torchrun.py"), "--help"],
+        "help": [str(TRAIN), "--help"],
+    }
+    procs = {logs: subprocess.Popen([sys.executable, *command], cwd=REPO, env=clean_env(TORCH_LOGS=logs),
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for logs, command in runs.items()}  # fmt: skip
+    for proc in procs.values():
+        proc.stdout, proc.stderr = proc.communicate(timeout=120)
+    assert_usage_error(procs["recompile,+dynamo,torch._dynamo,nonesuch"], "TORCH_LOGS='recompile,+dynamo,torch._dynamo,"
+                       "nonesuch': torch takes comma-separated log and artifact names, each with an optional + or -, "
+                       "or module names; not 'recompile' (did you mean 'recompiles'?); not 'nonesuch'; TORCH_LOGS=help "
+                       "lists them")  # fmt: skip
+    assert_usage_error(procs["graph_break"], "; not 'graph_break' (did you mean 'graph_breaks'?);")
+    listed = procs["help"]
+    assert listed.returncode == 0 and "Traceback" not in listed.stderr + listed.stdout, listed.stderr
+    assert "TORCH_LOGS" in listed.stdout and "recompiles" in listed.stdout and "usage:" not in listed.stdout
+
+
 def test_a_compile_cache_that_cannot_be_made_is_one_line(tmp_path):
     """TORCHINDUCTOR_CACHE_DIR that cannot be made (a file there; a scratch disk this machine lacks): torch makes it
     as torch._dynamo loads, which every run does, and every rank ended in a FileNotFoundError's traceback."""

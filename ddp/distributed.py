@@ -24,7 +24,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
-from ddp import fsdp, launchers, lifeline, lost_rank, network
+from ddp import fsdp, launchers, lifeline, lost_rank, network, startup
 from ddp.config import DdpConfig
 from ddp.devices import World
 from ddp.errors import UsageError, WriteFailed
@@ -62,7 +62,12 @@ def setup(world: World, timeout_s: float) -> Iterator[World]:
     # torch._dynamo, imported before any process group exists. Imported later (the optimizer imports it on first
     # use) it keeps that group alive past destroy_process_group; its gloo threads then race the interpreter's exit
     # and abort it (SIGABRT: 3 of 120 two-rank runs; tests/test_ddp.py). Not at the top: a usage error skips its 1 s.
-    importlib.import_module("torch._dynamo")  # (an `import torch._dynamo` here would make torch local)
+    try:
+        importlib.import_module("torch._dynamo")  # (an `import torch._dynamo` here would make torch local)
+    except (ValueError, TypeError) as e:  # a setting of torch's in the environment it cannot read (TORCH_COMPILE_DEBUG)
+        if refused := startup.torch_variable_refused(e):
+            raise UsageError(refused) from None
+        raise
     store = None
     try:
         if world.grouped:

@@ -4,6 +4,7 @@ instead (quiet_startup), said by one process per machine. No torch here: it runs
 
 from __future__ import annotations
 
+import linecache
 import os
 import re
 import signal
@@ -82,6 +83,24 @@ def torch_logs_refused(error: BaseException, tb: object) -> tuple[int, str] | No
     said = "; ".join(f"not {part!r}{close[part]}" for part in unknown) or "its import refused it as it stands"
     takes = "comma-separated log and artifact names, each with an optional + or -, or module names"
     return EXIT_USAGE, f"error: TORCH_LOGS={setting!r}: torch takes {takes}; {said}; TORCH_LOGS=help lists them"
+
+
+def torch_variable_refused(error: BaseException) -> str | None:
+    """The line for an environment variable that a module of torch's settings (torch/_inductor/config.py, ...) could
+    not read as it loaded, raising `error`: the variable set here that its line names (`int(os.environ.get(
+    "TORCHINDUCTOR_COMPILE_THREADS"...))`, TORCH_COMPILE_DEBUG=true: a ValueError's traceback in every rank's
+    import of torch._dynamo); None for any other error."""
+    frames = traceback.extract_tb(error.__traceback__) if isinstance(error, (ValueError, TypeError)) else []
+    last = frames[-1] if frames else None
+    if last is None or not re.search(r"[/\\]torch[/\\].*config\w*\.py$", last.filename):
+        return None
+    end = getattr(last, "end_lineno", None) or last.lineno or 0  # a statement of several lines: all of them
+    source = "".join(linecache.getline(last.filename, n) for n in range(last.lineno or 0, end + 1))
+    named = [name for name in re.findall(r"[\"']([A-Z][A-Z0-9_]+)[\"']", source) if name in os.environ]
+    if not named:
+        return None
+    why = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return f"{named[0]}={os.environ[named[0]]!r}: torch cannot read it as it loads ({why}); fix it, or unset it"
 
 
 def is_the_command(module: str) -> bool:

@@ -585,6 +585,24 @@ def test_a_torch_logs_name_torch_does_not_know_is_one_line_with_the_closest_and_
     assert "TORCH_LOGS" in listed.stdout and "recompiles" in listed.stdout and "usage:" not in listed.stdout
 
 
+def test_a_setting_of_torchs_that_its_config_cannot_read_is_one_line(tmp_path):
+    """TORCH_COMPILE_DEBUG=true (torch reads a number: 1), TORCHINDUCTOR_COMPILE_THREADS=abc: torch/_inductor/config.py
+    raised a ValueError as torch._dynamo loaded, which every run does (distributed.setup), in every rank."""
+    from ddp.startup import torch_variable_refused
+
+    runs = {"TORCH_COMPILE_DEBUG": "true", "TORCHINDUCTOR_COMPILE_THREADS": "abc"}
+    procs = {name: subprocess.Popen([sys.executable, str(TRAIN), *TINY, f"run.out_dir={tmp_path / name}"], cwd=REPO,
+                                    env=clean_env(**{name: value}), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    text=True) for name, value in runs.items()}  # fmt: skip
+    for name, proc in procs.items():
+        proc.stdout, proc.stderr = proc.communicate(timeout=120)
+        said = f"{name}={runs[name]!r}: torch cannot read it as it loads (invalid literal for int() with base 10: "
+        assert_usage_error(proc, said, "; fix it, or unset it")
+    with pytest.raises(ValueError) as raised:
+        int(os.environ.get("PATH", ""))  # a variable that is set, read by a file of no torch config: not torch's
+    assert torch_variable_refused(raised.value) is None
+
+
 def test_a_compile_cache_that_cannot_be_made_is_one_line(tmp_path):
     """TORCHINDUCTOR_CACHE_DIR that cannot be made (a file there; a scratch disk this machine lacks): torch makes it
     as torch._dynamo loads, which every run does, and every rank ended in a FileNotFoundError's traceback."""

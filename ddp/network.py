@@ -116,8 +116,11 @@ def pick_interface(master: str, spans_machines: bool, env: MutableMapping[str, s
     interface. Returns what was done, for the log; None when nothing had to be; UsageError when no
     interface will do."""
     host = socket.gethostname()
+    if named := env.get("GLOO_SOCKET_IFNAME"):
+        check_named_interfaces(named, host)
+        return None
     own, to = resolve(host), resolve(master)
-    if env.get("GLOO_SOCKET_IFNAME") or not spans_machines or own is None or to is None:
+    if not spans_machines or own is None or to is None:
         return None
     if not ipaddress.ip_address(own).is_loopback:
         return None  # the name resolves to an address the other machines reach
@@ -139,6 +142,20 @@ def pick_interface(master: str, spans_machines: bool, env: MutableMapping[str, s
     env["GLOO_SOCKET_IFNAME"] = name
     env.setdefault("NCCL_SOCKET_IFNAME", name)
     return f"{host} resolves to {own}: gloo/nccl use {name} ({local}), the interface to MASTER_ADDR={master}"
+
+
+def check_named_interfaces(named: str, host: str) -> None:
+    """GLOO_SOCKET_IFNAME=`named` (comma-separated names, as gloo takes them): UsageError for one this machine lacks,
+    or that has no address (copied from another cluster's job script, eth0 where this one has ens5: every rank's
+    rendezvous failed, exit 1, in gloo's `enforce fail ... Unable to find address for: eth0`)."""
+    lacking = [name for name in named.split(",") if name and interface_address(name) is None]
+    if lacking:
+        found = {name: interface_address(name) for _, name in socket.if_nameindex()}
+        listed = ", ".join(f"{name} ({address})" for name, address in found.items() if address) or "none"
+        raise UsageError(
+            f"GLOO_SOCKET_IFNAME={named}: this machine ({host}) has no interface {lacking[0]!r} with an address "
+            f"(its interfaces: {listed}); name one of them, or unset it"
+        )
 
 
 def check_master(master: str, port: int, node_rank: int, timeout_s: float) -> None:

@@ -342,22 +342,24 @@ def test_launcher_variables_set_inconsistently(env, args, fragments, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "nproc, args, fragment, rank_0_late",
+    "nproc, args, fragment, rank_0_late, more_env",
     [
-        (3, ["train.batch_size=64"], "train.batch_size=64 must be a positive multiple of world_size=3", False),
-        (2, ["run.stop_signal=SIGFOO"], "run.stop_signal: 'SIGFOO' is not a signal that can be caught", True),
-        (2, ["data.dataset=npz", "data.path=/no/such.npz"], "data.path=/no/such.npz: no such file", False),
+        (3, ["train.batch_size=64"], "train.batch_size=64 must be a positive multiple of world_size=3", False, {}),
+        (2, ["run.stop_signal=SIGFOO"], "run.stop_signal: 'SIGFOO' is not a signal that can be caught", True, {}),
+        (2, ["data.dataset=npz", "data.path=/no/such.npz"], "data.path=/no/such.npz: no such file", False, {}),
+        # another cluster's job script: every rank's rendezvous failed in gloo's "Unable to find address for", exit 1
+        (2, [], "GLOO_SOCKET_IFNAME=lo,nonesuch0: this machine (", False, {"GLOO_SOCKET_IFNAME": "lo,nonesuch0"}),
     ],
-    ids=["batch", "signal, rank 0 late", "data"],
-)
+    ids=["batch", "signal, rank 0 late", "data", "gloo interface"],
+)  # fmt: skip
 def test_under_plain_torchrun_the_line_comes_once_first_and_is_the_root_cause(
-    nproc, args, fragment, rank_0_late, tmp_path
+    nproc, args, fragment, rank_0_late, more_env, tmp_path
 ):
     """No --preflight here: torchrun's report follows the line, and its box shows the line as the
     root cause's traceback with the worker's exit code (2), not error_file: <N/A>. Also when local rank
     0, the one that prints, reaches the error 2 s after the others (as on a busy machine: a
     sitecustomize on PYTHONPATH delays its start), which once stopped it before it had printed."""
-    env = clean_env()
+    env = clean_env(**more_env)
     if rank_0_late:
         (tmp_path / "site").mkdir()
         delay = "import os, time\nif os.environ.get('LOCAL_RANK') == '0':\n    time.sleep(2)\n"

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from launch_envs import SRUN, TORCHRUN
 
-from ddp import checks, devices, errors, launchers, lifeline, logs, lost_rank, preemption
+from ddp import checks, devices, errors, launchers, lifeline, logs, lost_rank, network, preemption
 from ddp.config import RunConfig
 from ddp.errors import PeerLost, UsageError
 
@@ -442,3 +442,16 @@ def test_rank_0_whose_port_another_runs_store_holds_leaves_its_word_there_under_
     assert lost_rank.word_left(dist.PrefixStore("ddp-cifar/4242.1", first), lost_rank.WHY)["line"].startswith(
         f"MASTER_PORT={first.port} is taken")  # fmt: skip
     assert lost_rank.word_left(dist.PrefixStore("ddp-cifar/4242.0", first), lost_rank.WHY) is None
+
+
+def test_a_gloo_interface_named_that_this_machine_lacks_is_refused_with_the_ones_it_has():
+    """GLOO_SOCKET_IFNAME names one interface or several, comma-separated, as gloo takes them; each must be here with an
+    address (a space is part of a name to gloo: ' lo' is none of this machine's)."""
+    for named in ("lo", "lo,lo", "lo,"):
+        assert network.pick_interface("127.0.0.1", True, {"GLOO_SOCKET_IFNAME": named}) is None
+    for named, lacking in (("nonesuch0", "nonesuch0"), ("lo,nonesuch0", "nonesuch0"), ("lo, lo", " lo")):
+        with pytest.raises(UsageError) as refused:
+            network.pick_interface("127.0.0.1", True, {"GLOO_SOCKET_IFNAME": named})
+        said = f"GLOO_SOCKET_IFNAME={named}: this machine ({socket.gethostname()}) has no interface {lacking!r} with"
+        assert str(refused.value).startswith(f"{said} an address (its interfaces: lo (127.0.0.1)")
+        assert str(refused.value).endswith("); name one of them, or unset it")

@@ -52,6 +52,19 @@ _NO_FORWARD_BUFFER_SYNC = (
 GLOO_PAUSE_S = 0.2 if torch.torch_version.TorchVersion(torch.__version__) < (2, 8) else 0.0
 
 
+def import_dynamo() -> None:
+    """torch._dynamo, imported before any process group exists. Imported later (the optimizer imports it on first
+    use) it keeps that group alive past destroy_process_group; its gloo threads then race the interpreter's exit
+    and abort it (SIGABRT: 3 of 120 two-rank runs; tests/test_ddp.py). Not at the top: a usage error skips its 1 s.
+    A setting of torch's in the environment that its config cannot read (TORCH_COMPILE_DEBUG=true) is a UsageError."""
+    try:
+        importlib.import_module("torch._dynamo")  # (an `import torch._dynamo` here would make torch local)
+    except (ValueError, TypeError) as e:
+        if refused := startup.torch_variable_refused(e):
+            raise UsageError(refused) from None
+        raise
+
+
 @contextmanager
 def setup(world: World, timeout_s: float) -> Iterator[World]:
     """Pin this rank's GPU and join the process group; always leave it, on errors too. Yields the
@@ -59,15 +72,7 @@ def setup(world: World, timeout_s: float) -> Iterator[World]:
     lost rank. Let DDP objects die inside (gloo objects that outlive the group abort the process)."""
     if world.device.type == "cuda":
         torch.cuda.set_device(world.device)  # before any CUDA work, so that nothing lands on cuda:0
-    # torch._dynamo, imported before any process group exists. Imported later (the optimizer imports it on first
-    # use) it keeps that group alive past destroy_process_group; its gloo threads then race the interpreter's exit
-    # and abort it (SIGABRT: 3 of 120 two-rank runs; tests/test_ddp.py). Not at the top: a usage error skips its 1 s.
-    try:
-        importlib.import_module("torch._dynamo")  # (an `import torch._dynamo` here would make torch local)
-    except (ValueError, TypeError) as e:  # a setting of torch's in the environment it cannot read (TORCH_COMPILE_DEBUG)
-        if refused := startup.torch_variable_refused(e):
-            raise UsageError(refused) from None
-        raise
+    import_dynamo()
     store = None
     try:
         if world.grouped:

@@ -59,7 +59,7 @@ def import_dynamo() -> None:
     A setting of torch's in the environment that its config cannot read (TORCH_COMPILE_DEBUG=true) is a UsageError."""
     try:
         importlib.import_module("torch._dynamo")  # (an `import torch._dynamo` here would make torch local)
-    except (ValueError, TypeError) as e:
+    except ValueError as e:
         if refused := startup.torch_variable_refused(e):
             raise UsageError(refused) from None
         raise

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from difflib import get_close_matches
 from types import TracebackType
 
-from ddp.errors import EXIT_USAGE, INTERRUPTED, interrupted, remember_interrupts, standard_streams
+from ddp.errors import EXIT_USAGE, INTERRUPTED, first_line, interrupted, remember_interrupts, standard_streams
 from ddp.launchers import launched, speaks_for_its_machine
 from ddp.processes import first_for_the_oom_killer
 
@@ -90,7 +90,7 @@ def torch_variable_refused(error: BaseException) -> str | None:
     not read as it loaded, raising `error`: the variable set here that its line names (`int(os.environ.get(
     "TORCHINDUCTOR_COMPILE_THREADS"...))`, TORCH_COMPILE_DEBUG=true: a ValueError's traceback in every rank's
     import of torch._dynamo); None for any other error."""
-    frames = traceback.extract_tb(error.__traceback__) if isinstance(error, (ValueError, TypeError)) else []
+    frames = traceback.extract_tb(error.__traceback__) if isinstance(error, ValueError) else []
     last = frames[-1] if frames else None
     if last is None or not re.search(r"[/\\]torch[/\\].*config\w*\.py$", last.filename):
         return None
@@ -99,8 +99,8 @@ def torch_variable_refused(error: BaseException) -> str | None:
     named = [name for name in re.findall(r"[\"']([A-Z][A-Z0-9_]+)[\"']", source) if name in os.environ]
     if not named:
         return None
-    why = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    return f"{named[0]}={os.environ[named[0]]!r}: torch cannot read it as it loads ({why}); fix it, or unset it"
+    said = f"{named[0]}={os.environ[named[0]]!r}: torch cannot read it as it loads ({first_line(error)})"
+    return f"{said}; fix it, or unset it"
 
 
 def is_the_command(module: str) -> bool:

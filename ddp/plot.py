@@ -6,6 +6,7 @@ runs/a.jsonl, is the run "a"), into --out (default: the first RUN_DIR, or the di
 - per_class.png: per-class test accuracy of each run's last evaluated epoch, bars with class names (with more
   than 20 classes, as for CIFAR-100: the first run's 10 best and 10 worst classes);
 - confusion-<run>.png: the confusion matrix of each run's last evaluation.
+A file of a chart's name that ddp.plot did not write (a user's own curves.png) is refused, never replaced.
 matplotlib is an optional extra: pip install 'ddp-cifar[plot]'.
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import os
 import stat
+import struct
 import sys
 from pathlib import Path
 from typing import Any
@@ -125,6 +127,34 @@ def drawable(name: str) -> str:
 
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".svg", ".pdf")
+MARK = "ddp-cifar ddp.plot"  # each chart's PNG text "Software": what tells ddp.plot's charts from a user's files
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def foreign(path: Path) -> str | None:
+    """What stands at a chart's `path` that ddp.plot did not write, in words (None: nothing, or a chart with its
+    MARK in a tEXt chunk before the image data): a user's own curves.png in --out was replaced without a word. An
+    OSError other than a missing file (a loop, a folder not open to this user) is raised, said as for any path."""
+    try:
+        mode = os.lstat(path).st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    if stat.S_ISLNK(mode):
+        return "a symbolic link"
+    if not stat.S_ISREG(mode):
+        return "not a file"
+    with open(path, "rb") as png:
+        if png.read(len(PNG_SIGNATURE)) != PNG_SIGNATURE:
+            return "not a PNG"
+        for _ in range(64):  # matplotlib writes its text chunks first: a lying PNG is read no further than this
+            head = png.read(8)
+            length, kind = struct.unpack(">I4s", head) if len(head) == 8 else (0, b"IEND")
+            if kind in (b"IDAT", b"IEND") or length > 2**20:
+                break
+            if png.read(length) == b"Software\0" + MARK.encode() and kind == b"tEXt":
+                return None
+            png.seek(4, os.SEEK_CUR)  # past the chunk's CRC
+    return "a PNG that ddp.plot did not write"
 
 
 def plot(run_dirs: list[Path], out: Path) -> list[Path]:
@@ -143,6 +173,13 @@ def plot(run_dirs: list[Path], out: Path) -> list[Path]:
     if not out.exists() and out.suffix.lower() in IMAGE_SUFFIXES:  # --out curves.png: a directory of that name
         raise UsageError(f"--out={out} names a directory for the charts (it writes several PNGs), not an image: "
                          f"e.g. --out {out.with_suffix('')}")  # fmt: skip
+    confusions = [(d, rows[-1]) for d, rows in tested if rows[-1].get("confusion") is not None]  # old runs: none
+    charts = [out / "curves.png"] + [out / "per_class.png"] * bool(tested)
+    charts += [out / f"confusion-{d}.png" for d, _ in confusions]
+    for chart in charts:  # all before any is written: a refusal leaves --out as it was
+        if why := foreign(chart):
+            raise UsageError(f"{chart}: {why}; ddp.plot replaces only the charts it wrote: move it, or name "
+                             "another --out")  # fmt: skip
     written = []
 
     fig, (loss_ax, acc_ax) = plt.subplots(1, 2, figsize=(10, 4), dpi=DPI)
@@ -159,9 +196,8 @@ def plot(run_dirs: list[Path], out: Path) -> list[Path]:
         return written
 
     written.append(_save(_per_class(tested, plt), out / "per_class.png", plt))
-    for d, rows in tested:
-        if rows[-1].get("confusion") is not None:  # metrics from before ddp-cifar kept it: none
-            written.append(_save(_confusion(d, rows[-1], plt), out / f"confusion-{d}.png", plt))
+    for d, last in confusions:
+        written.append(_save(_confusion(d, last, plt), out / f"confusion-{d}.png", plt))
     return written
 
 
@@ -206,7 +242,8 @@ def _confusion(name: str, last: dict[str, Any], plt: Any) -> Any:
 def _save(fig: Any, path: Path, plt: Any) -> Path:
     fig.tight_layout()
     with files.atomic(path) as png:  # whole or not at all (a full disk: one line, the old chart kept)
-        fig.savefig(png, format="png", dpi=DPI)  # no bbox_inches="tight": the PNG keeps the figure's size
+        # no bbox_inches="tight": the PNG keeps the figure's size; its mark: the chart is ddp.plot's to replace
+        fig.savefig(png, format="png", dpi=DPI, metadata={"Software": MARK})
     plt.close(fig)
     return path
 

@@ -181,6 +181,45 @@ def test_metrics_files_of_other_names_are_runs_of_those_names_and_a_file_of_no_r
     )
 
 
+def test_plot_replaces_its_own_charts_and_no_file_of_the_users_of_a_charts_name(tmp_path, capsys):
+    """ddp.plot wrote over whatever stood at its charts' names in --out: a user's own curves.png (the
+    default --out is the run's directory, where people keep their figures), a link's name, a folder (a traceback).
+    Now each is refused before any chart is written, naming it; its own charts (its mark in their text) it
+    replaces, as on every replot."""
+    write_metrics(tmp_path / "run", EPOCH % 1)
+    charts = [tmp_path / "run" / f"{name}.png" for name in ("curves", "per_class", "confusion-run")]
+    assert plot.plot([tmp_path / "run"], tmp_path / "run") == charts
+    assert plot.plot([tmp_path / "run"], tmp_path / "run") == charts  # its own: replaced
+    assert all(plot.foreign(c) is None for c in charts) and capsys.readouterr().err == ""
+    mine = tmp_path / "mine.png"
+    mine.write_bytes(charts[0].read_bytes().replace(plot.MARK.encode(), b"GIMP 2.10 ".ljust(len(plot.MARK), b" ")))
+    huge = plot.PNG_SIGNATURE + struct.pack(">I4s", 2**31, b"tEXt")  # a chunk longer than anything matplotlib writes
+    users = {"curves": (mine.read_bytes(), "a PNG that ddp.plot did not write"), "per_class": (b"my notes",
+             "not a PNG"), "confusion-run": (huge, "a PNG that ddp.plot did not write")}  # fmt: skip
+    for name, (content, why) in users.items():
+        chart = tmp_path / "run" / f"{name}.png"
+        chart.write_bytes(content)
+        before = files_in(tmp_path / "run")
+        assert command(plot.main, [str(tmp_path / "run")]) == 2, name
+        assert capsys.readouterr().err == (f"error: {chart}: {why}; ddp.plot replaces only the charts it wrote: move "
+                                           "it, or name another --out\n")  # fmt: skip
+        assert files_in(tmp_path / "run") == before  # nothing written, not even the charts before it
+        chart.unlink()
+    charts[1].symlink_to(mine)
+    (tmp_path / "run" / "confusion-run.png").mkdir()
+    assert command(plot.main, [str(tmp_path / "run")]) == 2
+    assert capsys.readouterr().err.startswith(f"error: {charts[1]}: a symbolic link; ddp.plot replaces only")
+    charts[1].unlink()
+    before = files_in(tmp_path / "run")
+    assert command(plot.main, [str(tmp_path / "run")]) == 2
+    assert capsys.readouterr().err.startswith(f"error: {charts[2]}: not a file; ddp.plot replaces only")
+    assert files_in(tmp_path / "run") == before and mine.read_bytes() == users["curves"][0]
+
+
+def files_in(directory) -> dict:
+    return {p.name: p.read_bytes() for p in directory.iterdir() if p.is_file()}
+
+
 def test_eval_every_evaluates_every_nth_and_the_last_epoch_and_trains_the_same(tmp_path, capsys):
     """train.eval_every=2 over 3 epochs: epochs 2 and 3 evaluate, epoch 1 has its loss and speed only,
     in the epoch line, metrics.jsonl, TensorBoard, the checkpoint's summary and the plots; and the

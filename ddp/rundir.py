@@ -246,7 +246,8 @@ def resumes_its_own(resume: str, out_dir: str) -> bool:
 
 def check_own_files(out_dir: str) -> None:
     """A UsageError where run.out_dir holds files of the names a run writes that no run wrote: a project's own
-    config.yaml, metrics.jsonl or checkpoints/last.pt (run.out_dir=. in it, say), which the run replaced. A run's
+    config.yaml, metrics.jsonl, checkpoints/last.pt or step-*.pt, profile/rank*.json (run.out_dir=. in it, say),
+    which the run replaced (its step files pruned). A run's
     directory has its config.yaml (this config's sections), written before any of the others and after checkpoints/:
     one of this config's sections alone is a user's (`--config runs/a/config.yaml run.out_dir=runs/a`: replaced)."""
     settings = config_path(out_dir)  # files only: a folder of one of these names is in the way, said as such
@@ -268,11 +269,25 @@ def check_own_files(out_dir: str) -> None:
             f"run.out_dir={out_dir} holds a config.yaml that is not a run's ({why}; a run writes its "
             f"settings there, replacing it): choose another run.out_dir, or move {settings} away"
         )
+    try:  # a user's step-*.pt were passed over and then pruned (train.keep_last), their rank0.json replaced
+        found += step_files(out_dir)[::-1] + sorted(_traces(out_dir))
+    except OSError:  # checkpoints/ not open to this user: check_checkpoints says it
+        pass
     if found:
-        names = " and ".join(str(p.relative_to(out_dir)) for p in found)
+        shown, more = [str(p.relative_to(out_dir)) for p in found[:2]], len(found) - 2
+        names = f"{', '.join(shown)} and {more} more" if more > 0 else " and ".join(shown)
         raise UsageError(f"run.out_dir={out_dir} holds {names} but no run's config.yaml, which a run "
                          "writes before them: they are not a run's, and this run would replace them; choose another "
                          "run.out_dir, or move them away")  # fmt: skip
+
+
+def _traces(out_dir: str) -> list[Path]:
+    """The files in profile/ of the names a run's traces take (profile_path's)."""
+    folder = profile_path(out_dir, 0).parent
+    try:
+        return [p for p in map(folder.joinpath, fnmatch.filter(os.listdir(folder), "rank[0-9]*.json")) if p.is_file()]
+    except (FileNotFoundError, NotADirectoryError):
+        return []
 
 
 def check_checkpoints(out_dir: str) -> None:

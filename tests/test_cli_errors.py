@@ -772,6 +772,7 @@ def test_a_path_not_open_to_this_user_is_one_line_naming_it_and_never_a_fallback
     (unlisted / "step-000000002.pt").write_text("")
     (unread / "step-000000001.pt").write_text("an older file")
     (unread / "step-000000002.pt").write_text("")
+    rundir.config_path(unread.parent).write_text("data:\n  dataset: synthetic\n")  # a run's: its checkpoints
     for path, mode in ((locked, 0), (unlisted, 0), (unwritable, 0o500), (unread / "step-000000002.pt", 0)):
         path.chmod(mode)
     tiny = [*TINY, "train.epochs=1"]

@@ -265,7 +265,9 @@ def test_a_folder_whose_files_no_run_wrote_is_refused_and_left_as_it_was(tmp_pat
     cases = {"foreign-yaml": {"config.yaml": yaml}, "not-yaml": {"config.yaml": "\x00\x01 : ["},
              "users-own": {"config.yaml": "train:\n  epochs: 3  # mine\n"},
              "metrics": {"metrics.jsonl": jsonl},
-             "metrics-and-last": {"checkpoints/last.pt": "x", "metrics.jsonl": jsonl}}  # fmt: skip
+             "metrics-and-last": {"checkpoints/last.pt": "x", "metrics.jsonl": jsonl},
+             "steps": {f"checkpoints/step-00000000{n}.pt": "x" for n in range(1, 5)},  # were pruned to keep_last
+             "trace": {"profile/rank0.json": "{}"}}  # fmt: skip
     for name, made in cases.items():
         folder = tmp_path / name
         for path, text in made.items():
@@ -280,6 +282,8 @@ def test_a_folder_whose_files_no_run_wrote_is_refused_and_left_as_it_was(tmp_pat
                            f"it): choose another run.out_dir, or move {folder}/config.yaml away\n")  # fmt: skip
         else:
             names = " and ".join(sorted(made, key=lambda p: p != "metrics.jsonl"))
+            if name == "steps":  # the first two named, the rest counted
+                names = "checkpoints/step-000000001.pt, checkpoints/step-000000002.pt and 2 more"
             assert err.startswith(f"error: run.out_dir={folder} holds {names} but no run's config.yaml"), err
         assert {str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file()} == set(made), name
         assert all((folder / path).read_text() == text for path, text in made.items())

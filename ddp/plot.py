@@ -154,7 +154,7 @@ def foreign(path: Path) -> str | None:
             if png.read(length) == b"Software\0" + MARK.encode() and kind == b"tEXt":
                 return None
             png.seek(4, os.SEEK_CUR)  # past the chunk's CRC
-    return "a PNG that ddp.plot did not write"
+    return "a PNG that ddp.plot did not write (or wrote before it marked its charts)"
 
 
 def plot(run_dirs: list[Path], out: Path) -> list[Path]:

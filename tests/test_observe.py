@@ -194,8 +194,9 @@ def test_plot_replaces_its_own_charts_and_no_file_of_the_users_of_a_charts_name(
     mine = tmp_path / "mine.png"
     mine.write_bytes(charts[0].read_bytes().replace(plot.MARK.encode(), b"GIMP 2.10 ".ljust(len(plot.MARK), b" ")))
     huge = plot.PNG_SIGNATURE + struct.pack(">I4s", 2**31, b"tEXt")  # a chunk longer than anything matplotlib writes
-    users = {"curves": (mine.read_bytes(), "a PNG that ddp.plot did not write"), "per_class": (b"my notes",
-             "not a PNG"), "confusion-run": (huge, "a PNG that ddp.plot did not write")}  # fmt: skip
+    other = "a PNG that ddp.plot did not write (or wrote before it marked its charts)"
+    users = {"curves": (mine.read_bytes(), other), "per_class": (b"my notes", "not a PNG"),
+             "confusion-run": (huge, other)}  # fmt: skip
     for name, (content, why) in users.items():
         chart = tmp_path / "run" / f"{name}.png"
         chart.write_bytes(content)

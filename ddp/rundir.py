@@ -277,8 +277,8 @@ def check_own_files(out_dir: str) -> None:
         shown, more = [str(p.relative_to(out_dir)) for p in found[:2]], len(found) - 2
         names = f"{', '.join(shown)} and {more} more" if more > 0 else " and ".join(shown)
         raise UsageError(f"run.out_dir={out_dir} holds {names} but no run's config.yaml, which a run "
-                         "writes before them: they are not a run's, and this run would replace them; choose another "
-                         "run.out_dir, or move them away")  # fmt: skip
+                         "writes before them: they are not a run's, and this run would replace or prune them; choose "
+                         "another run.out_dir, or move them away")  # fmt: skip
 
 
 def _traces(out_dir: str) -> list[Path]:

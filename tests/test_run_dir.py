@@ -285,6 +285,7 @@ def test_a_folder_whose_files_no_run_wrote_is_refused_and_left_as_it_was(tmp_pat
             if name == "steps":  # the first two named, the rest counted
                 names = "checkpoints/step-000000001.pt, checkpoints/step-000000002.pt and 2 more"
             assert err.startswith(f"error: run.out_dir={folder} holds {names} but no run's config.yaml"), err
+            assert "they are not a run's, and this run would replace or prune them; choose another" in err
         assert {str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file()} == set(made), name
         assert all((folder / path).read_text() == text for path, text in made.items())
     assert doctor.run_files_problem(str(tmp_path / "foreign-yaml")).startswith("run.out_dir=")

@@ -31,6 +31,7 @@ from ddp.errors import UsageError
 #   fault-fired.<point>.<N>    a fault of the kill-and-resume tests has fired (faults.py)
 LOCK = ".lock"
 _STEP_FILES = "step-" + "[0-9]" * 9 + ".pt"  # by name is by step
+_TRACES = "rank[0-9]*.json"  # profile_path's names
 
 
 def checkpoint_dir(out_dir: str | Path) -> Path:
@@ -50,11 +51,17 @@ def _steps_in(folder: Path) -> list[Path]:
     """The numbered checkpoints in `folder`, newest first: files only (a directory or a dangling link of such a
     name stopped run.resume=auto with "is a directory", whole checkpoints beside it). A folder this user may not
     list raises (glob said it was empty: a run started afresh beside checkpoints it could not see)."""
+    return _files_in(folder, _STEP_FILES)[::-1]
+
+
+def _files_in(folder: Path, pattern: str) -> list[Path]:
+    """The files in `folder` whose names match `pattern`, by name; none where it is missing (a folder this user may
+    not list raises)."""
     try:
         names = os.listdir(folder)
     except (FileNotFoundError, NotADirectoryError):
         return []
-    return sorted((p for p in map(folder.joinpath, fnmatch.filter(names, _STEP_FILES)) if p.is_file()), reverse=True)
+    return sorted(p for p in map(folder.joinpath, fnmatch.filter(names, pattern)) if p.is_file())
 
 
 def last_path(out_dir: str | Path) -> Path:
@@ -247,9 +254,9 @@ def resumes_its_own(resume: str, out_dir: str) -> bool:
 def check_own_files(out_dir: str) -> None:
     """A UsageError where run.out_dir holds files of the names a run writes that no run wrote: a project's own
     config.yaml, metrics.jsonl, checkpoints/last.pt or step-*.pt, profile/rank*.json (run.out_dir=. in it, say),
-    which the run replaced (its step files pruned). A run's
-    directory has its config.yaml (this config's sections), written before any of the others and after checkpoints/:
-    one of this config's sections alone is a user's (`--config runs/a/config.yaml run.out_dir=runs/a`: replaced)."""
+    which the run replaced (the step files it pruned). A run's directory has its config.yaml (this config's
+    sections), written before any of the others and after checkpoints/: one of this config's sections alone is a
+    user's (`--config runs/a/config.yaml run.out_dir=runs/a`: replaced)."""
     settings = config_path(out_dir)  # files only: a folder of one of these names is in the way, said as such
     names = (settings, metrics_path(out_dir), last_path(out_dir))
     try:
@@ -270,7 +277,7 @@ def check_own_files(out_dir: str) -> None:
             f"settings there, replacing it): choose another run.out_dir, or move {settings} away"
         )
     try:  # a user's step-*.pt were passed over and then pruned (train.keep_last), their rank0.json replaced
-        found += step_files(out_dir)[::-1] + sorted(_traces(out_dir))
+        found += _files_in(checkpoint_dir(out_dir), _STEP_FILES) + _files_in(profile_path(out_dir, 0).parent, _TRACES)
     except OSError:  # checkpoints/ not open to this user: check_checkpoints says it
         pass
     if found:
@@ -279,15 +286,6 @@ def check_own_files(out_dir: str) -> None:
         raise UsageError(f"run.out_dir={out_dir} holds {names} but no run's config.yaml, which a run "
                          "writes before them: they are not a run's, and this run would replace or prune them; choose "
                          "another run.out_dir, or move them away")  # fmt: skip
-
-
-def _traces(out_dir: str) -> list[Path]:
-    """The files in profile/ of the names a run's traces take (profile_path's)."""
-    folder = profile_path(out_dir, 0).parent
-    try:
-        return [p for p in map(folder.joinpath, fnmatch.filter(os.listdir(folder), "rank[0-9]*.json")) if p.is_file()]
-    except (FileNotFoundError, NotADirectoryError):
-        return []
 
 
 def check_checkpoints(out_dir: str) -> None:
